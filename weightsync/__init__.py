@@ -1,0 +1,38 @@
+"""weightsync: one-way, asynchronous weight push from RL trainers to inference generators.
+
+Importing this package has no side effects: no event-loop policy, no environment writes, no
+logging configuration, no CUDA initialisation.
+"""
+
+from weightsync.errors import (
+    AdmissionDenied,
+    Closed,
+    Evicted,
+    HandshakeMismatch,
+    ManifestMismatch,
+    PublisherGone,
+    SyncTimeout,
+    WeightSyncError,
+)
+from weightsync.pg.recorder import FlightRecorder
+from weightsync.transport import DeliveryReport, Publisher, PutHandle, Subscriber, Weights
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AdmissionDenied",
+    "Closed",
+    "DeliveryReport",
+    "Evicted",
+    "FlightRecorder",
+    "HandshakeMismatch",
+    "ManifestMismatch",
+    "Publisher",
+    "PublisherGone",
+    "PutHandle",
+    "Subscriber",
+    "SyncTimeout",
+    "Weights",
+    "WeightSyncError",
+    "__version__",
+]

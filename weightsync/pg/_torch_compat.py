@@ -1,0 +1,167 @@
+"""Every private or version-dependent torch.distributed call weightsync makes lives here.
+
+Callers ask capability questions (``nccl2_available()``, ``supports_reconfigure(pg)``),
+never torch version strings. Each probe looks for the attribute it needs, so a torch that
+adds or drops a feature takes the matching path without code changes elsewhere.
+
+What the probes found (see docs/torch-versions.md):
+
+- 2.15: ``ProcessGroupNCCL2`` (the single-communicator NCCL backend, a ``Backend`` but not
+  a ``ProcessGroupNCCL`` subclass), ``enable_reconfigure`` options and ``Backend.reconfigure``
+  on gloo and NCCL, per-backend flight-recorder dumps.
+- 2.13 / 2.11: ``ProcessGroupGloo`` and ``ProcessGroupNCCL`` only; ``abort`` on gloo does not
+  make a pending operation return, so every wait carries its own deadline.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import threading
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+_c10d: Any = getattr(torch._C, "_distributed_c10d", None)
+
+
+def _td(seconds: float) -> dt.timedelta:
+    return dt.timedelta(seconds=max(seconds, 0.001))
+
+
+def distributed_available() -> bool:
+    return bool(dist.is_available()) and _c10d is not None
+
+
+def gloo_available() -> bool:
+    return distributed_available() and bool(dist.is_gloo_available())
+
+
+def nccl_available() -> bool:
+    """NCCL is compiled in and a CUDA device is visible."""
+    return distributed_available() and bool(dist.is_nccl_available()) and torch.cuda.is_available()
+
+
+def nccl2_available() -> bool:
+    """The rewritten single-communicator NCCL backend (torch 2.15+) is present."""
+    return nccl_available() and hasattr(_c10d, "ProcessGroupNCCL2")
+
+
+def nccl_version() -> str:
+    if not (distributed_available() and dist.is_nccl_available()):
+        return ""
+    try:
+        version = torch.cuda.nccl.version()
+    except Exception:  # noqa: BLE001 - a CPU build without libnccl answers with anything
+        return ""
+    return ".".join(str(part) for part in version) if isinstance(version, tuple) else str(version)
+
+
+def new_store_client(host: str, port: int, timeout: float) -> dist.Store:
+    return dist.TCPStore(host, port, is_master=False, timeout=_td(timeout))
+
+
+def new_store_server(host: str, port: int, timeout: float) -> dist.TCPStore:
+    return dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=_td(timeout))
+
+
+def prefix_store(prefix: str, store: dist.Store) -> dist.Store:
+    return dist.PrefixStore(prefix, store)
+
+
+def gloo_options_reconfigurable() -> bool:
+    return gloo_available() and hasattr(dist.ProcessGroupGloo._Options(), "enable_reconfigure")
+
+
+def make_gloo(store: dist.Store, rank: int, size: int, timeout: float) -> Any:
+    """A standalone gloo backend; its constructor runs the rendezvous (bounded by timeout)."""
+    return dist.ProcessGroupGloo(store, rank, size, _td(timeout))
+
+
+def make_nccl(store: dist.Store, rank: int, size: int, timeout: float, device: torch.device, max_ctas: int) -> Any:
+    """A standalone NCCL backend with one communicator, created eagerly on ``device``."""
+    options = _c10d.ProcessGroupNCCL.Options()
+    options._timeout = _td(timeout)
+    options.is_high_priority_stream = False
+    if max_ctas > 0 and hasattr(options, "config") and hasattr(options.config, "max_ctas"):
+        options.config.max_ctas = max_ctas
+    if hasattr(_c10d, "ProcessGroupNCCL2"):
+        pg = _c10d.ProcessGroupNCCL2(store, rank, size, options, device)
+    else:
+        pg = _c10d.ProcessGroupNCCL(store, rank, size, options)
+    if hasattr(pg, "eager_connect_single_device"):
+        # Eager init binds exactly one communicator to the device now; collectives only
+        # from here on, so no lazily created p2p communicator is ever added.
+        pg.eager_connect_single_device(device)
+    return pg
+
+
+def backend_name(pg: Any) -> str:
+    name = getattr(pg, "name", None)
+    return str(name()) if callable(name) else type(pg).__name__
+
+
+def broadcast(pg: Any, tensor: torch.Tensor, root: int, timeout: float) -> Any:
+    opts = dist.BroadcastOptions()
+    opts.rootRank = root
+    opts.rootTensor = 0
+    if hasattr(opts, "timeout"):
+        opts.timeout = _td(timeout)
+    return pg.broadcast([tensor], opts)
+
+
+def wait_work(work: Any, timeout: float) -> None:
+    """Wait for ``work`` at most ``timeout`` seconds; raises TimeoutError or RuntimeError.
+
+    Some works (``FutureWrappingWork``) refuse a finite timeout; for those a done-callback on
+    their future sets an Event that is waited on with the deadline instead.
+    """
+    try:
+        ok = work.wait(_td(timeout))
+    except RuntimeError as err:
+        if "not implemented" not in str(err):
+            if "timed out" in str(err).lower() or "timeout" in str(err).lower():
+                raise TimeoutError(str(err)) from err
+            raise
+        done = threading.Event()
+        fut = work.get_future()
+        fut.add_done_callback(lambda _f: done.set())
+        if not done.wait(timeout):
+            raise TimeoutError(f"operation did not complete within {timeout:.1f}s") from None
+        fut.value()  # re-raises the operation's own error, if any
+        return
+    if ok is False:
+        raise TimeoutError(f"operation did not complete within {timeout:.1f}s")
+
+
+def abort(pg: Any) -> None:
+    """Tear the backend down, as forcefully as this torch allows; never raises."""
+    for verb in ("abort", "shutdown"):
+        fn = getattr(pg, verb, None)
+        if fn is None:
+            continue
+        try:
+            fn()
+            return
+        except Exception:  # noqa: BLE001,S112 - best effort on an already broken group
+            continue
+
+
+def supports_reconfigure(pg: Any) -> bool:
+    probe = getattr(pg, "supports_reconfigure", None)
+    return bool(probe) and hasattr(pg, "get_reconfigure_handle")
+
+
+def torch_flight_recorder_dump() -> bytes | None:
+    """torch's own flight-recorder trace for this process, when this build has one."""
+    for name in ("_dump_nccl_trace", "_dump_fr_trace"):
+        fn = getattr(_c10d, name, None)
+        if fn is None:
+            continue
+        try:
+            data = fn()
+        except Exception:  # noqa: BLE001,S112 - no recorder buffer in this build/config
+            continue
+        if isinstance(data, (bytes, bytearray)) and data:
+            return bytes(data)
+    return None

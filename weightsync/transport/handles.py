@@ -1,0 +1,138 @@
+"""Values the public API hands back: PutHandle, DeliveryReport, Weights.
+
+Threads never touch asyncio objects directly: they resolve handles through
+``loop.call_soon_threadsafe`` (:func:`call_soon`), so the event loop never blocks on the
+wire and a closed loop is not an error for a background thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Generator, Iterator, Mapping
+from typing import Any, TypeVar
+
+import msgspec
+import torch
+
+from weightsync.errors import SyncTimeout
+
+T = TypeVar("T")
+
+
+class DeliveryReport(msgspec.Struct, frozen=True):
+    """What became of one put.
+
+    Attributes:
+        version: the version that was put.
+        members: ids of the subscribers that have it (complete and readable).
+        nbytes: payload bytes sent per subscriber (0 when superseded).
+        seconds: from the start of sending to the last acknowledgement.
+        superseded: True when a newer put replaced it before it was sent.
+    """
+
+    version: int
+    members: tuple[str, ...]
+    nbytes: int
+    seconds: float
+    superseded: bool = False
+
+
+def call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: Any) -> None:
+    """Schedule ``fn(*args)`` on ``loop`` from any thread; a closed loop is ignored."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # loop closed: nobody is waiting any more
+        pass
+
+
+def _settle(fut: asyncio.Future[Any], result: Any = None, error: BaseException | None = None) -> None:
+    if fut.done():
+        return
+    if error is not None:
+        fut.set_exception(error)
+        fut.exception()  # mark retrieved: an unawaited handle must not warn at exit
+    else:
+        fut.set_result(result)
+
+
+async def wait_future(fut: asyncio.Future[T], timeout: float | None, what: str, **ctx: Any) -> T:
+    """Await ``fut`` without cancelling it on timeout; SyncTimeout names ``what``."""
+    try:
+        return await asyncio.wait_for(asyncio.shield(fut), timeout)
+    except asyncio.TimeoutError:
+        raise SyncTimeout(f"{what} did not happen within {timeout:.3g}s", **ctx) from None
+
+
+class PutHandle:
+    """Returned by :meth:`Publisher.put` once the snapshot is taken.
+
+    ``await handle`` is ``await handle.delivered()``. Every handle resolves: delivered,
+    superseded by a newer put, or failed with a WeightSyncError (``Closed`` when the
+    publisher closed first); the sender's own deadlines bound how long that takes.
+    """
+
+    def __init__(self, channel: str, version: int, loop: asyncio.AbstractEventLoop) -> None:
+        self.channel = channel
+        self.version = version
+        self._loop = loop
+        self._delivered: asyncio.Future[DeliveryReport] = loop.create_future()
+        self._released: asyncio.Future[None] = loop.create_future()
+
+    async def delivered(self, timeout: float | None = None) -> DeliveryReport:
+        """The DeliveryReport; SyncTimeout if it is not known within ``timeout`` seconds."""
+        return await wait_future(self._delivered, timeout, "delivery", channel=self.channel, version=self.version)
+
+    async def released(self, timeout: float | None = None) -> None:
+        """With ``copy=False``: resolves once the caller may change its tensors again."""
+        await wait_future(self._released, timeout, "release", channel=self.channel, version=self.version)
+
+    def done(self) -> bool:
+        return self._delivered.done()
+
+    def __await__(self) -> Generator[Any, None, DeliveryReport]:
+        return self.delivered().__await__()
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else "pending"
+        return f"PutHandle(channel={self.channel!r}, version={self.version}, {state})"
+
+    # called from sender threads -------------------------------------------
+    def release_threadsafe(self) -> None:
+        call_soon(self._loop, _settle, self._released, None, None)
+
+    def resolve_threadsafe(self, report: DeliveryReport | None = None, error: BaseException | None = None) -> None:
+        call_soon(self._loop, _settle, self._released, None, None)
+        call_soon(self._loop, _settle, self._delivered, report, error)
+
+
+class Weights(Mapping[str, torch.Tensor]):
+    """One complete version: a read-only mapping of name -> tensor, owned by the caller.
+
+    The tensors are views into one buffer that belongs to this object alone; nothing the
+    subscriber receives later changes them.
+    """
+
+    def __init__(self, version: int, tensors: dict[str, torch.Tensor], nbytes: int) -> None:
+        self._version = version
+        self._tensors = tensors
+        self._nbytes = nbytes
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def nbytes(self) -> int:
+        return self._nbytes
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._tensors[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+    def __repr__(self) -> str:
+        return f"Weights(version={self._version}, tensors={len(self)}, nbytes={self._nbytes})"

@@ -1,0 +1,573 @@
+"""Publisher: the trainer's end of a channel.
+
+Who calls what, in order:
+
+1. the trainer enters ``async with Publisher(name, address=...)``: the store is hosted (or
+   the given one used) and two threads start: the *inbox* thread (joins, leaves, heartbeat
+   sampling) and the *sender* thread (announce, broadcast, acknowledgements, generations);
+2. subscribers join; the sender ends the current generation and builds the next one with
+   them (the publisher is always rank 0);
+3. ``await pub.put(sd)`` snapshots into staging and returns a PutHandle; the sender picks
+   the newest pending put, announces it on the store, broadcasts its buckets and collects
+   acknowledgements into a DeliveryReport;
+4. ``aclose()`` sends what is pending, tells members the channel shut down and stops.
+
+The event loop only ever waits on futures the threads resolve; it never touches the wire.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+import time
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from weightsync import _wire
+from weightsync.errors import Closed, SyncTimeout, WeightSyncError
+from weightsync.pg import _torch_compat as compat
+from weightsync.pg import handshake
+from weightsync.pg.control import ControlPlane, StoreTimeout, StoreUnreachable
+from weightsync.pg.group import DedicatedGroup, resolve_backend
+from weightsync.pg.membership import Membership
+from weightsync.pg.recorder import FlightRecorder, process_recorder
+from weightsync.transport import layout
+from weightsync.transport.handles import DeliveryReport, PutHandle, wait_future
+from weightsync.transport.options import ChannelOptions, MiB, advertised_host, parse_address, resolve_device
+from weightsync.transport.staging import Job, Staging, superseded_report
+
+_DATA_ERRORS = (TimeoutError, RuntimeError, StoreTimeout, StoreUnreachable, ValueError)
+
+
+class Publisher:
+    """Pushes versions of a set of tensors to every subscriber of channel ``name``.
+
+    Example::
+
+        async with ws.Publisher("policy", address="0.0.0.0:0") as pub:
+            print(pub.address)                      # hand this to the generators
+            await pub.wait_subscribers(3, timeout=60)
+            handle = await pub.put(model.state_dict(), version=step)
+            report = await handle                   # DeliveryReport
+
+    Args:
+        name: the channel; several channels may share one store and one process.
+        address: ``"host:port"`` to host the control store on (port 0: any free port);
+            default ``"127.0.0.1:0"``. Mutually exclusive with ``store``.
+        store: an existing torch Store to use instead of hosting one.
+        backend: ``"auto"`` (NCCL for CUDA devices, else gloo), ``"gloo"`` or ``"nccl"``.
+        device: where staging lives; ``cuda`` makes snapshots stream-ordered device copies.
+        bucket_bytes: bytes per broadcast.
+        timeout: seconds; floor of every deadline (see ChannelOptions).
+        min_bandwidth: bytes/s below which a bucket counts as stalled.
+        secret: shared secret for admission (default: ``$WEIGHTSYNC_TOKEN``; none: open).
+        max_snapshots: staging buffers (>= 2: one in flight, one pending).
+        recorder: flight recorder (default: this process's).
+    """
+
+    def __init__(self, name: str, *, address: str | None = None, store: Any = None, backend: str = "auto",
+                 device: str | torch.device | None = None, bucket_bytes: int = 64 * MiB, timeout: float = 30.0,
+                 min_bandwidth: float = 50e6, heartbeat_interval: float = 1.0, secret: str | bytes | None = None,
+                 max_snapshots: int = 2, recorder: FlightRecorder | None = None) -> None:
+        if not isinstance(name, str) or not name or "/" in name:
+            raise ValueError(f"channel name must be a non-empty string without '/', got {name!r}")
+        if address is not None and store is not None:
+            raise ValueError("pass either address= (host a store) or store= (use yours), not both")
+        self.name = name
+        self.options = ChannelOptions(timeout=timeout, min_bandwidth=min_bandwidth, bucket_bytes=bucket_bytes,
+                                      heartbeat_interval=heartbeat_interval)
+        self._bind = parse_address(address or "127.0.0.1:0") if store is None else None
+        self._user_store = store
+        self.device = resolve_device(device)
+        self.backend = resolve_backend(backend, self.device)
+        self._slot_device = self.device if self.backend == "nccl" else torch.device("cpu")
+        self._secret = handshake.resolve_secret(secret)
+        self._staging = Staging(max_snapshots)
+        self._recorder = recorder or process_recorder()
+        self._member = "publisher"
+        self._last_version: int | None = None
+        self._state = "new"
+        self._put_lock: asyncio.Lock | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._stop = threading.Event()  # abort: stop at once
+        self._draining = False  # aclose: send what is pending, then stop
+        self._threads: list[threading.Thread] = []
+        self._members_changed: asyncio.Event | None = None
+        self._copy_stream: Any = None
+        self._bucket_bufs: list[torch.Tensor] = []
+        self.membership = Membership(name, self._recorder, self.options.heartbeat_interval)
+        self._group: DedicatedGroup | None = None
+        self._seq = itertools.count()
+        self._address: str | None = None
+        self._store: Any = None
+
+    # lifecycle ----------------------------------------------------------------------------
+    async def __aenter__(self) -> Publisher:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await (self.aclose() if exc[0] is None else self.abort())
+
+    async def start(self) -> None:
+        """Host or connect the store and start the background threads."""
+        if self._state != "new":
+            raise Closed("a Publisher starts once", channel=self.name) if self._state == "closed" else RuntimeError(
+                "Publisher already started")
+        self._loop = asyncio.get_running_loop()
+        self._put_lock = asyncio.Lock()
+        self._members_changed = asyncio.Event()
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"ws-{self.name}-snapshot")
+        try:
+            self._store = await self._loop.run_in_executor(self._executor, self._open_store)
+        except Exception as err:
+            self._executor.shutdown(wait=False)
+            self._state = "closed"
+            raise WeightSyncError(f"could not host/connect the store: {err}", channel=self.name) from err
+        self._ctl = ControlPlane(self._store, self.name)
+        self._state = "running"
+        for target, role in ((self._inbox_main, "inbox"), (self._sender_main, "sender")):
+            thread = threading.Thread(target=target, name=f"ws-{self.name}-{role}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def _open_store(self) -> Any:
+        if self._user_store is not None:
+            store = self._user_store
+            host, port = getattr(store, "host", None), getattr(store, "port", None)
+            self._address = f"{host}:{port}" if host and port else None
+            return store
+        assert self._bind is not None
+        host, port = self._bind
+        store = compat.new_store_server(host, port, self.options.timeout)
+        self._address = f"{advertised_host(host)}:{store.port}"
+        return store
+
+    async def aclose(self, timeout: float | None = None) -> None:
+        """Send what is pending (bounded by its deadlines), tell subscribers, stop. Idempotent."""
+        if self._state in ("closed", "new"):
+            self._state = "closed"
+            return
+        self._state = "closing"
+        with self._staging.lock:
+            self._draining = True
+            self._staging.lock.notify_all()
+        await self._join_threads(timeout if timeout is not None else self.options.timeout * 4)
+
+    async def abort(self) -> None:
+        """Stop at once: pending puts fail with Closed, the group is torn down. Idempotent."""
+        if self._state in ("closed", "new"):
+            self._state = "closed"
+            return
+        self._state = "closing"
+        self._stop.set()
+        with self._staging.lock:
+            self._staging.lock.notify_all()
+        if self._group is not None:
+            self._group.abort("publisher aborted")
+        await self._join_threads(self.options.timeout)
+
+    async def _join_threads(self, timeout: float) -> None:
+        assert self._loop is not None
+        deadline = time.monotonic() + timeout
+        inbox, sender = self._threads
+        await self._loop.run_in_executor(None, sender.join, max(deadline - time.monotonic(), 0.01))
+        self._stop.set()  # the sender has drained (or timed out): now the inbox may stop too
+        with self._staging.lock:
+            self._staging.lock.notify_all()
+        await self._loop.run_in_executor(None, sender.join, max(deadline - time.monotonic(), 0.01))
+        await self._loop.run_in_executor(None, inbox.join, max(deadline - time.monotonic(), 0.01))
+        for job in self._staging.drain():
+            job.handle.resolve_threadsafe(error=Closed("publisher closed before sending", channel=self.name,
+                                                       version=job.version))
+        if self._executor is not None:
+            self._executor.shutdown(wait=False)
+        self._state = "closed"
+
+    # public surface -----------------------------------------------------------------------
+    @property
+    def address(self) -> str | None:
+        """``"host:port"`` of the control store, to hand to subscribers."""
+        return self._address
+
+    @property
+    def members(self) -> tuple[str, ...]:
+        """Subscribers of the current generation, in rank order."""
+        return tuple(self.membership.members)
+
+    @property
+    def generation(self) -> int:
+        return self.membership.generation
+
+    @property
+    def version(self) -> int | None:
+        """The newest version put (not necessarily delivered yet)."""
+        return self._last_version
+
+    def peak_snapshots(self) -> int:
+        """The most staging buffers ever held at once (never above ``max_snapshots``)."""
+        return self._staging.peak_buffers
+
+    async def wait_subscribers(self, n: int, timeout: float | None = None) -> tuple[str, ...]:
+        """Wait until at least ``n`` subscribers are in the current generation."""
+        self._check_running()
+        assert self._members_changed is not None
+        limit = self.options.timeout if timeout is None else timeout
+        deadline = time.monotonic() + limit
+        while len(self.membership.members) < n:
+            self._members_changed.clear()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise SyncTimeout(f"{len(self.membership.members)} of {n} subscribers after {limit:.3g}s",
+                                  channel=self.name)
+            try:
+                await asyncio.wait_for(self._members_changed.wait(), left)
+            except asyncio.TimeoutError:
+                continue
+            self._check_running()
+        return self.members
+
+    async def put(self, tensors: layout.TensorsLike, *, version: int | None = None, copy: bool = True) -> PutHandle:
+        """Queue a new version; returns once the snapshot is taken.
+
+        With ``copy=True`` the tensors are copied into staging (on CUDA: a stream-ordered
+        device copy, so the host does not wait) and may change as soon as this returns.
+        With ``copy=False`` nothing is copied: keep the tensors unchanged until
+        ``await handle.released()``. A pending put that a newer one replaces resolves with
+        ``DeliveryReport.superseded``.
+        """
+        self._check_running()
+        assert self._put_lock is not None and self._loop is not None
+        items = layout.as_items(tensors)
+        async with self._put_lock:
+            self._check_running()
+            if version is None:
+                version = 0 if self._last_version is None else self._last_version + 1
+            if not isinstance(version, int) or isinstance(version, bool):
+                raise TypeError(f"version must be an int, got {type(version).__name__}")
+            if self._last_version is not None and version <= self._last_version:
+                raise ValueError(f"versions must strictly increase: {version} after {self._last_version}")
+            manifest = layout.build_manifest(items)
+            handle = PutHandle(self.name, version, self._loop)
+            entry = self._recorder.record("put", channel=self.name, member=self._member, version=version,
+                                          nbytes=manifest.total_bytes).start()
+            job = Job(version=version, manifest=manifest, handle=handle)
+            displaced: Job | None = None
+            if copy:
+                buf, displaced = self._staging.acquire(manifest.total_bytes, self._slot_device,
+                                                       pin=self._slot_device.type == "cpu" and torch.cuda.is_available())
+                try:
+                    job.flat, job.ready = await self._snapshot(buf, manifest, items)
+                except BaseException:
+                    self._staging.give_back(buf)
+                    raise
+            else:
+                job.items = items
+            displaced = self._staging.commit(job) or displaced
+            self._last_version = version
+            entry.complete()
+            if displaced is not None:
+                displaced.handle.resolve_threadsafe(superseded_report(displaced))
+            return handle
+
+    async def _snapshot(self, buf: torch.Tensor, manifest: _wire.Manifest,
+                        items: list[tuple[str, torch.Tensor]]) -> tuple[torch.Tensor, Any]:
+        flat = buf[: manifest.total_bytes]
+        if any(t.is_cuda for _, t in items):
+            return flat, self._cuda_snapshot(flat, manifest, items)
+        assert self._loop is not None
+        await self._loop.run_in_executor(self._executor, layout.pack_into, flat, manifest, items)
+        return flat, None
+
+    def _cuda_snapshot(self, flat: torch.Tensor, manifest: _wire.Manifest,
+                       items: list[tuple[str, torch.Tensor]]) -> Any:
+        """Enqueue the copies on a side stream ordered after the caller's work; no host sync."""
+        device = next(t.device for _, t in items if t.is_cuda)
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(device)
+        stream = self._copy_stream
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            layout.pack_into(flat, manifest, items)
+        for _, tensor in items:
+            if tensor.is_cuda:
+                tensor.record_stream(stream)  # the caller may free it; the copy still reads it
+        event = torch.cuda.Event()
+        event.record(stream)
+        return event
+
+    def _check_running(self) -> None:
+        if self._state != "running":
+            raise Closed("publisher is not running", channel=self.name)
+
+    def _notify_members(self) -> None:
+        if self._loop is not None and self._members_changed is not None:
+            from weightsync.transport.handles import call_soon
+            call_soon(self._loop, self._members_changed.set)
+
+    # inbox thread -------------------------------------------------------------------------
+    def _inbox_main(self) -> None:
+        ctl = self._ctl.clone()
+        ticket = 1
+        next_sample = 0.0
+        while not self._stop.is_set():
+            if time.monotonic() >= next_sample:
+                try:
+                    ctl.add(ctl.heartbeat_key(self._member), 1)  # subscribers watch this
+                except (StoreTimeout, StoreUnreachable):
+                    pass
+                self.membership.sample_heartbeats(ctl)
+                next_sample = time.monotonic() + self.options.heartbeat_interval / 2
+            try:
+                raw = ctl.wait_key(ctl.inbox_key(ticket), self.options.heartbeat_interval / 2,
+                                   cancelled=self._stop.is_set)
+            except StoreTimeout:
+                continue
+            except StoreUnreachable:
+                return
+            if raw is None:
+                return
+            self._handle_inbox(ctl, ticket, raw)
+            ticket += 1
+
+    def _handle_inbox(self, ctl: ControlPlane, ticket: int, raw: bytes) -> None:
+        try:
+            message = _wire.inbox_decoder.decode(raw)
+        except Exception as err:  # noqa: BLE001 - malformed input must never stop the publisher
+            self._recorder.record("inbox", channel=self.name, member=self._member, error=f"malformed: {err}").fail(err)
+            return
+        if isinstance(message, _wire.Leave):
+            with self._staging.lock:
+                self.membership.request_leave(message.member_id)
+                self._staging.lock.notify_all()
+            return
+        deny = self._admission_problem(message)
+        if deny is not None:
+            ctl.put_message(ctl.admit_key(ticket), deny)
+            self._recorder.record("admit", channel=self.name, member=self._member,
+                                  peers=(message.member_id,), error=deny.reason).fail(deny.reason)
+            return
+        with self._staging.lock:
+            self.membership.request_join(ticket, message.member_id)
+            self._staging.lock.notify_all()
+
+    def _admission_problem(self, join: _wire.Join) -> _wire.Deny | None:
+        if self._draining or self._stop.is_set():
+            return _wire.Deny(reason="the publisher is shutting down", kind="closed")
+        if not handshake.token_ok(self._secret, self.name, join.member_id, join.token_mac):
+            return _wire.Deny(reason="missing or wrong token", kind="token")
+        diffs = handshake.compare(handshake.fingerprint(self.backend, self.device), join.fingerprint)
+        if diffs:
+            return _wire.Deny(reason="; ".join(diffs), kind="handshake")
+        if join.member_id == self._member or self.membership.is_member_or_joining(join.member_id):
+            return _wire.Deny(reason=f"member id {join.member_id!r} is already in the channel", kind="duplicate")
+        return None
+
+    # sender thread ------------------------------------------------------------------------
+    def _sender_main(self) -> None:
+        ctl = self._ctl.clone()
+        try:
+            self._sender_loop(ctl)
+        finally:
+            self._shutdown_members(ctl)
+
+    def _sender_loop(self, ctl: ControlPlane) -> None:
+        st = self._staging
+        while not self._stop.is_set():
+            with st.lock:
+                while not (st.pending or self.membership.has_requests() or self._draining or self._stop.is_set()):
+                    st.lock.wait(self.options.heartbeat_interval)
+                    if self.membership.has_dead_members():
+                        break
+            if self._stop.is_set() or (self._draining and st.pending is None):
+                return
+            if self.membership.has_requests() or self.membership.has_dead_members():
+                self._next_generation(ctl, reason="membership change")
+                retained = st.retained
+                if retained is not None and st.pending is None and self.membership.lacking(retained.version):
+                    self._send(ctl, retained)
+            job = st.take()
+            if job is not None:
+                self._send(ctl, job)
+            elif self._draining and not self.membership.has_requests():
+                return
+
+    def _next_generation(self, ctl: ControlPlane, reason: str, failed: Iterable[str] = ()) -> None:
+        """End the current generation and build the next with the live members and joiners."""
+        for _attempt in range(3):
+            plan = self.membership.plan_next(failed)
+            old_gen = plan.old_generation
+            if self._group is not None or plan.notify:
+                ctl.put_message(ctl.cmd_key(old_gen, next(self._seq)),
+                                _wire.Reconfigure(next_generation=plan.generation, members=plan.members, reason=reason))
+            for ticket, member_id in plan.admitted:
+                ctl.put_message(ctl.admit_key(ticket),
+                                _wire.Admit(member_id=member_id, generation=plan.generation, members=plan.members))
+            if self._group is not None:
+                self._group.abort(reason)
+            self._seq = itertools.count()
+            missing = self._await_ready(ctl, plan)
+            if missing:
+                self.membership.commit(plan, ok=False)
+                failed, reason = missing, f"members did not come to the rendezvous: {sorted(missing)}"
+                continue
+            ctl.set(ctl.go_key(plan.generation), b"1")
+            try:
+                self._group = DedicatedGroup.build(
+                    self._store_for_group(ctl), channel=self.name, member=self._member, generation=plan.generation,
+                    rank=0, size=len(plan.members) + 1, backend=self.backend, device=self._slot_device,
+                    timeout=self._rendezvous_timeout(), recorder=self._recorder, peers=plan.members)
+            except _DATA_ERRORS as err:
+                self._group = None
+                self.membership.commit(plan, ok=False)
+                failed = self.membership.unresponsive()
+                reason = f"rendezvous failed: {err}"
+                continue
+            self.membership.commit(plan, ok=True)
+            self._notify_members()
+            return
+        raise WeightSyncError("could not form a generation after 3 attempts", channel=self.name)
+
+    def _await_ready(self, ctl: ControlPlane, plan: Any) -> set[str]:
+        """Wait until every planned member announced it is entering the rendezvous.
+
+        Returns the members that left, died or never came; gloo's own rendezvous cannot be
+        interrupted, so it is entered only when everyone is known to be on the way.
+        """
+        deadline = time.monotonic() + self._rendezvous_timeout()
+        waiting = set(plan.members)
+        while waiting and not self._stop.is_set():
+            waiting = {m for m in waiting if not ctl.check(ctl.ready_key(plan.generation, m))}
+            gone = {m for m in waiting if self.membership.is_leaving(m) or not self.membership.is_alive(m)}
+            if gone:
+                return gone
+            if not waiting:
+                break
+            if time.monotonic() > deadline:
+                return waiting
+            try:
+                ctl.wait([ctl.ready_key(plan.generation, next(iter(waiting)))], 0.05)
+            except StoreTimeout:
+                pass
+        return set()
+
+    def _store_for_group(self, ctl: ControlPlane) -> Any:
+        return ctl.store
+
+    def _rendezvous_timeout(self) -> float:
+        return self.options.timeout + self.options.deadline(self.options.bucket_bytes)
+
+    def _send(self, ctl: ControlPlane, job: Job) -> None:
+        for _attempt in range(3):
+            failed = self._send_once(ctl, job)
+            if failed is None:
+                return
+            # the group is broken: rebuild with the live members and re-send this version
+            self._next_generation(ctl, reason=f"version {job.version} failed", failed=failed)
+            if job.flat is None and job.handle._released.done():
+                break  # copy=False tensors were released: nothing left to re-send from
+        self._finish(job, time.monotonic())
+
+    def _send_once(self, ctl: ControlPlane, job: Job) -> set[str] | None:
+        """Announce and broadcast ``job`` once; None on success, else the members that failed."""
+        if job.ready is not None:
+            torch.cuda.current_stream(job.ready.device if hasattr(job.ready, "device") else None).wait_event(job.ready)
+        members = tuple(self.membership.members)
+        gen, seq, group = self.membership.generation, next(self._seq), self._group
+        ranges = layout.bucket_ranges(job.manifest.total_bytes, self.options.bucket_bytes)
+        announce = _wire.Announce(version=job.version, manifest=job.manifest, bucket_bytes=self.options.bucket_bytes,
+                                  num_buckets=len(ranges), resend=job.resends > 0)
+        job.resends += 1
+        entry = self._recorder.record("announce", channel=self.name, member=self._member, generation=gen,
+                                      version=job.version, nbytes=job.manifest.total_bytes, peers=members).start()
+        t0 = time.monotonic()
+        job.started = job.started or t0
+        try:
+            ctl.put_message(ctl.cmd_key(gen, seq), announce)
+            entry.complete()
+            if members and group is not None:
+                slices, before = self._slices(job, ranges)
+                group.broadcast_buckets(slices, version=job.version, deadline=self.options.deadline,
+                                        op="bucket_send", before=before)
+            if job.flat is None:
+                job.handle.release_threadsafe()
+            acked, failed = self._collect_acks(ctl, gen, seq, members, job.version)
+        except _DATA_ERRORS as err:
+            entry.fail(err) if entry.state != "completed" else None
+            self._recorder.record("send", channel=self.name, member=self._member, generation=gen,
+                                  version=job.version, error=str(err)).fail(err)
+            acked, failed = self._collect_acks(ctl, gen, seq, members, job.version, grace=True)
+            job.members_done |= acked
+            return failed or set(members) - acked
+        job.members_done |= acked
+        self.membership.note_delivered(acked, job.version, time.monotonic() - t0)
+        if failed:
+            return failed
+        self._finish(job, t0)
+        return None
+
+    def _finish(self, job: Job, t0: float) -> None:
+        start = job.started or t0
+        members = tuple(m for m in self.membership.members if m in job.members_done)
+        report = DeliveryReport(version=job.version, members=members, nbytes=job.manifest.total_bytes,
+                                seconds=time.monotonic() - start)
+        self._staging.finish(job)
+        job.handle.resolve_threadsafe(report)
+
+    def _slices(self, job: Job, ranges: list[tuple[int, int]]) -> tuple[list[torch.Tensor], Any]:
+        if job.flat is not None:
+            return [job.flat[lo:hi] for lo, hi in ranges], None
+        # copy=False: two bucket buffers take turns, packing i+1 while i is on the wire
+        size = min(self.options.bucket_bytes, job.manifest.total_bytes)
+        if not self._bucket_bufs or self._bucket_bufs[0].numel() < size:
+            self._bucket_bufs = [torch.empty(size, dtype=torch.uint8, device=self._slot_device) for _ in range(2)]
+        bufs, items = self._bucket_bufs, job.items
+        assert items is not None
+
+        def pack(i: int) -> None:
+            lo, hi = ranges[i]
+            layout.pack_range(bufs[i % 2], lo, hi, job.manifest, items)
+            if i == len(ranges) - 1:
+                job.handle.release_threadsafe()
+
+        return [bufs[i % 2][: hi - lo] for i, (lo, hi) in enumerate(ranges)], pack
+
+    def _collect_acks(self, ctl: ControlPlane, gen: int, seq: int, members: tuple[str, ...], version: int,
+                      grace: bool = False) -> tuple[set[str], set[str]]:
+        """Members that acknowledged ``version`` ok, and those that failed or never answered."""
+        acked: set[str] = set()
+        failed: set[str] = set()
+        deadline = time.monotonic() + (self.options.heartbeat_interval * 2 if grace else self.options.timeout)
+        for rank, member in enumerate(members, start=1):
+            entry = self._recorder.record("ack", channel=self.name, member=self._member, generation=gen,
+                                          version=version, peers=(member,)).start()
+            try:
+                raw = ctl.wait_key(ctl.ack_key(gen, seq, rank), max(deadline - time.monotonic(), 0.001))
+                ack = _wire.ack_decoder.decode(raw or b"")
+            except (StoreTimeout, StoreUnreachable, Exception) as err:  # noqa: BLE001 - malformed acks count as failed
+                entry.fail(err)
+                failed.add(member)
+                continue
+            if ack.ok and ack.version == version:
+                acked.add(member)
+                entry.complete()
+            else:
+                failed.add(member)
+                entry.fail(ack.error or f"acked version {ack.version}")
+        return acked, failed
+
+    def _shutdown_members(self, ctl: ControlPlane) -> None:
+        try:
+            if self.membership.members:
+                ctl.put_message(ctl.cmd_key(self.membership.generation, next(self._seq)),
+                                _wire.Shutdown(reason="publisher closed"))
+        except (StoreTimeout, StoreUnreachable):
+            pass
+        if self._group is not None:
+            self._group.abort("publisher closed")
+        self._notify_members()

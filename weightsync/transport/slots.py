@@ -1,0 +1,70 @@
+"""Subscriber receive slots: two flat buffers, one readable and one being received into.
+
+Buckets arrive straight into slices of the receiving slot (no bucket copies). When a version
+is complete and verified, the slots swap under the lock, so a reader sees either the old or
+the new version, never a torn one. Readers (``get``/``get_into`` copying out) pin the slot
+they read; the receiver waits for them, within a deadline, before overwriting it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+
+from weightsync._wire import Manifest
+
+
+class Slot:
+    def __init__(self) -> None:
+        self.flat: torch.Tensor | None = None
+        self.manifest: Manifest | None = None
+        self.version: int | None = None
+        self.readers = 0
+
+
+class SlotPair:
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cond = threading.Condition()
+        self.readable = Slot()
+        self.receiving = Slot()
+
+    @property
+    def version(self) -> int | None:
+        return self.readable.version
+
+    def prepare(self, manifest: Manifest, timeout: float) -> torch.Tensor:
+        """The receiving buffer for ``manifest``; waits for readers of that slot to finish."""
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            slot = self.receiving
+            while slot.readers:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError("readers held the receive slot past the deadline")
+                self.cond.wait(left)
+            if slot.flat is None or slot.flat.numel() < manifest.total_bytes:
+                slot.flat = None  # free first: never three buffers at once
+                slot.flat = torch.empty(manifest.total_bytes, dtype=torch.uint8, device=self.device)
+            slot.manifest, slot.version = manifest, None
+            return slot.flat[: manifest.total_bytes]
+
+    def publish(self, version: int) -> None:
+        """The receiving slot is complete: it becomes readable, atomically."""
+        with self.cond:
+            self.receiving.version = version
+            self.readable, self.receiving = self.receiving, self.readable
+            self.cond.notify_all()
+
+    def pin(self) -> Slot:
+        with self.cond:
+            slot = self.readable
+            slot.readers += 1
+            return slot
+
+    def unpin(self, slot: Slot) -> None:
+        with self.cond:
+            slot.readers -= 1
+            self.cond.notify_all()

@@ -1,0 +1,122 @@
+"""Publisher staging: latest wins, in at most ``max_snapshots`` buffers.
+
+Three roles a put can hold, and the buffers they pin::
+
+    pending    taken, not yet sent           (a newer put supersedes it and reuses its buffer)
+    in_flight  being sent by the sender thread
+    retained   the newest version sent; re-sent to newcomers and after a failed generation
+
+The sender moves pending -> in_flight -> retained; starting to send a newer version frees the
+previous retained buffer, so at most two buffers exist however many puts come and however
+slow the subscribers are. ``copy=False`` puts pin no buffer (they borrow the caller's
+tensors until released) and are not retained.
+
+Thread-safety: every method takes the lock; the snapshot copy itself runs outside it, into a
+buffer the staging handed out and nobody else can see until :meth:`commit`.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from weightsync._wire import Manifest
+from weightsync.transport.handles import DeliveryReport, PutHandle
+
+
+@dataclass(eq=False)
+class Job:
+    """One put on its way to the subscribers."""
+
+    version: int
+    manifest: Manifest
+    handle: PutHandle
+    flat: torch.Tensor | None = None  # the snapshot (copy=True)
+    items: list[tuple[str, torch.Tensor]] | None = None  # borrowed tensors (copy=False)
+    ready: Any = None  # a CUDA event the snapshot completes on, or None
+    resends: int = 0
+    started: float = 0.0  # monotonic time of the first send attempt
+    members_done: set[str] = field(default_factory=set)
+
+
+class Staging:
+    def __init__(self, max_snapshots: int = 2) -> None:
+        if max_snapshots < 2:
+            raise ValueError(f"max_snapshots must be >= 2 (one in flight, one pending), got {max_snapshots}")
+        self.max_snapshots = max_snapshots
+        self.lock = threading.Condition()
+        self.pending: Job | None = None
+        self.in_flight: Job | None = None
+        self.retained: Job | None = None
+        self._free: list[torch.Tensor] = []
+        self.peak_buffers = 0
+
+    def buffers_in_use(self) -> int:
+        jobs = {id(j): j for j in (self.pending, self.in_flight, self.retained) if j is not None}
+        return sum(1 for j in jobs.values() if j.flat is not None) + len(self._free)
+
+    def acquire(self, nbytes: int, device: torch.device, pin: bool) -> tuple[torch.Tensor, Job | None]:
+        """A buffer of at least ``nbytes`` for a new snapshot, and the pending job it displaced.
+
+        The displaced job (if any) is no longer pending; the caller resolves its handle as
+        superseded once the new snapshot is committed.
+        """
+        with self.lock:
+            displaced, self.pending = self.pending, None
+            candidates = list(self._free)
+            if displaced is not None and displaced.flat is not None:
+                candidates.insert(0, displaced.flat)
+            self._free = []
+            buf = next((b for b in candidates if b.numel() >= nbytes and b.device == device), None)
+            # whatever we do not reuse is dropped, so at most max_snapshots exist
+            if buf is None:
+                buf = torch.empty(nbytes, dtype=torch.uint8, device=device, pin_memory=pin)
+            self.peak_buffers = max(self.peak_buffers, self.buffers_in_use() + 1)
+            return buf, displaced
+
+    def give_back(self, buf: torch.Tensor) -> None:
+        with self.lock:
+            self._free.append(buf)
+
+    def commit(self, job: Job) -> Job | None:
+        """Make ``job`` the pending one; returns a pending job it displaced (copy=False puts)."""
+        with self.lock:
+            displaced, self.pending = self.pending, job
+            self.lock.notify_all()
+            return displaced
+
+    def take(self) -> Job | None:
+        """Sender: the pending job becomes in flight; the older retained buffer is freed."""
+        with self.lock:
+            job, self.pending = self.pending, None
+            if job is None:
+                return None
+            self.in_flight = job
+            if self.retained is not None and self.retained.flat is not None:
+                self._free.append(self.retained.flat)
+                self._free = self._free[-1:]  # keep one spare: the next put reuses it
+            self.retained = None
+            return job
+
+    def finish(self, job: Job) -> None:
+        """Sender: the in-flight job is done; a snapshot stays retained for newcomers."""
+        with self.lock:
+            if self.in_flight is job:
+                self.in_flight = None
+            if job.flat is not None:
+                self.retained = job
+
+    def drain(self) -> list[Job]:
+        """Close: every job not yet sent, removed from staging."""
+        with self.lock:
+            jobs = [j for j in (self.pending,) if j is not None]
+            self.pending = None
+            self.lock.notify_all()
+            return jobs
+
+
+def superseded_report(job: Job) -> DeliveryReport:
+    return DeliveryReport(version=job.version, members=(), nbytes=0, seconds=0.0, superseded=True)

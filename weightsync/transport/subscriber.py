@@ -1,0 +1,438 @@
+"""Subscriber: a generator's end of a channel.
+
+Who calls what, in order:
+
+1. ``async with Subscriber(name, address=...)`` connects to the store and starts two
+   threads: *heartbeat* (liveness beats; watches the publisher's) and *receiver*, which
+   sends a Join (fingerprint, token) and waits for Admit or Deny within ``timeout``;
+2. the receiver builds the dedicated group of its generation and follows the publisher's
+   commands: Announce (receive the buckets straight into the receiving slot, acknowledge,
+   publish atomically), Reconfigure (next generation, or Evicted), Shutdown;
+3. the application reads with ``get``/``get_into``/``updates``; reads copy out of the
+   readable slot in a worker thread, so the event loop never waits on a copy or the wire;
+4. ``aclose()`` finishes the version in flight, leaves the channel and stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from weightsync import _wire
+from weightsync.errors import (AdmissionDenied, Closed, Evicted, HandshakeMismatch, PublisherGone, SyncTimeout,
+                               WeightSyncError)
+from weightsync.pg import _torch_compat as compat
+from weightsync.pg import handshake
+from weightsync.pg.control import ControlPlane, StoreTimeout, StoreUnreachable
+from weightsync.pg.group import DedicatedGroup, resolve_backend
+from weightsync.pg.recorder import FlightRecorder, process_recorder
+from weightsync.transport import layout
+from weightsync.transport.handles import Weights, call_soon
+from weightsync.transport.options import ChannelOptions, parse_address, resolve_device
+from weightsync.transport.slots import Slot, SlotPair
+
+_DATA_ERRORS = (TimeoutError, RuntimeError, StoreTimeout, ValueError)
+
+
+class Subscriber:
+    """Receives every version of channel ``name`` in the background; reads never tear.
+
+    Example::
+
+        async with ws.Subscriber("policy", address=addr) as sub:
+            w = await sub.get(min_version=5, timeout=30)    # Weights, owned by the caller
+            v = await sub.get_into(model.state_dict())      # in place; returns the version
+            async for w in sub.updates():                   # each newer version
+                ...
+
+    Args:
+        name: the channel.
+        address: the publisher's ``"host:port"``; or ``store=`` an existing torch Store.
+        backend: must match the publisher's (``"auto"`` picks the same way).
+        device: where ``get`` returns tensors (and, on NCCL, where receive slots live).
+        member_id: unique name in the channel (default: ``host-pid-random``).
+        timeout: seconds; floor of every deadline (join, buckets, publisher liveness).
+        secret: shared secret (default ``$WEIGHTSYNC_TOKEN``).
+    """
+
+    def __init__(self, name: str, *, address: str | None = None, store: Any = None, backend: str = "auto",
+                 device: str | torch.device | None = None, member_id: str | None = None, timeout: float = 30.0,
+                 min_bandwidth: float = 50e6, heartbeat_interval: float = 1.0, secret: str | bytes | None = None,
+                 recorder: FlightRecorder | None = None) -> None:
+        if not isinstance(name, str) or not name or "/" in name:
+            raise ValueError(f"channel name must be a non-empty string without '/', got {name!r}")
+        if (address is None) == (store is None):
+            raise ValueError("pass exactly one of address= (the publisher's 'host:port') or store=")
+        self.name = name
+        self._connect = parse_address(address) if address is not None else None
+        self._user_store = store
+        self.options = ChannelOptions(timeout=timeout, min_bandwidth=min_bandwidth,
+                                      heartbeat_interval=heartbeat_interval)
+        self.device = resolve_device(device)
+        self.backend = resolve_backend(backend, self.device)
+        self.member_id = member_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        if "/" in self.member_id:
+            raise ValueError(f"member_id must not contain '/', got {self.member_id!r}")
+        self._secret = handshake.resolve_secret(secret)
+        self._recorder = recorder or process_recorder()
+        self._slots = SlotPair(self.device if self.backend == "nccl" else torch.device("cpu"))
+        self._state = "new"
+        self._terminal: tuple[type[WeightSyncError], str] | None = None
+        self._closing = threading.Event()
+        self._abort = threading.Event()
+        self._joined = threading.Event()
+        self._join_error: BaseException | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._changed: asyncio.Event | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._threads: list[threading.Thread] = []
+        self.generation = -1
+        self.rank = -1
+
+    # lifecycle ----------------------------------------------------------------------------
+    async def __aenter__(self) -> Subscriber:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await (self.aclose() if exc[0] is None else self.abort())
+
+    async def start(self, timeout: float | None = None) -> None:
+        """Connect, join (handshake, token) and start receiving; raises if admission fails."""
+        if self._state != "new":
+            raise RuntimeError("a Subscriber starts once")
+        self._state = "running"
+        self._loop = asyncio.get_running_loop()
+        self._changed = asyncio.Event()
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"ws-{self.name}-read")
+        limit = timeout if timeout is not None else 2 * self.options.timeout
+        try:
+            store = await self._loop.run_in_executor(self._executor, self._open_store)
+        except Exception as err:
+            self._state = "closed"
+            self._executor.shutdown(wait=False)
+            raise PublisherGone(f"cannot reach the publisher's store: {err}", channel=self.name,
+                                member=self.member_id) from err
+        self._ctl = ControlPlane(store, self.name)
+        for target, role in ((self._heartbeat_main, "heartbeat"), (self._receiver_main, "receiver")):
+            thread = threading.Thread(target=target, name=f"ws-{self.name}-{role}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        joined = await self._loop.run_in_executor(None, self._joined.wait, limit)
+        if self._join_error is not None or not joined:
+            await self.abort()
+            if self._join_error is not None:
+                raise self._join_error
+            raise SyncTimeout(f"not admitted within {limit:.3g}s", channel=self.name, member=self.member_id)
+
+    def _open_store(self) -> Any:
+        if self._user_store is not None:
+            return self._user_store
+        assert self._connect is not None
+        return compat.new_store_client(self._connect[0], self._connect[1], self.options.timeout)
+
+    async def aclose(self) -> None:
+        """Finish the version in flight, leave the channel, stop. Idempotent."""
+        if self._state in ("new", "closed"):
+            self._state = "closed"
+            return
+        self._state = "closing"
+        self._closing.set()
+        await self._join_threads(self.options.deadline(64 << 20) * 2)
+
+    async def abort(self) -> None:
+        """Stop now, abandoning any version in flight. Idempotent."""
+        if self._state in ("new", "closed"):
+            self._state = "closed"
+            return
+        self._state = "closing"
+        self._abort.set()
+        self._closing.set()
+        await self._join_threads(self.options.timeout)
+
+    async def _join_threads(self, timeout: float) -> None:
+        assert self._loop is not None
+        deadline = time.monotonic() + timeout
+        for thread in self._threads:
+            await self._loop.run_in_executor(None, thread.join, max(deadline - time.monotonic(), 0.01))
+        self._set_terminal(Closed, "subscriber closed")
+        if self._executor is not None:
+            self._executor.shutdown(wait=False)
+        self._state = "closed"
+
+    # reading ------------------------------------------------------------------------------
+    @property
+    def version(self) -> int | None:
+        """The latest complete version, or None before the first one."""
+        return self._slots.version
+
+    async def get(self, *, min_version: int | None = None, timeout: float | None = None) -> Weights:
+        """A copy of the latest version (>= ``min_version``), owned by the caller.
+
+        ``timeout=None`` waits while the publisher is alive: its heartbeats are watched, so a
+        dead or frozen publisher ends the wait with PublisherGone.
+        """
+        await self._wait_version(min_version, timeout)
+        assert self._loop is not None
+        slot = self._slots.pin()
+        try:
+            flat, manifest, version = await self._loop.run_in_executor(self._executor, self._copy_out, slot)
+        finally:
+            self._slots.unpin(slot)
+        return Weights(version, layout.views(flat, manifest), manifest.total_bytes)
+
+    async def get_into(self, dest: Mapping[str, torch.Tensor], *, min_version: int | None = None,
+                       timeout: float | None = None) -> int:
+        """Copy the latest version into ``dest`` in place; returns its version.
+
+        Names, dtypes and shapes are checked first: on any mismatch ManifestMismatch is
+        raised and ``dest`` is left untouched.
+        """
+        if not isinstance(dest, Mapping):
+            raise TypeError(f"dest must be a Mapping[str, Tensor], got {type(dest).__name__}")
+        await self._wait_version(min_version, timeout)
+        assert self._loop is not None
+        slot = self._slots.pin()
+        try:
+            assert slot.manifest is not None and slot.flat is not None and slot.version is not None
+            layout.check_destination(slot.manifest, dest)
+            await self._loop.run_in_executor(self._executor, self._copy_into, slot, dest)
+            return slot.version
+        finally:
+            self._slots.unpin(slot)
+
+    async def updates(self, *, timeout: float | None = None) -> AsyncIterator[Weights]:
+        """Each version newer than the last one yielded, skipping any that came in between.
+
+        Ends when this subscriber is closed; raises PublisherGone or Evicted otherwise.
+        """
+        last: int | None = None
+        while True:
+            try:
+                weights = await self.get(min_version=None if last is None else last + 1, timeout=timeout)
+            except Closed:
+                return
+            last = weights.version
+            yield weights
+
+    def _copy_out(self, slot: Slot) -> tuple[torch.Tensor, _wire.Manifest, int]:
+        assert slot.flat is not None and slot.manifest is not None and slot.version is not None
+        src = slot.flat[: slot.manifest.total_bytes]
+        out = torch.empty_like(src, device=self.device)
+        out.copy_(src)
+        if out.is_cuda:
+            torch.cuda.current_stream(out.device).synchronize()
+        return out, slot.manifest, slot.version
+
+    def _copy_into(self, slot: Slot, dest: Mapping[str, torch.Tensor]) -> None:
+        assert slot.flat is not None and slot.manifest is not None
+        for spec in slot.manifest.tensors:
+            if spec.nbytes:
+                dest[spec.name].copy_(layout.tensor_view(slot.flat, spec))
+        if any(t.is_cuda for t in dest.values()):
+            torch.cuda.synchronize()
+
+    async def _wait_version(self, min_version: int | None, timeout: float | None) -> None:
+        if self._state == "new":
+            raise RuntimeError("start the Subscriber first (async with Subscriber(...) as sub)")
+        assert self._loop is not None and self._changed is not None
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            have = self._slots.version
+            if have is not None and (min_version is None or have >= min_version):
+                return
+            if self._terminal is not None:
+                cls, message = self._terminal
+                raise cls(message, channel=self.name, member=self.member_id, version=have)
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise SyncTimeout(f"version >= {min_version} not received within {timeout:.3g}s (have {have})",
+                                  channel=self.name, member=self.member_id)
+            self._changed.clear()
+            try:
+                await asyncio.wait_for(self._changed.wait(), left)
+            except asyncio.TimeoutError:
+                continue
+
+    def _wake(self) -> None:
+        if self._loop is not None and self._changed is not None:
+            call_soon(self._loop, self._changed.set)
+
+    def _set_terminal(self, cls: type[WeightSyncError], message: str) -> None:
+        if self._terminal is None:
+            self._terminal = (cls, message)
+        self._wake()
+
+    # heartbeat thread ---------------------------------------------------------------------
+    def _heartbeat_main(self) -> None:
+        ctl = self._ctl.clone()
+        interval = self.options.heartbeat_interval
+        last_seen, since = -1, time.monotonic()
+        while not self._closing.is_set():
+            try:
+                ctl.add(ctl.heartbeat_key(self.member_id), 1)
+                publisher_beats = ctl.add(ctl.heartbeat_key("publisher"), 0)
+            except (StoreTimeout, StoreUnreachable) as err:
+                self._set_terminal(PublisherGone, f"publisher's store stopped answering: {err}")
+                return
+            if publisher_beats != last_seen:
+                last_seen, since = publisher_beats, time.monotonic()
+            elif time.monotonic() - since > max(3 * interval, self.options.timeout / 2) and self._joined.is_set():
+                self._set_terminal(PublisherGone, f"publisher silent for {time.monotonic() - since:.1f}s")
+                return
+            self._closing.wait(interval)
+
+    # receiver thread ----------------------------------------------------------------------
+    def _receiver_main(self) -> None:
+        ctl = self._ctl.clone()
+        try:
+            generation, members = self._join(ctl)
+            self._joined.set()
+            self._follow(ctl, generation, members)
+        except WeightSyncError as err:
+            if not self._joined.is_set():
+                self._join_error = err
+                self._joined.set()
+            self._set_terminal(type(err), str(err))
+        except StoreUnreachable as err:
+            gone = PublisherGone(f"publisher unreachable: {err}", channel=self.name, member=self.member_id)
+            if not self._joined.is_set():
+                self._join_error = gone
+                self._joined.set()
+            self._set_terminal(PublisherGone, str(gone))
+        finally:
+            if self._closing.is_set() and self._joined.is_set() and self._join_error is None:
+                self._leave(ctl)
+
+    def _join(self, ctl: ControlPlane) -> tuple[int, tuple[str, ...]]:
+        entry = self._recorder.record("join", channel=self.name, member=self.member_id).start()
+        join = _wire.Join(member_id=self.member_id, fingerprint=handshake.fingerprint(self.backend, self.device),
+                          token_mac=handshake.token_mac(self._secret, self.name, self.member_id),
+                          pid=os.getpid(), host=socket.gethostname())
+        try:
+            ticket = ctl.add(ctl.prefix + "inbox_seq", 1)
+            ctl.put_message(ctl.inbox_key(ticket), join)
+            raw = ctl.wait_key(ctl.admit_key(ticket), 2 * self.options.timeout + self.options.deadline(64 << 20),
+                               cancelled=self._abort.is_set)
+        except StoreTimeout as err:
+            entry.fail(err)
+            raise SyncTimeout("the publisher did not answer the join", channel=self.name,
+                              member=self.member_id) from err
+        if raw is None:
+            entry.fail("closed while joining")
+            raise Closed("closed while joining", channel=self.name, member=self.member_id)
+        reply = _wire.admit_decoder.decode(raw)
+        if isinstance(reply, _wire.Deny):
+            entry.fail(reply.reason)
+            cls = HandshakeMismatch if reply.kind == "handshake" else AdmissionDenied
+            raise cls(f"join refused: {reply.reason}", channel=self.name, member=self.member_id)
+        entry.complete()
+        return reply.generation, reply.members
+
+    def _build(self, ctl: ControlPlane, generation: int, members: tuple[str, ...]) -> DedicatedGroup | None:
+        """Enter generation ``generation``; None when the publisher abandoned it before forming it."""
+        self.generation, self.rank = generation, members.index(self.member_id) + 1
+        ctl.set(ctl.ready_key(generation, self.member_id), b"1")
+        limit = time.monotonic() + self.options.timeout + self.options.deadline(64 << 20)
+        go, first_cmd = ctl.go_key(generation), ctl.cmd_key(generation, 0)
+        while not ctl.check(go):
+            if ctl.check(first_cmd) or self._stopping():
+                return None  # a Reconfigure is waiting at command 0
+            if time.monotonic() > limit:
+                raise StoreTimeout(f"generation {generation} was never formed")
+            try:
+                ctl.wait([go], 0.05)
+            except StoreTimeout:
+                pass
+        return DedicatedGroup.build(ctl.store, channel=self.name, member=self.member_id, generation=generation,
+                                    rank=self.rank, size=len(members) + 1, backend=self.backend,
+                                    device=self._slots.device, recorder=self._recorder, peers=members,
+                                    timeout=self.options.timeout + self.options.deadline(64 << 20))
+
+    def _follow(self, ctl: ControlPlane, generation: int, members: tuple[str, ...]) -> None:
+        group: DedicatedGroup | None = None
+        try:
+            group = self._build(ctl, generation, members)
+            seq = 0
+            while not self._closing.is_set():
+                raw = ctl.wait_key(ctl.cmd_key(generation, seq), float("inf"), cancelled=self._stopping)
+                if raw is None:
+                    return
+                command = _wire.command_decoder.decode(raw)
+                if isinstance(command, _wire.Announce):
+                    if group is None:
+                        raise ValueError(f"version {command.version} announced in an unformed generation")
+                    self._receive(ctl, group, generation, seq, command)
+                    seq += 1
+                elif isinstance(command, _wire.Reconfigure):
+                    if group is not None:
+                        group.abort(command.reason)
+                    if self.member_id not in command.members:
+                        self._recorder.record("evict", channel=self.name, member=self.member_id,
+                                              generation=command.next_generation).complete()
+                        raise Evicted(f"evicted from the channel ({command.reason})", channel=self.name,
+                                      member=self.member_id, generation=generation)
+                    generation, members = command.next_generation, command.members
+                    group = self._build(ctl, generation, members)
+                    seq = 0
+                else:
+                    raise PublisherGone(f"publisher shut down: {command.reason}", channel=self.name,
+                                        member=self.member_id)
+        except _DATA_ERRORS as err:
+            if not self._closing.is_set():
+                raise PublisherGone(f"channel failed: {err}", channel=self.name, member=self.member_id) from err
+        finally:
+            if group is not None:
+                group.abort("subscriber stopped")
+
+    def _stopping(self) -> bool:
+        return self._closing.is_set() or self._terminal is not None
+
+    def _receive(self, ctl: ControlPlane, group: DedicatedGroup, generation: int, seq: int,
+                 announce: _wire.Announce) -> None:
+        manifest = announce.manifest
+        t0 = time.monotonic()
+        entry = self._recorder.record("receive", channel=self.name, member=self.member_id, generation=generation,
+                                      version=announce.version, nbytes=manifest.total_bytes).start()
+        next_cmd = ctl.cmd_key(generation, seq + 1)
+        ok, error = False, ""
+        try:
+            flat = self._slots.prepare(manifest, self.options.timeout)
+            ranges = layout.bucket_ranges(manifest.total_bytes, announce.bucket_bytes)
+            if len(ranges) != announce.num_buckets:
+                raise ValueError(f"announced {announce.num_buckets} buckets, layout has {len(ranges)}")
+            group.broadcast_buckets([flat[lo:hi] for lo, hi in ranges], version=announce.version,
+                                    deadline=self.options.deadline, op="bucket_recv",
+                                    cancelled=lambda: self._abort.is_set() or ctl.check(next_cmd))
+            if self.version is None or announce.version > self.version:
+                self._slots.publish(announce.version)
+                self._recorder.record("publish", channel=self.name, member=self.member_id, generation=generation,
+                                      version=announce.version, nbytes=manifest.total_bytes).complete()
+                self._wake()
+            ok = True
+            entry.complete()
+        except _DATA_ERRORS as err:
+            error = str(err)
+            entry.fail(err)
+        ack = _wire.Ack(member_id=self.member_id, version=announce.version, ok=ok,
+                        seconds=time.monotonic() - t0, error=error[:300])
+        try:
+            ctl.put_message(ctl.ack_key(generation, seq, self.rank), ack)
+        except StoreTimeout:
+            pass
+
+    def _leave(self, ctl: ControlPlane) -> None:
+        try:
+            ticket = ctl.add(ctl.prefix + "inbox_seq", 1)
+            ctl.put_message(ctl.inbox_key(ticket), _wire.Leave(member_id=self.member_id))
+        except (StoreTimeout, StoreUnreachable):
+            pass
