@@ -4,13 +4,15 @@ All of them are frozen msgspec Structs encoded as msgpack; decoding never runs c
 pickle anywhere). Control messages form tagged unions so one decoder reads any of them and
 rejects anything else with a clear error instead of crashing the reader.
 
-The store layout of one channel (all keys under ``ws/<channel>/``)::
+The store layout of one channel (all keys under ``ws/<channel>/``). Every wait is a
+blocking pop on a store queue; whoever wants a waiter to stop pushes a Wake into its queue,
+so waits end when something happens, not by polling::
 
-    inbox_seq                  counter: subscribers take a ticket with store.add
-    inbox/<n>                  Join | Leave, written by subscribers
-    admit/<n>                  Admit | Deny, the publisher's reply to Join ticket n
-    gen/<g>/cmd/<s>            Announce | Reconfigure | Shutdown, command s of generation g
-    gen/<g>/ack/<s>/<rank>     Ack from member `rank` for command s
+    q/inbox                    Join | Leave          subscribers -> publisher's inbox thread
+    q/replies                  Ready | Ack           subscribers -> publisher's sender thread
+    q/member/<id>/<nonce>      Admit | Deny | Go | Announce | Reconfigure | Shutdown
+                                                     publisher -> one subscriber incarnation
+    hb/<id>                    heartbeat counter (store.add), "publisher" for the publisher
     gen/<g>/pg/...             the dedicated group's own rendezvous (fresh per generation)
 """
 
@@ -53,6 +55,7 @@ class Fingerprint(msgspec.Struct, frozen=True):
 
 class Join(msgspec.Struct, frozen=True, tag="join"):
     member_id: str
+    reply_to: str  # this subscriber incarnation's own queue
     fingerprint: Fingerprint
     token_mac: str = ""
     pid: int = 0
@@ -63,18 +66,16 @@ class Leave(msgspec.Struct, frozen=True, tag="leave"):
     member_id: str
 
 
-class Heartbeat(msgspec.Struct, frozen=True, tag="heartbeat"):
-    member_id: str
-    time: float
+class Wake(msgspec.Struct, frozen=True, tag="wake"):
+    """Pushed by a process into a queue it waits on, to end that wait (close, liveness change)."""
 
-
-InboxMessage = Union[Join, Leave]
+    reason: str = ""
 
 
 class Admit(msgspec.Struct, frozen=True, tag="admit"):
     member_id: str
     generation: int
-    members: tuple[str, ...]  # rank i+1 is members[i]
+    members: tuple[str, ...]  # rank i+1 is members[i]; rank 0 is the publisher
 
 
 class Deny(msgspec.Struct, frozen=True, tag="deny"):
@@ -82,12 +83,17 @@ class Deny(msgspec.Struct, frozen=True, tag="deny"):
     kind: str  # "token" | "handshake" | "closed" | "duplicate"
 
 
-AdmitReply = Union[Admit, Deny]
+class Go(msgspec.Struct, frozen=True, tag="go"):
+    """Every member of `generation` is ready: enter the group's rendezvous now."""
+
+    generation: int
 
 
 class Announce(msgspec.Struct, frozen=True, tag="announce"):
     """Version `version` follows on the data plane as `num_buckets` broadcasts."""
 
+    generation: int
+    seq: int
     version: int
     manifest: Manifest
     bucket_bytes: int
@@ -97,7 +103,7 @@ class Announce(msgspec.Struct, frozen=True, tag="announce"):
 
 
 class Reconfigure(msgspec.Struct, frozen=True, tag="reconfigure"):
-    """Generation `generation` ends; the listed members build `next_generation`."""
+    """The current generation ends; the listed members build `next_generation`."""
 
     next_generation: int
     members: tuple[str, ...]  # rank i+1 is members[i]; rank 0 is the publisher
@@ -108,10 +114,14 @@ class Shutdown(msgspec.Struct, frozen=True, tag="shutdown"):
     reason: str = ""
 
 
-Command = Union[Announce, Reconfigure, Shutdown]
+class Ready(msgspec.Struct, frozen=True, tag="ready"):
+    generation: int
+    member_id: str
 
 
-class Ack(msgspec.Struct, frozen=True):
+class Ack(msgspec.Struct, frozen=True, tag="ack"):
+    generation: int
+    seq: int
     member_id: str
     version: int
     ok: bool
@@ -119,11 +129,14 @@ class Ack(msgspec.Struct, frozen=True):
     error: str = ""
 
 
+InboxMessage = Union[Join, Leave, Wake]
+MemberMessage = Union[Admit, Deny, Go, Announce, Reconfigure, Shutdown, Wake]
+ReplyMessage = Union[Ack, Ready, Wake]
+
+
 _encoder = msgspec.msgpack.Encoder()
 encode = _encoder.encode
 
 inbox_decoder = msgspec.msgpack.Decoder(InboxMessage)
-admit_decoder = msgspec.msgpack.Decoder(AdmitReply)
-command_decoder = msgspec.msgpack.Decoder(Command)
-ack_decoder = msgspec.msgpack.Decoder(Ack)
-heartbeat_decoder = msgspec.msgpack.Decoder(Heartbeat)
+member_decoder = msgspec.msgpack.Decoder(MemberMessage)
+reply_decoder = msgspec.msgpack.Decoder(ReplyMessage)

@@ -57,12 +57,56 @@ def nccl_version() -> str:
     return ".".join(str(part) for part in version) if isinstance(version, tuple) else str(version)
 
 
-def new_store_client(host: str, port: int, timeout: float) -> dist.Store:
-    return dist.TCPStore(host, port, is_master=False, timeout=_td(timeout))
+_PROBE_TIMEOUT = 2.0
+_CONNECT_ATTEMPTS = 5
+
+
+def _validated(make: Any, timeout: float) -> Any:
+    """A store connection that answered a probe; retried on a silent one.
+
+    Seen on torch 2.13 and 2.15 (about 1 connection in 20 on a 2-core machine): a fresh
+    TCPStore connection whose handshake is never answered, and while it waits the server
+    answers nobody. Every connection is therefore made with a short handshake deadline
+    (which also bounds the server-wide stall), probed, and replaced when it stays silent.
+    """
+    last: BaseException | None = None
+    for _ in range(_CONNECT_ATTEMPTS):
+        try:
+            store = make(_td(min(_PROBE_TIMEOUT, timeout)))
+            store.check(["ws/__probe__"])
+            store.set_timeout(_td(timeout))
+            return store
+        except (RuntimeError, dist.DistError) as err:
+            last = err
+    assert last is not None
+    raise last
+
+
+def new_store_client(host: str, port: int, timeout: float) -> Any:
+    return _validated(lambda t: dist.TCPStore(host, port, is_master=False, timeout=t), timeout)
 
 
 def new_store_server(host: str, port: int, timeout: float) -> dist.TCPStore:
-    return dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=_td(timeout))
+    return _validated(lambda t: dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=t),
+                      timeout)
+
+
+def clone_store(store: Any, timeout: float) -> Any:
+    """A new connection to the same store, for a thread that blocks on it.
+
+    A clone inherits its parent's timeout for the handshake, so the parent's is shortened
+    while cloning: call this from one thread at a time per parent (before threads start).
+    """
+    original = store.timeout if hasattr(store, "timeout") else _td(timeout)
+
+    def make(t: dt.timedelta) -> Any:
+        store.set_timeout(t)
+        try:
+            return store.clone()
+        finally:
+            store.set_timeout(original)
+
+    return _validated(make, timeout)
 
 
 def prefix_store(prefix: str, store: dist.Store) -> dist.Store:

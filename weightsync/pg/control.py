@@ -8,13 +8,13 @@ thread that waits clones its own (:meth:`ControlPlane.clone`).
 from __future__ import annotations
 
 import datetime as dt
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
 
 from weightsync import _wire
+from weightsync.pg import _torch_compat as compat
 
 StoreError = (RuntimeError, dist.DistError) if hasattr(dist, "DistError") else (RuntimeError,)
 
@@ -41,73 +41,44 @@ class ControlPlane:
         self.channel = channel
         self.prefix = f"ws/{channel}/"
 
-    def clone(self) -> ControlPlane:
-        return ControlPlane(self.store.clone(), self.channel)
+    def clone(self, timeout: float = 30.0) -> ControlPlane:
+        return ControlPlane(compat.clone_store(self.store, timeout), self.channel)
 
-    # keys -----------------------------------------------------------------
-    def inbox_key(self, n: int) -> str:
-        return f"{self.prefix}inbox/{n}"
+    # queues and keys ---------------------------------------------------------------------
+    @property
+    def inbox(self) -> str:
+        return f"{self.prefix}q/inbox"
 
-    def admit_key(self, n: int) -> str:
-        return f"{self.prefix}admit/{n}"
+    @property
+    def replies(self) -> str:
+        return f"{self.prefix}q/replies"
 
-    def cmd_key(self, generation: int, seq: int) -> str:
-        return f"{self.prefix}gen/{generation}/cmd/{seq}"
-
-    def ack_key(self, generation: int, seq: int, rank: int) -> str:
-        return f"{self.prefix}gen/{generation}/ack/{seq}/{rank}"
-
-    def ready_key(self, generation: int, member_id: str) -> str:
-        return f"{self.prefix}gen/{generation}/ready/{member_id}"
-
-    def go_key(self, generation: int) -> str:
-        return f"{self.prefix}gen/{generation}/go"
+    def member_queue(self, member_id: str, nonce: str) -> str:
+        return f"{self.prefix}q/member/{member_id}/{nonce}"
 
     def heartbeat_key(self, member_id: str) -> str:
         return f"{self.prefix}hb/{member_id}"
 
-    # primitives -----------------------------------------------------------
-    def set(self, key: str, value: bytes) -> None:
-        self._call(self.store.set, key, value)
-
-    def get(self, key: str) -> bytes:
-        return bytes(self._call(self.store.get, key))
-
+    # primitives ---------------------------------------------------------------------------
     def add(self, key: str, amount: int) -> int:
         return int(self._call(self.store.add, key, amount))
 
-    def check(self, key: str) -> bool:
-        return bool(self._call(self.store.check, [key]))
+    def push(self, queue: str, message: Any) -> None:
+        self._call(self.store.queue_push, queue, _wire.encode(message))
+
+    def pending(self, queue: str) -> int:
+        return int(self._call(self.store.queue_len, queue))
+
+    def pop(self, queue: str, timeout: float) -> bytes:
+        """The next item of ``queue``; StoreTimeout when none comes within ``timeout`` seconds."""
+        self._call(self.store.set_timeout, dt.timedelta(seconds=max(min(timeout, 86_400.0), 0.001)))
+        return bytes(self._call(self.store.queue_pop, queue, True))
 
     def delete(self, key: str) -> None:
         try:
             self._call(self.store.delete_key, key)
         except (StoreUnreachable, StoreTimeout):
             pass
-
-    def wait(self, keys: list[str], timeout: float) -> None:
-        """Block until every key exists; StoreTimeout after ``timeout`` seconds."""
-        self._call(self.store.wait, keys, dt.timedelta(seconds=max(timeout, 0.001)))
-
-    def wait_key(self, key: str, timeout: float, *, cancelled: Callable[[], bool] = lambda: False,
-                 slice_s: float = 0.1) -> bytes | None:
-        """Wait for ``key`` in slices so ``cancelled()`` is seen promptly; None when cancelled.
-
-        Raises StoreTimeout after ``timeout`` seconds (``float("inf")`` waits while the store
-        answers: a dead store server ends it with StoreUnreachable).
-        """
-        end = time.monotonic() + timeout
-        while True:
-            if cancelled():
-                return None
-            left = end - time.monotonic()
-            if left <= 0:
-                raise StoreTimeout(f"{key} did not appear within {timeout:.1f}s")
-            try:
-                self.wait([key], min(slice_s, left))
-            except StoreTimeout:
-                continue
-            return self.get(key)
 
     def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
         try:
@@ -117,6 +88,3 @@ class ControlPlane:
                 raise StoreTimeout(str(err)) from err
             raise StoreUnreachable(f"store of channel {self.channel!r} unreachable: {err}") from err
 
-    # typed messages ---------------------------------------------------------
-    def put_message(self, key: str, message: Any) -> None:
-        self.set(key, _wire.encode(message))

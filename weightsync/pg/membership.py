@@ -26,7 +26,7 @@ class Plan:
     old_generation: int
     generation: int
     members: tuple[str, ...]
-    admitted: tuple[tuple[int, str], ...]
+    admitted: tuple[str, ...]
     evicted: tuple[str, ...]
     notify: bool
 
@@ -39,7 +39,7 @@ class Membership:
         self.heartbeat_interval = heartbeat_interval
         self._recorder = recorder
         self._lock = threading.Lock()
-        self._joining: list[tuple[int, str]] = []
+        self._joining: list[str] = []
         self._leaving: set[str] = set()
         self._beats: dict[str, tuple[int, float]] = {}  # member -> (counter, monotonic when it last moved)
         self._strikes: dict[str, int] = {}
@@ -47,9 +47,9 @@ class Membership:
         self.receive_seconds: dict[str, list[float]] = {}
 
     # requests (inbox thread) -------------------------------------------------------------
-    def request_join(self, ticket: int, member_id: str) -> None:
+    def request_join(self, member_id: str) -> None:
         with self._lock:
-            self._joining.append((ticket, member_id))
+            self._joining.append(member_id)
             self._beats[member_id] = (-1, time.monotonic())
 
     def request_leave(self, member_id: str) -> None:
@@ -59,7 +59,11 @@ class Membership:
 
     def is_member_or_joining(self, member_id: str) -> bool:
         with self._lock:
-            return member_id in self.members or any(m == member_id for _, m in self._joining)
+            return member_id in self.members or member_id in self._joining
+
+    def joining(self) -> list[str]:
+        with self._lock:
+            return list(self._joining)
 
     def is_leaving(self, member_id: str) -> bool:
         with self._lock:
@@ -68,19 +72,22 @@ class Membership:
     def has_requests(self) -> bool:
         return bool(self._joining or self._leaving)
 
-    def sample_heartbeats(self, ctl: ControlPlane) -> None:
+    def sample_heartbeats(self, ctl: ControlPlane) -> set[str]:
+        """Read every watched member's beat counter; returns members that just went silent."""
+        was_alive = {m for m in self.members if self.is_alive(m)}
         with self._lock:
-            watched = list(self.members) + [m for _, m in self._joining]
+            watched = list(self.members) + list(self._joining)
         now = time.monotonic()
         for member in watched:
             try:
                 count = ctl.add(ctl.heartbeat_key(member), 0)
             except (StoreTimeout, StoreUnreachable):
-                return
+                return set()
             with self._lock:
                 last, since = self._beats.get(member, (-1, now))
                 if count != last:
                     self._beats[member] = (count, now)
+        return {m for m in was_alive if not self.is_alive(m)}
 
     def is_alive(self, member: str) -> bool:
         _, since = self._beats.get(member, (-1, time.monotonic()))
@@ -91,7 +98,7 @@ class Membership:
 
     def unresponsive(self) -> set[str]:
         with self._lock:
-            return {m for m in self.members + [j for _, j in self._joining] if not self.is_alive(m)}
+            return {m for m in self.members + self._joining if not self.is_alive(m)}
 
     # generations (sender thread) ---------------------------------------------------------
     def plan_next(self, failed: Iterable[str] = ()) -> Plan:
@@ -109,16 +116,16 @@ class Membership:
                     evicted.append(member)
                 else:
                     keep.append(member)
-            admitted = tuple((t, m) for t, m in self._joining if self.is_alive(m) and m not in failed)
+            admitted = tuple(m for m in self._joining if self.is_alive(m) and m not in failed)
             return Plan(old_generation=self.generation, generation=self.generation + 1,
-                        members=tuple(keep) + tuple(m for _, m in admitted), admitted=admitted,
+                        members=tuple(keep) + admitted, admitted=admitted,
                         evicted=tuple(evicted), notify=bool(self.members))
 
     def commit(self, plan: Plan, ok: bool) -> None:
         """Adopt ``plan`` (``ok``) or record that its rendezvous failed."""
         with self._lock:
-            admitted = {m for _, m in plan.admitted}
-            self._joining = [(t, m) for t, m in self._joining if m not in admitted]
+            admitted = set(plan.admitted)
+            self._joining = [m for m in self._joining if m not in admitted]
             if ok:
                 self._leaving.clear()
             self.generation = plan.generation

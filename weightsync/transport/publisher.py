@@ -105,6 +105,8 @@ class Publisher:
         self._seq = itertools.count()
         self._address: str | None = None
         self._store: Any = None
+        self._reply_to: dict[str, str] = {}
+        self._fatal: WeightSyncError | None = None
 
     # lifecycle ----------------------------------------------------------------------------
     async def __aenter__(self) -> Publisher:
@@ -130,9 +132,13 @@ class Publisher:
             self._state = "closed"
             raise WeightSyncError(f"could not host/connect the store: {err}", channel=self.name) from err
         self._ctl = ControlPlane(self._store, self.name)
+        roles = ((self._inbox_main, "inbox"), (self._sender_main, "sender"), (self._monitor_main, "monitor"))
+        # one store connection per blocking thread, made serially before any thread runs
+        clones = await self._loop.run_in_executor(
+            self._executor, lambda: [self._ctl.clone(self.options.timeout) for _ in roles])
         self._state = "running"
-        for target, role in ((self._inbox_main, "inbox"), (self._sender_main, "sender")):
-            thread = threading.Thread(target=target, name=f"ws-{self.name}-{role}", daemon=True)
+        for (target, role), ctl in zip(roles, clones):
+            thread = threading.Thread(target=target, args=(ctl,), name=f"ws-{self.name}-{role}", daemon=True)
             thread.start()
             self._threads.append(thread)
 
@@ -168,20 +174,23 @@ class Publisher:
         self._stop.set()
         with self._staging.lock:
             self._staging.lock.notify_all()
-        if self._group is not None:
-            self._group.abort("publisher aborted")
         await self._join_threads(self.options.timeout)
 
     async def _join_threads(self, timeout: float) -> None:
         assert self._loop is not None
         deadline = time.monotonic() + timeout
-        inbox, sender = self._threads
+        inbox, sender, monitor = self._threads
         await self._loop.run_in_executor(None, sender.join, max(deadline - time.monotonic(), 0.01))
-        self._stop.set()  # the sender has drained (or timed out): now the inbox may stop too
+        self._stop.set()  # the sender has drained (or timed out): now everything may stop
         with self._staging.lock:
             self._staging.lock.notify_all()
-        await self._loop.run_in_executor(None, sender.join, max(deadline - time.monotonic(), 0.01))
-        await self._loop.run_in_executor(None, inbox.join, max(deadline - time.monotonic(), 0.01))
+        try:
+            self._ctl.push(self._ctl.inbox, _wire.Wake(reason="closing"))
+            self._ctl.push(self._ctl.replies, _wire.Wake(reason="closing"))
+        except (StoreTimeout, StoreUnreachable):
+            pass
+        for thread in (sender, inbox, monitor):
+            await self._loop.run_in_executor(None, thread.join, max(deadline - time.monotonic(), 0.01))
         for job in self._staging.drain():
             job.handle.resolve_threadsafe(error=Closed("publisher closed before sending", channel=self.name,
                                                        version=job.version))
@@ -310,55 +319,47 @@ class Publisher:
             from weightsync.transport.handles import call_soon
             call_soon(self._loop, self._members_changed.set)
 
-    # inbox thread -------------------------------------------------------------------------
-    def _inbox_main(self) -> None:
-        ctl = self._ctl.clone()
-        ticket = 1
-        next_sample = 0.0
+    # inbox thread: joins and leaves ---------------------------------------------------------
+    def _inbox_main(self, ctl: ControlPlane) -> None:
         while not self._stop.is_set():
-            if time.monotonic() >= next_sample:
-                try:
-                    ctl.add(ctl.heartbeat_key(self._member), 1)  # subscribers watch this
-                except (StoreTimeout, StoreUnreachable):
-                    pass
-                self.membership.sample_heartbeats(ctl)
-                next_sample = time.monotonic() + self.options.heartbeat_interval / 2
             try:
-                raw = ctl.wait_key(ctl.inbox_key(ticket), self.options.heartbeat_interval / 2,
-                                   cancelled=self._stop.is_set)
+                raw = ctl.pop(ctl.inbox, 3600.0)
             except StoreTimeout:
                 continue
             except StoreUnreachable:
                 return
-            if raw is None:
-                return
-            self._handle_inbox(ctl, ticket, raw)
-            ticket += 1
+            self._handle_inbox(ctl, raw)
 
-    def _handle_inbox(self, ctl: ControlPlane, ticket: int, raw: bytes) -> None:
+    def _handle_inbox(self, ctl: ControlPlane, raw: bytes) -> None:
         try:
             message = _wire.inbox_decoder.decode(raw)
         except Exception as err:  # noqa: BLE001 - malformed input must never stop the publisher
-            self._recorder.record("inbox", channel=self.name, member=self._member, error=f"malformed: {err}").fail(err)
+            self._recorder.record("inbox", channel=self.name, member=self._member).fail(f"malformed message: {err}")
+            return
+        if isinstance(message, _wire.Wake):
             return
         if isinstance(message, _wire.Leave):
             with self._staging.lock:
                 self.membership.request_leave(message.member_id)
                 self._staging.lock.notify_all()
+            ctl.push(ctl.replies, _wire.Wake(reason="leave"))  # a sender waiting on replies re-checks
             return
         deny = self._admission_problem(message)
         if deny is not None:
-            ctl.put_message(ctl.admit_key(ticket), deny)
+            ctl.push(message.reply_to, deny)
             self._recorder.record("admit", channel=self.name, member=self._member,
-                                  peers=(message.member_id,), error=deny.reason).fail(deny.reason)
+                                  peers=(message.member_id,)).fail(deny.reason)
             return
         with self._staging.lock:
-            self.membership.request_join(ticket, message.member_id)
+            self._reply_to[message.member_id] = message.reply_to
+            self.membership.request_join(message.member_id)
             self._staging.lock.notify_all()
 
     def _admission_problem(self, join: _wire.Join) -> _wire.Deny | None:
         if self._draining or self._stop.is_set():
             return _wire.Deny(reason="the publisher is shutting down", kind="closed")
+        if not join.reply_to.startswith(self._ctl.prefix + "q/member/"):
+            return _wire.Deny(reason=f"reply queue {join.reply_to!r} is outside this channel", kind="token")
         if not handshake.token_ok(self._secret, self.name, join.member_id, join.token_mac):
             return _wire.Deny(reason="missing or wrong token", kind="token")
         diffs = handshake.compare(handshake.fingerprint(self.backend, self.device), join.fingerprint)
@@ -368,11 +369,28 @@ class Publisher:
             return _wire.Deny(reason=f"member id {join.member_id!r} is already in the channel", kind="duplicate")
         return None
 
-    # sender thread ------------------------------------------------------------------------
-    def _sender_main(self) -> None:
-        ctl = self._ctl.clone()
+    # monitor thread: our heartbeat, theirs sampled ----------------------------------------------
+    def _monitor_main(self, ctl: ControlPlane) -> None:
+        interval = self.options.heartbeat_interval
+        while not self._stop.wait(interval / 2):
+            try:
+                ctl.add(ctl.heartbeat_key(self._member), 1)  # subscribers watch this
+                newly_dead = self.membership.sample_heartbeats(ctl)
+            except (StoreTimeout, StoreUnreachable):
+                continue
+            if newly_dead:
+                self._recorder.record("heartbeat", channel=self.name, member=self._member,
+                                      peers=tuple(sorted(newly_dead))).fail("heartbeats stopped")
+                with self._staging.lock:
+                    self._staging.lock.notify_all()
+                ctl.push(ctl.replies, _wire.Wake(reason="member died"))
+
+    # sender thread --------------------------------------------------------------------------
+    def _sender_main(self, ctl: ControlPlane) -> None:
         try:
             self._sender_loop(ctl)
+        except WeightSyncError as err:
+            self._fatal = err
         finally:
             self._shutdown_members(ctl)
 
@@ -380,10 +398,9 @@ class Publisher:
         st = self._staging
         while not self._stop.is_set():
             with st.lock:
-                while not (st.pending or self.membership.has_requests() or self._draining or self._stop.is_set()):
+                while not (st.pending or self.membership.has_requests() or self._draining or self._stop.is_set()
+                           or self.membership.has_dead_members()):
                     st.lock.wait(self.options.heartbeat_interval)
-                    if self.membership.has_dead_members():
-                        break
             if self._stop.is_set() or (self._draining and st.pending is None):
                 return
             if self.membership.has_requests() or self.membership.has_dead_members():
@@ -394,70 +411,70 @@ class Publisher:
             job = st.take()
             if job is not None:
                 self._send(ctl, job)
-            elif self._draining and not self.membership.has_requests():
-                return
+
+    def _tell(self, ctl: ControlPlane, members: Iterable[str], message: Any) -> None:
+        for member in members:
+            queue = self._reply_to.get(member)
+            if queue is not None:
+                ctl.push(queue, message)
 
     def _next_generation(self, ctl: ControlPlane, reason: str, failed: Iterable[str] = ()) -> None:
         """End the current generation and build the next with the live members and joiners."""
-        for _attempt in range(3):
+        for _attempt in range(4):
             plan = self.membership.plan_next(failed)
-            old_gen = plan.old_generation
-            if self._group is not None or plan.notify:
-                ctl.put_message(ctl.cmd_key(old_gen, next(self._seq)),
-                                _wire.Reconfigure(next_generation=plan.generation, members=plan.members, reason=reason))
-            for ticket, member_id in plan.admitted:
-                ctl.put_message(ctl.admit_key(ticket),
-                                _wire.Admit(member_id=member_id, generation=plan.generation, members=plan.members))
+            self._tell(ctl, self.membership.members, _wire.Reconfigure(
+                next_generation=plan.generation, members=plan.members, reason=reason))
+            for member_id in plan.admitted:
+                self._tell(ctl, [member_id], _wire.Admit(member_id=member_id, generation=plan.generation,
+                                                         members=plan.members))
             if self._group is not None:
                 self._group.abort(reason)
+                self._group = None
             self._seq = itertools.count()
             missing = self._await_ready(ctl, plan)
             if missing:
                 self.membership.commit(plan, ok=False)
                 failed, reason = missing, f"members did not come to the rendezvous: {sorted(missing)}"
                 continue
-            ctl.set(ctl.go_key(plan.generation), b"1")
+            self._tell(ctl, plan.members, _wire.Go(generation=plan.generation))
             try:
                 self._group = DedicatedGroup.build(
-                    self._store_for_group(ctl), channel=self.name, member=self._member, generation=plan.generation,
+                    ctl.store, channel=self.name, member=self._member, generation=plan.generation,
                     rank=0, size=len(plan.members) + 1, backend=self.backend, device=self._slot_device,
                     timeout=self._rendezvous_timeout(), recorder=self._recorder, peers=plan.members)
             except _DATA_ERRORS as err:
-                self._group = None
                 self.membership.commit(plan, ok=False)
-                failed = self.membership.unresponsive()
-                reason = f"rendezvous failed: {err}"
+                failed, reason = self.membership.unresponsive(), f"rendezvous failed: {err}"
                 continue
             self.membership.commit(plan, ok=True)
+            for member in plan.evicted:
+                self._reply_to.pop(member, None)
             self._notify_members()
             return
-        raise WeightSyncError("could not form a generation after 3 attempts", channel=self.name)
+        raise WeightSyncError("could not form a generation after 4 attempts", channel=self.name)
 
     def _await_ready(self, ctl: ControlPlane, plan: Any) -> set[str]:
-        """Wait until every planned member announced it is entering the rendezvous.
+        """Wait until every planned member is on its way into the rendezvous.
 
-        Returns the members that left, died or never came; gloo's own rendezvous cannot be
-        interrupted, so it is entered only when everyone is known to be on the way.
+        Returns the members that left, died or never came: gloo's own rendezvous cannot be
+        interrupted, so nobody enters it until everyone is known to be coming.
         """
         deadline = time.monotonic() + self._rendezvous_timeout()
         waiting = set(plan.members)
-        while waiting and not self._stop.is_set():
-            waiting = {m for m in waiting if not ctl.check(ctl.ready_key(plan.generation, m))}
+        while waiting:
             gone = {m for m in waiting if self.membership.is_leaving(m) or not self.membership.is_alive(m)}
-            if gone:
-                return gone
-            if not waiting:
-                break
-            if time.monotonic() > deadline:
-                return waiting
+            if gone or self._stop.is_set():
+                return gone or waiting
             try:
-                ctl.wait([ctl.ready_key(plan.generation, next(iter(waiting)))], 0.05)
+                message = _wire.reply_decoder.decode(ctl.pop(ctl.replies, deadline - time.monotonic()))
             except StoreTimeout:
-                pass
+                return waiting
+            except Exception as err:  # noqa: BLE001 - a malformed reply is dropped, never fatal
+                self._recorder.record("reply", channel=self.name, member=self._member).fail(f"malformed: {err}")
+                continue
+            if isinstance(message, _wire.Ready) and message.generation == plan.generation:
+                waiting.discard(message.member_id)
         return set()
-
-    def _store_for_group(self, ctl: ControlPlane) -> Any:
-        return ctl.store
 
     def _rendezvous_timeout(self) -> float:
         return self.options.timeout + self.options.deadline(self.options.bucket_bytes)
@@ -476,19 +493,23 @@ class Publisher:
     def _send_once(self, ctl: ControlPlane, job: Job) -> set[str] | None:
         """Announce and broadcast ``job`` once; None on success, else the members that failed."""
         if job.ready is not None:
-            torch.cuda.current_stream(job.ready.device if hasattr(job.ready, "device") else None).wait_event(job.ready)
+            torch.cuda.current_stream(self._slot_device if self._slot_device.type == "cuda" else None).wait_event(
+                job.ready)
+            if self._slot_device.type != "cuda":
+                job.ready.synchronize()  # gloo reads host memory: the device->host copy must be done
         members = tuple(self.membership.members)
         gen, seq, group = self.membership.generation, next(self._seq), self._group
         ranges = layout.bucket_ranges(job.manifest.total_bytes, self.options.bucket_bytes)
-        announce = _wire.Announce(version=job.version, manifest=job.manifest, bucket_bytes=self.options.bucket_bytes,
-                                  num_buckets=len(ranges), resend=job.resends > 0)
+        announce = _wire.Announce(generation=gen, seq=seq, version=job.version, manifest=job.manifest,
+                                  bucket_bytes=self.options.bucket_bytes, num_buckets=len(ranges),
+                                  resend=job.resends > 0)
         job.resends += 1
+        job.started = job.started or time.monotonic()
+        t0 = time.monotonic()
         entry = self._recorder.record("announce", channel=self.name, member=self._member, generation=gen,
                                       version=job.version, nbytes=job.manifest.total_bytes, peers=members).start()
-        t0 = time.monotonic()
-        job.started = job.started or t0
         try:
-            ctl.put_message(ctl.cmd_key(gen, seq), announce)
+            self._tell(ctl, members, announce)
             entry.complete()
             if members and group is not None:
                 slices, before = self._slices(job, ranges)
@@ -496,14 +517,15 @@ class Publisher:
                                         op="bucket_send", before=before)
             if job.flat is None:
                 job.handle.release_threadsafe()
-            acked, failed = self._collect_acks(ctl, gen, seq, members, job.version)
+            acked, failed = self._collect_acks(ctl, gen, seq, members, job.version, self.options.timeout)
         except _DATA_ERRORS as err:
-            entry.fail(err) if entry.state != "completed" else None
+            if entry.state != "completed":
+                entry.fail(err)
             self._recorder.record("send", channel=self.name, member=self._member, generation=gen,
-                                  version=job.version, error=str(err)).fail(err)
-            acked, failed = self._collect_acks(ctl, gen, seq, members, job.version, grace=True)
+                                  version=job.version).fail(err)
+            acked, failed = self._collect_acks(ctl, gen, seq, members, job.version, self.options.timeout)
             job.members_done |= acked
-            return failed or set(members) - acked
+            return (failed | (set(members) - acked)) or set(members)
         job.members_done |= acked
         self.membership.note_delivered(acked, job.version, time.monotonic() - t0)
         if failed:
@@ -512,10 +534,9 @@ class Publisher:
         return None
 
     def _finish(self, job: Job, t0: float) -> None:
-        start = job.started or t0
         members = tuple(m for m in self.membership.members if m in job.members_done)
         report = DeliveryReport(version=job.version, members=members, nbytes=job.manifest.total_bytes,
-                                seconds=time.monotonic() - start)
+                                seconds=time.monotonic() - (job.started or t0))
         self._staging.finish(job)
         job.handle.resolve_threadsafe(report)
 
@@ -538,34 +559,47 @@ class Publisher:
         return [bufs[i % 2][: hi - lo] for i, (lo, hi) in enumerate(ranges)], pack
 
     def _collect_acks(self, ctl: ControlPlane, gen: int, seq: int, members: tuple[str, ...], version: int,
-                      grace: bool = False) -> tuple[set[str], set[str]]:
-        """Members that acknowledged ``version`` ok, and those that failed or never answered."""
+                      timeout: float) -> tuple[set[str], set[str]]:
+        """Members that acknowledged ``version`` ok, and those that failed, died or never answered.
+
+        Stops early once every member has answered or every silent one is known dead.
+        """
         acked: set[str] = set()
         failed: set[str] = set()
-        deadline = time.monotonic() + (self.options.heartbeat_interval * 2 if grace else self.options.timeout)
-        for rank, member in enumerate(members, start=1):
-            entry = self._recorder.record("ack", channel=self.name, member=self._member, generation=gen,
-                                          version=version, peers=(member,)).start()
+        entry = self._recorder.record("ack", channel=self.name, member=self._member, generation=gen,
+                                      version=version, peers=members).start()
+        deadline = time.monotonic() + timeout
+        while True:
+            silent = set(members) - acked - failed
+            if not silent:
+                break
+            dead = {m for m in silent if not self.membership.is_alive(m)}
+            if dead == silent:
+                failed |= dead
+                break
             try:
-                raw = ctl.wait_key(ctl.ack_key(gen, seq, rank), max(deadline - time.monotonic(), 0.001))
-                ack = _wire.ack_decoder.decode(raw or b"")
-            except (StoreTimeout, StoreUnreachable, Exception) as err:  # noqa: BLE001 - malformed acks count as failed
-                entry.fail(err)
-                failed.add(member)
+                message = _wire.reply_decoder.decode(ctl.pop(ctl.replies, deadline - time.monotonic()))
+            except StoreTimeout:
+                failed |= silent
+                break
+            except Exception as err:  # noqa: BLE001 - a malformed reply counts as no reply
+                self._recorder.record("reply", channel=self.name, member=self._member).fail(f"malformed: {err}")
                 continue
-            if ack.ok and ack.version == version:
-                acked.add(member)
-                entry.complete()
-            else:
-                failed.add(member)
-                entry.fail(ack.error or f"acked version {ack.version}")
+            if not isinstance(message, _wire.Ack) or (message.generation, message.seq) != (gen, seq):
+                continue  # a stale ack or a wake-up
+            if message.member_id not in silent:
+                continue
+            (acked if message.ok and message.version == version else failed).add(message.member_id)
+        if failed:
+            entry.fail(f"no acknowledgement from {sorted(failed)}")
+        else:
+            entry.complete()
         return acked, failed
 
     def _shutdown_members(self, ctl: ControlPlane) -> None:
         try:
-            if self.membership.members:
-                ctl.put_message(ctl.cmd_key(self.membership.generation, next(self._seq)),
-                                _wire.Shutdown(reason="publisher closed"))
+            self._tell(ctl, self.membership.members, _wire.Shutdown(reason="publisher closed"))
+            self._tell(ctl, self.membership.joining(), _wire.Deny(reason="publisher closed", kind="closed"))
         except (StoreTimeout, StoreUnreachable):
             pass
         if self._group is not None:

@@ -123,8 +123,12 @@ class Subscriber:
             raise PublisherGone(f"cannot reach the publisher's store: {err}", channel=self.name,
                                 member=self.member_id) from err
         self._ctl = ControlPlane(store, self.name)
-        for target, role in ((self._heartbeat_main, "heartbeat"), (self._receiver_main, "receiver")):
-            thread = threading.Thread(target=target, name=f"ws-{self.name}-{role}", daemon=True)
+        self._queue = self._ctl.member_queue(self.member_id, uuid.uuid4().hex[:12])
+        roles = ((self._heartbeat_main, "heartbeat"), (self._receiver_main, "receiver"))
+        clones = await self._loop.run_in_executor(
+            self._executor, lambda: [self._ctl.clone(self.options.timeout) for _ in roles])
+        for (target, role), ctl in zip(roles, clones):
+            thread = threading.Thread(target=target, args=(ctl,), name=f"ws-{self.name}-{role}", daemon=True)
             thread.start()
             self._threads.append(thread)
         joined = await self._loop.run_in_executor(None, self._joined.wait, limit)
@@ -185,7 +189,7 @@ class Subscriber:
         assert self._loop is not None
         slot = self._slots.pin()
         try:
-            flat, manifest, version = await self._loop.run_in_executor(self._executor, self._copy_out, slot)
+            flat, manifest, version = await self._loop.run_in_executor(None, self._copy_out, slot)
         finally:
             self._slots.unpin(slot)
         return Weights(version, layout.views(flat, manifest), manifest.total_bytes)
@@ -205,7 +209,7 @@ class Subscriber:
         try:
             assert slot.manifest is not None and slot.flat is not None and slot.version is not None
             layout.check_destination(slot.manifest, dest)
-            await self._loop.run_in_executor(self._executor, self._copy_into, slot, dest)
+            await self._loop.run_in_executor(None, self._copy_into, slot, dest)
             return slot.version
         finally:
             self._slots.unpin(slot)
@@ -272,9 +276,8 @@ class Subscriber:
             self._terminal = (cls, message)
         self._wake()
 
-    # heartbeat thread ---------------------------------------------------------------------
-    def _heartbeat_main(self) -> None:
-        ctl = self._ctl.clone()
+    # heartbeat thread -------------------------------------------------------------------------
+    def _heartbeat_main(self, ctl: ControlPlane) -> None:
         interval = self.options.heartbeat_interval
         last_seen, since = -1, time.monotonic()
         while not self._closing.is_set():
@@ -282,18 +285,28 @@ class Subscriber:
                 ctl.add(ctl.heartbeat_key(self.member_id), 1)
                 publisher_beats = ctl.add(ctl.heartbeat_key("publisher"), 0)
             except (StoreTimeout, StoreUnreachable) as err:
-                self._set_terminal(PublisherGone, f"publisher's store stopped answering: {err}")
+                self._publisher_gone(ctl, f"publisher's store stopped answering: {err}")
                 return
             if publisher_beats != last_seen:
                 last_seen, since = publisher_beats, time.monotonic()
-            elif time.monotonic() - since > max(3 * interval, self.options.timeout / 2) and self._joined.is_set():
-                self._set_terminal(PublisherGone, f"publisher silent for {time.monotonic() - since:.1f}s")
+            elif time.monotonic() - since > max(3 * interval, self.options.timeout / 2):
+                self._publisher_gone(ctl, f"publisher silent for {time.monotonic() - since:.1f}s")
                 return
             self._closing.wait(interval)
+        self._wake_receiver(ctl, "closing")
 
-    # receiver thread ----------------------------------------------------------------------
-    def _receiver_main(self) -> None:
-        ctl = self._ctl.clone()
+    def _publisher_gone(self, ctl: ControlPlane, reason: str) -> None:
+        self._set_terminal(PublisherGone, reason)
+        self._wake_receiver(ctl, reason)
+
+    def _wake_receiver(self, ctl: ControlPlane, reason: str) -> None:
+        try:
+            ctl.push(self._queue, _wire.Wake(reason=reason))
+        except (StoreTimeout, StoreUnreachable):
+            pass  # the receiver's own pop fails the same way and ends
+
+    # receiver thread --------------------------------------------------------------------------
+    def _receiver_main(self, ctl: ControlPlane) -> None:
         try:
             generation, members = self._join(ctl)
             self._joined.set()
@@ -313,80 +326,107 @@ class Subscriber:
             if self._closing.is_set() and self._joined.is_set() and self._join_error is None:
                 self._leave(ctl)
 
+    def _next_message(self, ctl: ControlPlane, timeout: float) -> Any:
+        """The next message for this subscriber; None when woken to stop."""
+        while True:
+            raw = ctl.pop(self._queue, timeout)
+            try:
+                message = _wire.member_decoder.decode(raw)
+            except Exception as err:  # noqa: BLE001 - never crash on a malformed message
+                self._recorder.record("command", channel=self.name, member=self.member_id).fail(f"malformed: {err}")
+                continue
+            if isinstance(message, _wire.Wake):
+                if self._stopping():
+                    return None
+                continue
+            return message
+
     def _join(self, ctl: ControlPlane) -> tuple[int, tuple[str, ...]]:
         entry = self._recorder.record("join", channel=self.name, member=self.member_id).start()
-        join = _wire.Join(member_id=self.member_id, fingerprint=handshake.fingerprint(self.backend, self.device),
+        join = _wire.Join(member_id=self.member_id, reply_to=self._queue,
+                          fingerprint=handshake.fingerprint(self.backend, self.device),
                           token_mac=handshake.token_mac(self._secret, self.name, self.member_id),
                           pid=os.getpid(), host=socket.gethostname())
         try:
-            ticket = ctl.add(ctl.prefix + "inbox_seq", 1)
-            ctl.put_message(ctl.inbox_key(ticket), join)
-            raw = ctl.wait_key(ctl.admit_key(ticket), 2 * self.options.timeout + self.options.deadline(64 << 20),
-                               cancelled=self._abort.is_set)
+            ctl.push(ctl.inbox, join)
+            reply = self._next_message(ctl, 2 * self.options.timeout + self.options.deadline(64 << 20))
         except StoreTimeout as err:
             entry.fail(err)
             raise SyncTimeout("the publisher did not answer the join", channel=self.name,
                               member=self.member_id) from err
-        if raw is None:
+        if reply is None:
             entry.fail("closed while joining")
             raise Closed("closed while joining", channel=self.name, member=self.member_id)
-        reply = _wire.admit_decoder.decode(raw)
         if isinstance(reply, _wire.Deny):
             entry.fail(reply.reason)
             cls = HandshakeMismatch if reply.kind == "handshake" else AdmissionDenied
+            if reply.kind == "closed":
+                cls = PublisherGone
             raise cls(f"join refused: {reply.reason}", channel=self.name, member=self.member_id)
+        if not isinstance(reply, _wire.Admit):
+            entry.fail(f"unexpected {type(reply).__name__}")
+            raise WeightSyncError(f"unexpected reply to join: {type(reply).__name__}", channel=self.name)
         entry.complete()
         return reply.generation, reply.members
 
-    def _build(self, ctl: ControlPlane, generation: int, members: tuple[str, ...]) -> DedicatedGroup | None:
-        """Enter generation ``generation``; None when the publisher abandoned it before forming it."""
+    def _enter(self, ctl: ControlPlane, generation: int, members: tuple[str, ...]) -> Any:
+        """Enter generation ``generation``: a DedicatedGroup, or the message that replaced it.
+
+        The publisher says Go once every member is ready; until then it may abandon the
+        generation with a Reconfigure (someone left or died), which is returned instead.
+        """
         self.generation, self.rank = generation, members.index(self.member_id) + 1
-        ctl.set(ctl.ready_key(generation, self.member_id), b"1")
-        limit = time.monotonic() + self.options.timeout + self.options.deadline(64 << 20)
-        go, first_cmd = ctl.go_key(generation), ctl.cmd_key(generation, 0)
-        while not ctl.check(go):
-            if ctl.check(first_cmd) or self._stopping():
-                return None  # a Reconfigure is waiting at command 0
-            if time.monotonic() > limit:
-                raise StoreTimeout(f"generation {generation} was never formed")
-            try:
-                ctl.wait([go], 0.05)
-            except StoreTimeout:
-                pass
-        return DedicatedGroup.build(ctl.store, channel=self.name, member=self.member_id, generation=generation,
-                                    rank=self.rank, size=len(members) + 1, backend=self.backend,
-                                    device=self._slots.device, recorder=self._recorder, peers=members,
-                                    timeout=self.options.timeout + self.options.deadline(64 << 20))
+        ctl.push(ctl.replies, _wire.Ready(generation=generation, member_id=self.member_id))
+        limit = self.options.timeout + self.options.deadline(64 << 20)
+        while True:
+            message = self._next_message(ctl, limit)
+            if message is None or not isinstance(message, _wire.Go):
+                return message
+            if message.generation == generation:
+                return DedicatedGroup.build(
+                    ctl.store, channel=self.name, member=self.member_id, generation=generation, rank=self.rank,
+                    size=len(members) + 1, backend=self.backend, device=self._slots.device,
+                    recorder=self._recorder, peers=members,
+                    timeout=self.options.timeout + self.options.deadline(64 << 20))
 
     def _follow(self, ctl: ControlPlane, generation: int, members: tuple[str, ...]) -> None:
         group: DedicatedGroup | None = None
+        pending: Any = None
         try:
-            group = self._build(ctl, generation, members)
-            seq = 0
-            while not self._closing.is_set():
-                raw = ctl.wait_key(ctl.cmd_key(generation, seq), float("inf"), cancelled=self._stopping)
-                if raw is None:
+            entered = self._enter(ctl, generation, members)
+            if isinstance(entered, DedicatedGroup):
+                group = entered
+            else:
+                pending = entered
+            while not self._closing.is_set() or pending is not None:
+                message = pending if pending is not None else self._next_message(ctl, 3600.0)
+                pending = None
+                if message is None:
                     return
-                command = _wire.command_decoder.decode(raw)
-                if isinstance(command, _wire.Announce):
-                    if group is None:
-                        raise ValueError(f"version {command.version} announced in an unformed generation")
-                    self._receive(ctl, group, generation, seq, command)
-                    seq += 1
-                elif isinstance(command, _wire.Reconfigure):
+                if isinstance(message, _wire.Announce):
+                    if group is None or message.generation != generation:
+                        continue  # for a generation we are not in (stale)
+                    self._receive(ctl, group, message)
+                elif isinstance(message, _wire.Reconfigure):
                     if group is not None:
-                        group.abort(command.reason)
-                    if self.member_id not in command.members:
+                        group.abort(message.reason)
+                        group = None
+                    if self.member_id not in message.members:
                         self._recorder.record("evict", channel=self.name, member=self.member_id,
-                                              generation=command.next_generation).complete()
-                        raise Evicted(f"evicted from the channel ({command.reason})", channel=self.name,
+                                              generation=message.next_generation).complete()
+                        raise Evicted(f"evicted from the channel ({message.reason})", channel=self.name,
                                       member=self.member_id, generation=generation)
-                    generation, members = command.next_generation, command.members
-                    group = self._build(ctl, generation, members)
-                    seq = 0
-                else:
-                    raise PublisherGone(f"publisher shut down: {command.reason}", channel=self.name,
+                    generation, members = message.next_generation, message.members
+                    entered = self._enter(ctl, generation, members)
+                    if isinstance(entered, DedicatedGroup):
+                        group = entered
+                    else:
+                        pending = entered
+                elif isinstance(message, _wire.Shutdown):
+                    raise PublisherGone(f"publisher shut down: {message.reason}", channel=self.name,
                                         member=self.member_id)
+        except StoreTimeout as err:
+            raise PublisherGone(f"no word from the publisher: {err}", channel=self.name, member=self.member_id) from err
         except _DATA_ERRORS as err:
             if not self._closing.is_set():
                 raise PublisherGone(f"channel failed: {err}", channel=self.name, member=self.member_id) from err
@@ -397,42 +437,43 @@ class Subscriber:
     def _stopping(self) -> bool:
         return self._closing.is_set() or self._terminal is not None
 
-    def _receive(self, ctl: ControlPlane, group: DedicatedGroup, generation: int, seq: int,
-                 announce: _wire.Announce) -> None:
+    def _receive(self, ctl: ControlPlane, group: DedicatedGroup, announce: _wire.Announce) -> None:
         manifest = announce.manifest
         t0 = time.monotonic()
-        entry = self._recorder.record("receive", channel=self.name, member=self.member_id, generation=generation,
-                                      version=announce.version, nbytes=manifest.total_bytes).start()
-        next_cmd = ctl.cmd_key(generation, seq + 1)
+        entry = self._recorder.record("receive", channel=self.name, member=self.member_id,
+                                      generation=announce.generation, version=announce.version,
+                                      nbytes=manifest.total_bytes).start()
         ok, error = False, ""
         try:
             flat = self._slots.prepare(manifest, self.options.timeout)
             ranges = layout.bucket_ranges(manifest.total_bytes, announce.bucket_bytes)
             if len(ranges) != announce.num_buckets:
                 raise ValueError(f"announced {announce.num_buckets} buckets, layout has {len(ranges)}")
+            # anything new in our queue mid-transfer means the publisher gave up on this version
             group.broadcast_buckets([flat[lo:hi] for lo, hi in ranges], version=announce.version,
                                     deadline=self.options.deadline, op="bucket_recv",
-                                    cancelled=lambda: self._abort.is_set() or ctl.check(next_cmd))
+                                    cancelled=lambda: self._abort.is_set() or ctl.pending(self._queue) > 0)
             if self.version is None or announce.version > self.version:
                 self._slots.publish(announce.version)
-                self._recorder.record("publish", channel=self.name, member=self.member_id, generation=generation,
-                                      version=announce.version, nbytes=manifest.total_bytes).complete()
+                self._recorder.record("publish", channel=self.name, member=self.member_id,
+                                      generation=announce.generation, version=announce.version,
+                                      nbytes=manifest.total_bytes).complete()
                 self._wake()
             ok = True
             entry.complete()
         except _DATA_ERRORS as err:
             error = str(err)
             entry.fail(err)
-        ack = _wire.Ack(member_id=self.member_id, version=announce.version, ok=ok,
-                        seconds=time.monotonic() - t0, error=error[:300])
+        ack = _wire.Ack(generation=announce.generation, seq=announce.seq, member_id=self.member_id,
+                        version=announce.version, ok=ok, seconds=time.monotonic() - t0, error=error[:300])
         try:
-            ctl.put_message(ctl.ack_key(generation, seq, self.rank), ack)
+            ctl.push(ctl.replies, ack)
         except StoreTimeout:
             pass
 
     def _leave(self, ctl: ControlPlane) -> None:
         try:
-            ticket = ctl.add(ctl.prefix + "inbox_seq", 1)
-            ctl.put_message(ctl.inbox_key(ticket), _wire.Leave(member_id=self.member_id))
+            ctl.push(ctl.inbox, _wire.Leave(member_id=self.member_id))
+            ctl.delete(self._queue)
         except (StoreTimeout, StoreUnreachable):
             pass

@@ -1,0 +1,90 @@
+"""Shared fixtures: both event loops, spawned worker processes that are always killed."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgspec
+import pytest
+
+try:
+    import uvloop
+except ImportError:  # pragma: no cover - uvloop is a dependency; keep collection working without it
+    uvloop = None
+
+LOOPS = ["asyncio", "uvloop"] if uvloop is not None else ["asyncio"]
+REPO = Path(__file__).resolve().parent.parent
+
+
+def loop_policy(name: str) -> asyncio.AbstractEventLoopPolicy:
+    return uvloop.EventLoopPolicy() if name == "uvloop" else asyncio.DefaultEventLoopPolicy()
+
+
+class Procs:
+    """Worker processes started by one test: msgspec JSON results, killed at teardown."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.procs: list[tuple[subprocess.Popen[bytes], Path, Path]] = []
+
+    def spawn(self, role: str, **args: object) -> int:
+        """Start ``python -m tests.workers ROLE`` with ``args``; returns its index."""
+        index = len(self.procs)
+        out = self.tmp / f"{role}-{index}.json"
+        log = self.tmp / f"{role}-{index}.log"
+        spec = msgspec.json.encode({"role": role, "result": str(out), **args})
+        env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
+        with open(log, "wb") as fh:
+            proc = subprocess.Popen([sys.executable, "-m", "tests.workers", spec.decode()], cwd=REPO, env=env,
+                                    stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+        self.procs.append((proc, out, log))
+        return index
+
+    def pid(self, index: int) -> int:
+        return self.procs[index][0].pid
+
+    def signal(self, index: int, sig: int) -> None:
+        os.kill(self.procs[index][0].pid, sig)
+
+    async def result(self, index: int, timeout: float) -> dict:
+        """Wait (without blocking the loop) for worker ``index`` to exit; its decoded result."""
+        proc, out, log = self.procs[index]
+        deadline = time.monotonic() + timeout
+        while proc.poll() is None:
+            if time.monotonic() > deadline:
+                self.kill_all()
+                raise AssertionError(f"worker {index} still running after {timeout}s; log:\n{self.log(index)}")
+            await asyncio.sleep(0.05)  # polling a child's exit status, not synchronisation
+        if proc.returncode != 0 or not out.exists():
+            raise AssertionError(f"worker {index} exited {proc.returncode}; log:\n{self.log(index)}")
+        return msgspec.json.decode(out.read_bytes())
+
+    def log(self, index: int) -> str:
+        return self.procs[index][2].read_text(errors="replace")[-4000:]
+
+    def kill_all(self) -> None:
+        for proc, _, _ in self.procs:
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                proc.wait(timeout=10)
+
+
+@pytest.fixture
+def procs() -> Iterator[Procs]:
+    with tempfile.TemporaryDirectory(prefix="ws-test-") as tmp:
+        p = Procs(Path(tmp))
+        try:
+            yield p
+        finally:
+            p.kill_all()

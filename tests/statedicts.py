@@ -1,0 +1,42 @@
+"""Deterministic mixed-dtype state dicts and digests, shared by tests and their workers."""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+MIXED_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int8, torch.uint8, torch.bool,
+                torch.complex64, torch.float64]
+for _name in ("float8_e4m3fn", "float8_e5m2"):
+    if hasattr(torch, _name):
+        MIXED_DTYPES.append(getattr(torch, _name))
+
+
+def mixed_state_dict(version: int, mib: float = 1.0, seed: int = 0) -> dict[str, torch.Tensor]:
+    """~``mib`` MiB over every dtype, plus 0-dim, empty and non-contiguous tensors."""
+    gen = torch.Generator().manual_seed(seed * 100_003 + version)
+    per = max(int(mib * (1 << 20) / len(MIXED_DTYPES)), 64)
+    sd: dict[str, torch.Tensor] = {}
+    for i, dtype in enumerate(MIXED_DTYPES):
+        raw = torch.randint(0, 256, (per,), dtype=torch.uint8, generator=gen)
+        if dtype == torch.bool:
+            t = raw % 2 == 1
+        else:
+            size = torch.empty((), dtype=dtype).element_size()
+            t = raw[: per // size * size].view(dtype)  # arbitrary bit patterns, NaNs included
+        sd[f"layer{i}.{str(dtype).removeprefix('torch.')}"] = t
+    sd["scalar"] = torch.tensor(float(version))
+    sd["empty"] = torch.empty(0, 4)
+    sd["noncontig"] = torch.arange(48, dtype=torch.float32).reshape(6, 8).t() + version
+    sd["version"] = torch.tensor([version], dtype=torch.int64)
+    return sd
+
+
+def digest(t: torch.Tensor) -> str:
+    data = t.detach().contiguous().reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
+    return hashlib.sha256(data.cpu().numpy().tobytes()).hexdigest()[:16] + f":{t.dtype}:{tuple(t.shape)}"
+
+
+def digests(sd) -> dict[str, str]:
+    return {name: digest(t) for name, t in sd.items()}

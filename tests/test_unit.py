@@ -1,0 +1,148 @@
+"""Tier 1: pure unit tests, no processes, no groups."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import msgspec
+import pytest
+import torch
+
+import weightsync as ws
+from tests.statedicts import digests, mixed_state_dict
+from weightsync import _wire
+from weightsync.transport import layout
+from weightsync.transport.options import ChannelOptions, parse_address
+from weightsync.transport.staging import Job, Staging
+
+
+def test_public_names_are_pinned() -> None:
+    assert sorted(ws.__all__) == sorted([
+        "AdmissionDenied", "Closed", "DeliveryReport", "Evicted", "FlightRecorder", "HandshakeMismatch",
+        "ManifestMismatch", "Publisher", "PublisherGone", "PutHandle", "Subscriber", "SyncTimeout", "Weights",
+        "WeightSyncError", "__version__"])
+    for name in ws.__all__:
+        assert hasattr(ws, name)
+
+
+def test_exception_tree() -> None:
+    for cls in (ws.SyncTimeout, ws.ManifestMismatch, ws.Closed, ws.PublisherGone, ws.Evicted,
+                ws.AdmissionDenied, ws.HandshakeMismatch):
+        assert issubclass(cls, ws.WeightSyncError)
+    assert issubclass(ws.SyncTimeout, TimeoutError)
+    err = ws.Evicted("gone", channel="policy", generation=3, member="g1", version=7)
+    assert (err.channel, err.generation, err.member, err.version) == ("policy", 3, "g1", 7)
+    assert "generation=3" in str(err)
+
+
+def test_import_has_no_side_effects() -> None:
+    code = ("import os, asyncio; env = dict(os.environ); import weightsync, torch; "
+            "assert dict(os.environ) == env, 'environment changed'; "
+            "assert type(asyncio.get_event_loop_policy()).__module__.startswith('asyncio'); "
+            "assert not torch.cuda.is_initialized(); "
+            "import sys; assert 'cupy' not in sys.modules; print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
+
+
+def test_layout_round_trips_every_dtype_bit_exact() -> None:
+    sd = mixed_state_dict(3, mib=0.5)
+    items = layout.as_items(sd)
+    manifest = layout.build_manifest(items)
+    assert all(spec.offset % layout.ALIGN == 0 for spec in manifest.tensors)
+    flat = torch.empty(manifest.total_bytes, dtype=torch.uint8)
+    layout.pack_into(flat, manifest, items)
+    assert digests(layout.views(flat, manifest)) == digests(sd)
+    # the bucket-at-a-time path (copy=False) produces the same bytes
+    out = torch.empty_like(flat)
+    buf = torch.empty(4096, dtype=torch.uint8)
+    for lo, hi in layout.bucket_ranges(manifest.total_bytes, 4096):
+        layout.pack_range(buf, lo, hi, manifest, items)
+        out[lo:hi] = buf[: hi - lo]
+    assert digests(layout.views(out, manifest)) == digests(sd)
+
+
+def test_bucket_ranges_cover_exactly() -> None:
+    ranges = layout.bucket_ranges(10_000, 4096)
+    assert ranges == [(0, 4096), (4096, 8192), (8192, 10_000)]
+    assert layout.bucket_ranges(0, 4096) == []
+    with pytest.raises(ValueError, match="bucket_bytes"):
+        layout.bucket_ranges(10, 0)
+
+
+def test_as_items_rejects_bad_input() -> None:
+    with pytest.raises(TypeError, match="not a torch.Tensor"):
+        layout.as_items({"a": [1, 2]})
+    with pytest.raises(TypeError, match="names must be str"):
+        layout.as_items([(1, torch.zeros(1))])
+    with pytest.raises(ValueError, match="duplicate"):
+        layout.as_items([("a", torch.zeros(1)), ("a", torch.zeros(1))])
+    assert [n for n, _ in layout.as_items(iter([("b", torch.zeros(1)), ("a", torch.zeros(2))]))] == ["b", "a"]
+
+
+def test_check_destination_names_every_problem() -> None:
+    sd = {"a": torch.zeros(2, 3), "b": torch.zeros(4, dtype=torch.bfloat16)}
+    manifest = layout.build_manifest(layout.as_items(sd))
+    layout.check_destination(manifest, {"a": torch.ones(2, 3), "b": torch.ones(4, dtype=torch.bfloat16)})
+    with pytest.raises(ws.ManifestMismatch, match="shape"):
+        layout.check_destination(manifest, {"a": torch.ones(3, 2), "b": torch.ones(4, dtype=torch.bfloat16)})
+    with pytest.raises(ws.ManifestMismatch, match="dtype"):
+        layout.check_destination(manifest, {"a": torch.ones(2, 3), "b": torch.ones(4)})
+    with pytest.raises(ws.ManifestMismatch, match="missing"):
+        layout.check_destination(manifest, {"a": torch.ones(2, 3)})
+
+
+def test_staging_latest_wins_in_two_buffers() -> None:
+    staging = Staging(2)
+
+    class FakeHandle:
+        pass
+
+    def job(v: int, buf: torch.Tensor) -> Job:
+        return Job(version=v, manifest=_wire.Manifest(tensors=(), total_bytes=64), handle=FakeHandle(), flat=buf)  # type: ignore[arg-type]
+
+    superseded = []
+    cpu = torch.device("cpu")
+    for v in range(20):
+        buf, displaced = staging.acquire(64, cpu, pin=False)
+        if displaced is not None:
+            superseded.append(displaced.version)
+        staging.commit(job(v, buf))
+        if v % 5 == 0:  # the sender occasionally takes one and later finishes it
+            taken = staging.take()
+            assert taken is not None and taken.version == v
+            staging.finish(taken)
+        assert staging.buffers_in_use() <= 2
+    assert staging.peak_buffers <= 2
+    assert superseded and superseded == sorted(superseded)
+    assert staging.pending is not None and staging.pending.version == 19
+
+
+def test_options_are_validated() -> None:
+    with pytest.raises(ValueError, match="timeout"):
+        ChannelOptions(timeout=0)
+    with pytest.raises(ValueError, match="bucket_bytes"):
+        ChannelOptions(bucket_bytes=10)
+    with pytest.raises(ValueError, match="host:port"):
+        parse_address("localhost")
+    with pytest.raises(ValueError, match="port"):
+        parse_address("localhost:99999")
+    assert parse_address("[::1]:0") == ("::1", 0)
+    with pytest.raises(ValueError, match="backend"):
+        ws.Publisher("p", backend="mpi")
+    with pytest.raises(ValueError, match="without '/'"):
+        ws.Publisher("a/b")
+    with pytest.raises(ValueError, match="exactly one"):
+        ws.Subscriber("p")
+
+
+def test_wire_messages_decode_strictly() -> None:
+    ann = _wire.Announce(generation=1, seq=0, version=3, manifest=_wire.Manifest(tensors=(), total_bytes=0), bucket_bytes=4096,
+                         num_buckets=0)
+    assert _wire.member_decoder.decode(_wire.encode(ann)) == ann
+    with pytest.raises(msgspec.DecodeError):
+        _wire.member_decoder.decode(b"\x80\x03cos\nsystem\n")  # a pickle is just garbage here
+    with pytest.raises(msgspec.ValidationError):
+        _wire.inbox_decoder.decode(_wire.encode({"type": "join", "member_id": 5}))

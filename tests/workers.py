@@ -1,0 +1,88 @@
+"""Worker processes for multi-process tests: ``python -m tests.workers '<json spec>'``.
+
+The spec and the result are msgspec JSON (never pickle). Every wait has a deadline; the
+test that spawned the worker kills it if it outlives the test's own deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import time
+
+import msgspec
+import torch
+
+import weightsync as ws
+from tests.statedicts import digests
+
+
+async def subscriber(spec: dict) -> dict:
+    """Join, collect versions until ``until_version``, digest each one seen."""
+    seen: dict[int, dict[str, str]] = {}
+    order: list[int] = []
+    mode = spec.get("mode", "get")
+    async with ws.Subscriber(spec["channel"], address=spec["address"], member_id=spec["member"],
+                             timeout=spec.get("timeout", 10.0), heartbeat_interval=0.25) as sub:
+        if spec.get("ready_file"):
+            open(spec["ready_file"], "w").close()
+        deadline = time.monotonic() + spec.get("deadline", 60)
+        if mode == "updates":
+            async for w in sub.updates(timeout=deadline - time.monotonic()):
+                order.append(w.version)
+                seen[w.version] = digests(w)
+                if spec.get("sleep"):
+                    await asyncio.sleep(spec["sleep"])  # a slow consumer, on purpose
+                if w.version >= spec["until_version"]:
+                    break
+        else:
+            last = -1
+            while last < spec["until_version"]:
+                w = await sub.get(min_version=last + 1, timeout=deadline - time.monotonic())
+                order.append(w.version)
+                seen[w.version] = digests(w)
+                last = w.version
+    return {"member": spec["member"], "order": order, "digests": {str(k): v for k, v in seen.items()}}
+
+
+async def coexist(spec: dict) -> dict:
+    """A user's own init_process_group world keeps working beside a weightsync channel."""
+    import datetime as dt
+
+    import torch.distributed as dist
+
+    rank = spec["rank"]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{spec['world_port']}", rank=rank, world_size=2,
+                            timeout=dt.timedelta(seconds=30))
+    t = torch.ones(4) * (rank + 1)
+    dist.all_reduce(t)
+    before = t.tolist()
+    sub_result = await subscriber(spec)
+    t = torch.ones(4) * (rank + 1)
+    dist.all_reduce(t)
+    after = t.tolist()
+    dist.barrier()
+    dist.destroy_process_group()
+    return {**sub_result, "before": before, "after": after}
+
+
+async def main(spec: dict) -> dict:
+    if spec["role"] == "subscriber":
+        return await subscriber(spec)
+    if spec["role"] == "coexist":
+        return await coexist(spec)
+    raise SystemExit(f"unknown role {spec['role']!r}")
+
+
+if __name__ == "__main__":
+    spec = msgspec.json.decode(sys.argv[1])
+    if spec.get("loop") == "uvloop":
+        import uvloop
+
+        result = uvloop.run(main(spec))
+    else:
+        result = asyncio.run(main(spec))
+    with open(spec["result"] + ".tmp", "wb") as fh:
+        fh.write(msgspec.json.encode(result))
+    os.replace(spec["result"] + ".tmp", spec["result"])
