@@ -139,8 +139,8 @@ def test_options_are_validated() -> None:
 
 
 def test_wire_messages_decode_strictly() -> None:
-    ann = _wire.Announce(generation=1, seq=0, version=3, manifest=_wire.Manifest(tensors=(), total_bytes=0), bucket_bytes=4096,
-                         num_buckets=0)
+    manifest = _wire.Manifest(tensors=(), total_bytes=0)
+    ann = _wire.Announce(generation=1, seq=0, version=3, manifest=manifest, bucket_bytes=4096, num_buckets=0)
     assert _wire.member_decoder.decode(_wire.encode(ann)) == ann
     with pytest.raises(msgspec.DecodeError):
         _wire.member_decoder.decode(b"\x80\x03cos\nsystem\n")  # a pickle is just garbage here

@@ -114,7 +114,8 @@ def prefix_store(prefix: str, store: dist.Store) -> dist.Store:
 
 
 def gloo_options_reconfigurable() -> bool:
-    return gloo_available() and hasattr(dist.ProcessGroupGloo._Options(), "enable_reconfigure")
+    gloo: Any = dist.ProcessGroupGloo
+    return gloo_available() and hasattr(gloo._Options(), "enable_reconfigure")
 
 
 def make_gloo(store: dist.Store, rank: int, size: int, timeout: float) -> Any:

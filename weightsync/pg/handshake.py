@@ -19,7 +19,7 @@ from weightsync.pg import _torch_compat as compat
 # NCCL variables that change the wire protocol or transport choice and so must agree.
 NCCL_VARS_THAT_MUST_MATCH = ("NCCL_PROTO", "NCCL_ALGO", "NCCL_IB_DISABLE", "NCCL_P2P_DISABLE",
                              "NCCL_NET", "NCCL_SHM_DISABLE", "NCCL_BUFFSIZE")
-TOKEN_ENV = "WEIGHTSYNC_TOKEN"
+TOKEN_ENV = "WEIGHTSYNC_TOKEN"  # noqa: S105 - the variable's name, not a secret
 
 
 def fingerprint(backend: str, device: torch.device) -> Fingerprint:

@@ -89,7 +89,7 @@ def views(flat: torch.Tensor, manifest: Manifest) -> dict[str, torch.Tensor]:
 
 def pack_into(flat: torch.Tensor, manifest: Manifest, items: list[tuple[str, torch.Tensor]]) -> None:
     """Copy every tensor into its range of ``flat`` (strided sources are fine)."""
-    for spec, (_, tensor) in zip(manifest.tensors, items):
+    for spec, (_, tensor) in zip(manifest.tensors, items, strict=True):
         if spec.nbytes:
             tensor_view(flat, spec).copy_(tensor, non_blocking=True)
 
@@ -103,7 +103,7 @@ def pack_range(
     Padding bytes between tensors are zeroed so the wire bytes are deterministic.
     """
     out[: hi - lo].zero_()
-    for spec, (_, tensor) in zip(manifest.tensors, items):
+    for spec, (_, tensor) in zip(manifest.tensors, items, strict=True):
         a, b = max(lo, spec.offset), min(hi, spec.offset + spec.nbytes)
         if a >= b:
             continue

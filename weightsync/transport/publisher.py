@@ -36,7 +36,7 @@ from weightsync.pg.group import DedicatedGroup, resolve_backend
 from weightsync.pg.membership import Membership
 from weightsync.pg.recorder import FlightRecorder, process_recorder
 from weightsync.transport import layout
-from weightsync.transport.handles import DeliveryReport, PutHandle, wait_future
+from weightsync.transport.handles import DeliveryReport, PutHandle
 from weightsync.transport.options import ChannelOptions, MiB, advertised_host, parse_address, resolve_device
 from weightsync.transport.staging import Job, Staging, superseded_report
 
@@ -137,7 +137,7 @@ class Publisher:
         clones = await self._loop.run_in_executor(
             self._executor, lambda: [self._ctl.clone(self.options.timeout) for _ in roles])
         self._state = "running"
-        for (target, role), ctl in zip(roles, clones):
+        for (target, role), ctl in zip(roles, clones, strict=True):
             thread = threading.Thread(target=target, args=(ctl,), name=f"ws-{self.name}-{role}", daemon=True)
             thread.start()
             self._threads.append(thread)
@@ -268,8 +268,8 @@ class Publisher:
             job = Job(version=version, manifest=manifest, handle=handle)
             displaced: Job | None = None
             if copy:
-                buf, displaced = self._staging.acquire(manifest.total_bytes, self._slot_device,
-                                                       pin=self._slot_device.type == "cpu" and torch.cuda.is_available())
+                pin = self._slot_device.type == "cpu" and torch.cuda.is_available()
+                buf, displaced = self._staging.acquire(manifest.total_bytes, self._slot_device, pin=pin)
                 try:
                     job.flat, job.ready = await self._snapshot(buf, manifest, items)
                 except BaseException:

@@ -28,8 +28,15 @@ from typing import Any
 import torch
 
 from weightsync import _wire
-from weightsync.errors import (AdmissionDenied, Closed, Evicted, HandshakeMismatch, PublisherGone, SyncTimeout,
-                               WeightSyncError)
+from weightsync.errors import (
+    AdmissionDenied,
+    Closed,
+    Evicted,
+    HandshakeMismatch,
+    PublisherGone,
+    SyncTimeout,
+    WeightSyncError,
+)
 from weightsync.pg import _torch_compat as compat
 from weightsync.pg import handshake
 from weightsync.pg.control import ControlPlane, StoreTimeout, StoreUnreachable
@@ -127,7 +134,7 @@ class Subscriber:
         roles = ((self._heartbeat_main, "heartbeat"), (self._receiver_main, "receiver"))
         clones = await self._loop.run_in_executor(
             self._executor, lambda: [self._ctl.clone(self.options.timeout) for _ in roles])
-        for (target, role), ctl in zip(roles, clones):
+        for (target, role), ctl in zip(roles, clones, strict=True):
             thread = threading.Thread(target=target, args=(ctl,), name=f"ws-{self.name}-{role}", daemon=True)
             thread.start()
             self._threads.append(thread)
@@ -359,7 +366,7 @@ class Subscriber:
             raise Closed("closed while joining", channel=self.name, member=self.member_id)
         if isinstance(reply, _wire.Deny):
             entry.fail(reply.reason)
-            cls = HandshakeMismatch if reply.kind == "handshake" else AdmissionDenied
+            cls: type[WeightSyncError] = HandshakeMismatch if reply.kind == "handshake" else AdmissionDenied
             if reply.kind == "closed":
                 cls = PublisherGone
             raise cls(f"join refused: {reply.reason}", channel=self.name, member=self.member_id)

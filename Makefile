@@ -1,0 +1,37 @@
+# The README's two commands: `make demo` and `make test`. Each creates (or reuses) its own
+# virtual environment and installs everything it needs into it.
+#
+#   TORCH    torch release to test against (a file requirements/torch-$(TORCH).txt pins it)
+#   VENV     where the environment lives
+#   PIP_ENV  environment for pip, e.g. PIP_CONFIG_FILE=/dev/null to bypass a local cap on torch
+PY      ?= python3
+TORCH   ?= 2.13.0
+VENV    ?= .venv
+PIP_ENV ?=
+PYTEST_ARGS ?=
+
+STAMP := $(VENV)/.weightsync-torch-$(TORCH)
+
+.PHONY: demo test lint pytest bench clean
+
+$(STAMP): pyproject.toml requirements/torch-$(TORCH).txt
+	test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
+	$(PIP_ENV) $(VENV)/bin/pip install --quiet -r requirements/torch-$(TORCH).txt
+	$(PIP_ENV) $(VENV)/bin/pip install --quiet -e ".[test,dev,plot]" -r requirements/torch-$(TORCH).txt
+	rm -f $(VENV)/.weightsync-torch-*
+	touch $@
+
+demo: $(STAMP)
+	$(VENV)/bin/weightsync demo
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check weightsync tests rl_examples benchmarks
+	$(VENV)/bin/mypy
+
+pytest: $(STAMP)
+	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+
+test: lint pytest
+
+clean:
+	rm -rf .venv .venv-* .pytest_cache .mypy_cache .ruff_cache *.egg-info
