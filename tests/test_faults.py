@@ -1,0 +1,67 @@
+"""Tier 3: fault injection. A dead member must never hang the trainer or the other members."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+import torch
+
+import weightsync as ws
+from tests.conftest import LOOPS, Procs, loop_policy
+
+pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(180)]
+
+
+@pytest.fixture(params=LOOPS)
+def event_loop_policy(request: pytest.FixtureRequest):
+    return loop_policy(request.param)
+
+
+async def test_kill_9_subscriber_mid_run_others_lose_nothing(procs: Procs) -> None:
+    timeout = 4.0
+    async with ws.Publisher("policy", timeout=timeout, heartbeat_interval=0.25, bucket_bytes=4 << 20) as pub:
+        workers = [procs.spawn("subscriber", channel="policy", address=pub.address, member=f"gen{i}",
+                               until_version=9, deadline=120, mode="updates") for i in range(2)]
+        await pub.wait_subscribers(2, timeout=60)
+        body = torch.empty(16 << 20)
+        for v in range(10):
+            body.fill_(v)
+            t0 = time.monotonic()
+            handle = await pub.put({"body": body}, version=v)
+            assert time.monotonic() - t0 < 5.0  # the trainer never waits on the wire (liveness bound)
+            if v == 3:
+                procs.signal(workers[1], signal.SIGKILL)
+            t0 = time.monotonic()
+            report = await handle.delivered(timeout=60)
+            # eviction takes at most the deadline plus the re-send, with generous slack for CI
+            assert time.monotonic() - t0 < timeout * 3 + 10
+            assert "gen0" in report.members and not report.superseded
+            if v > 3:
+                assert report.members == ("gen0",)
+        assert pub.members == ("gen0",)
+        result = await procs.result(workers[0], timeout=60)
+    assert result["order"] == sorted(result["order"]) and result["order"][-1] == 9
+    assert "3" in result["digests"]  # the interrupted version was re-sent to the survivor
+
+
+async def test_wrong_token_is_denied_and_publisher_keeps_serving() -> None:
+    async with ws.Publisher("secure", secret="s3cret", timeout=5, heartbeat_interval=0.25) as pub:
+        with pytest.raises(ws.AdmissionDenied):
+            async with ws.Subscriber("secure", address=pub.address, secret="wrong", timeout=5):
+                pass
+        async with ws.Subscriber("secure", address=pub.address, secret="s3cret", timeout=5,
+                                 heartbeat_interval=0.25) as sub:
+            await pub.wait_subscribers(1, timeout=10)
+            await (await pub.put({"x": torch.ones(3)}, version=1)).delivered(timeout=10)
+            assert (await sub.get(timeout=5)).version == 1
+
+
+async def test_duplicate_member_id_is_denied() -> None:
+    async with ws.Publisher("dup", timeout=5, heartbeat_interval=0.25) as pub:
+        async with ws.Subscriber("dup", address=pub.address, member_id="same", timeout=5, heartbeat_interval=0.25):
+            await pub.wait_subscribers(1, timeout=10)
+            with pytest.raises(ws.AdmissionDenied, match="already"):
+                async with ws.Subscriber("dup", address=pub.address, member_id="same", timeout=5):
+                    pass
