@@ -47,11 +47,11 @@ async def test_kill_9_subscriber_mid_run_others_lose_nothing(procs: Procs) -> No
 
 
 async def test_wrong_token_is_denied_and_publisher_keeps_serving() -> None:
-    async with ws.Publisher("secure", secret="s3cret", timeout=5, heartbeat_interval=0.25) as pub:
+    async with ws.Publisher("secure", secret="s3cret", timeout=15, heartbeat_interval=0.25) as pub:
         with pytest.raises(ws.AdmissionDenied):
-            async with ws.Subscriber("secure", address=pub.address, secret="wrong", timeout=5):
+            async with ws.Subscriber("secure", address=pub.address, secret="wrong", timeout=15):
                 pass
-        async with ws.Subscriber("secure", address=pub.address, secret="s3cret", timeout=5,
+        async with ws.Subscriber("secure", address=pub.address, secret="s3cret", timeout=15,
                                  heartbeat_interval=0.25) as sub:
             await pub.wait_subscribers(1, timeout=10)
             await (await pub.put({"x": torch.ones(3)}, version=1)).delivered(timeout=10)
@@ -59,9 +59,9 @@ async def test_wrong_token_is_denied_and_publisher_keeps_serving() -> None:
 
 
 async def test_duplicate_member_id_is_denied() -> None:
-    async with ws.Publisher("dup", timeout=5, heartbeat_interval=0.25) as pub:
-        async with ws.Subscriber("dup", address=pub.address, member_id="same", timeout=5, heartbeat_interval=0.25):
+    async with ws.Publisher("dup", timeout=15, heartbeat_interval=0.25) as pub:
+        async with ws.Subscriber("dup", address=pub.address, member_id="same", timeout=15, heartbeat_interval=0.25):
             await pub.wait_subscribers(1, timeout=10)
             with pytest.raises(ws.AdmissionDenied, match="already"):
-                async with ws.Subscriber("dup", address=pub.address, member_id="same", timeout=5):
+                async with ws.Subscriber("dup", address=pub.address, member_id="same", timeout=15):
                     pass

@@ -156,7 +156,7 @@ class Publisher:
 
     async def aclose(self, timeout: float | None = None) -> None:
         """Send what is pending (bounded by its deadlines), tell subscribers, stop. Idempotent."""
-        if self._state in ("closed", "new"):
+        if self._state in ("closed", "new", "closing"):
             self._state = "closed"
             return
         self._state = "closing"
@@ -166,7 +166,7 @@ class Publisher:
         await self._join_threads(timeout if timeout is not None else self.options.timeout * 4)
 
     async def abort(self) -> None:
-        """Stop at once: pending puts fail with Closed, the group is torn down. Idempotent."""
+        """Stop at once (also during an aclose): pending puts fail with Closed. Idempotent."""
         if self._state in ("closed", "new"):
             self._state = "closed"
             return
@@ -312,7 +312,7 @@ class Publisher:
 
     def _check_running(self) -> None:
         if self._state != "running":
-            raise Closed("publisher is not running", channel=self.name)
+            raise Closed("publisher is not running", channel=self.name) from self._fatal
 
     def _notify_members(self) -> None:
         if self._loop is not None and self._members_changed is not None:
@@ -389,8 +389,13 @@ class Publisher:
     def _sender_main(self, ctl: ControlPlane) -> None:
         try:
             self._sender_loop(ctl)
-        except WeightSyncError as err:
-            self._fatal = err
+        except Exception as err:  # noqa: BLE001 - recorded and surfaced by put() as Closed
+            self._fatal = err if isinstance(err, WeightSyncError) else WeightSyncError(
+                f"sender stopped: {type(err).__name__}: {err}", channel=self.name)
+            self._recorder.record("sender", channel=self.name, member=self._member).fail(self._fatal)
+            self._state = "failed"
+            for job in self._staging.drain():
+                job.handle.resolve_threadsafe(error=self._fatal)
         finally:
             self._shutdown_members(ctl)
 

@@ -323,12 +323,14 @@ class Subscriber:
                 self._join_error = err
                 self._joined.set()
             self._set_terminal(type(err), str(err))
-        except StoreUnreachable as err:
-            gone = PublisherGone(f"publisher unreachable: {err}", channel=self.name, member=self.member_id)
+        except Exception as err:  # noqa: BLE001 - the thread must end in a state callers can see
+            cls = PublisherGone if isinstance(err, (StoreUnreachable, StoreTimeout)) else WeightSyncError
+            failure = cls(f"receiver stopped: {type(err).__name__}: {err}", channel=self.name, member=self.member_id)
+            self._recorder.record("receiver", channel=self.name, member=self.member_id).fail(failure)
             if not self._joined.is_set():
-                self._join_error = gone
+                self._join_error = failure
                 self._joined.set()
-            self._set_terminal(PublisherGone, str(gone))
+            self._set_terminal(cls, str(failure))
         finally:
             if self._closing.is_set() and self._joined.is_set() and self._join_error is None:
                 self._leave(ctl)
