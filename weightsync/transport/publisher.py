@@ -235,10 +235,10 @@ class Publisher:
                 raise SyncTimeout(f"{len(self.membership.members)} of {n} subscribers after {limit:.3g}s",
                                   channel=self.name)
             try:
-                await asyncio.wait_for(self._members_changed.wait(), left)
+                await asyncio.wait_for(self._members_changed.wait(), min(left, self.options.heartbeat_interval))
             except asyncio.TimeoutError:
-                continue
-            self._check_running()
+                pass
+            self._check_running()  # a sender that died ends the wait with Closed (from its error)
         return self.members
 
     async def put(self, tensors: layout.TensorsLike, *, version: int | None = None, copy: bool = True) -> PutHandle:

@@ -287,7 +287,9 @@ class Subscriber:
     def _heartbeat_main(self, ctl: ControlPlane) -> None:
         interval = self.options.heartbeat_interval
         last_seen, since = -1, time.monotonic()
-        while not self._closing.is_set():
+        while not self._closing.is_set() and self._terminal is None:
+            # a subscriber whose receiver stopped (evicted, failed) stops beating, so the
+            # publisher drops it in a few beats instead of waiting for it
             try:
                 ctl.add(ctl.heartbeat_key(self.member_id), 1)
                 publisher_beats = ctl.add(ctl.heartbeat_key("publisher"), 0)
@@ -386,9 +388,10 @@ class Subscriber:
         """
         self.generation, self.rank = generation, members.index(self.member_id) + 1
         ctl.push(ctl.replies, _wire.Ready(generation=generation, member_id=self.member_id))
-        limit = self.options.timeout + self.options.deadline(64 << 20)
         while True:
-            message = self._next_message(ctl, limit)
+            # bounded by the publisher's liveness (the heartbeat thread wakes us if it goes),
+            # not by a guess at how long the other members take to get ready
+            message = self._next_message(ctl, 3600.0)
             if message is None or not isinstance(message, _wire.Go):
                 return message
             if message.generation == generation:
