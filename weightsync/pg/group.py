@@ -62,29 +62,40 @@ class DedicatedGroup:
         self.channel, self.member, self.generation = channel, member, generation
         self.rank, self.size, self.backend, self.device = rank, size, backend, device
         self._recorder = recorder
+        self._store: Any = None
         self.state = ALIVE
 
     @classmethod
     def build(cls, store: Any, *, channel: str, member: str, generation: int, rank: int, size: int,
               backend: str, device: torch.device, timeout: float, recorder: FlightRecorder,
               peers: Sequence[str] = (), max_ctas: int = 4) -> DedicatedGroup:
-        """Rendezvous with the other ``size - 1`` members; blocks at most ``timeout`` seconds."""
+        """Rendezvous with the other ``size - 1`` members; blocks at most ``timeout`` seconds.
+
+        ``store`` is a connection owned by the calling thread; it is cloned, never shared.
+        """
         entry = recorder.record("rebuild", channel=channel, member=member, generation=generation,
                                 peers=tuple(peers)).start()
-        prefixed = compat.prefix_store(f"ws/{channel}/gen/{generation}/pg", store)
+        own = None
         try:
             if size == 1 and backend == "gloo":
                 pg = None  # a publisher alone needs no communicator
-            elif backend == "nccl":
-                pg = compat.make_nccl(prefixed, rank, size, timeout, device, max_ctas)
             else:
-                pg = compat.make_gloo(prefixed, rank, size, timeout)
+                # the backend keeps using its store (rendezvous, lazily connected pairs) from
+                # its own threads: it gets a connection of its own, never one we wait on
+                own = compat.clone_store(store, timeout)
+                prefixed = compat.prefix_store(f"ws/{channel}/gen/{generation}/pg", own)
+                if backend == "nccl":
+                    pg = compat.make_nccl(prefixed, rank, size, timeout, device, max_ctas)
+                else:
+                    pg = compat.make_gloo(prefixed, rank, size, timeout)
         except Exception as err:
             entry.fail(err)
             raise
         entry.complete()
-        return cls(pg, channel=channel, member=member, generation=generation, rank=rank, size=size,
-                   backend=backend, device=device, recorder=recorder)
+        group = cls(pg, channel=channel, member=member, generation=generation, rank=rank, size=size,
+                    backend=backend, device=device, recorder=recorder)
+        group._store = own
+        return group
 
     def broadcast_buckets(self, slices: Sequence[torch.Tensor], *, version: int, deadline: Callable[[int], float],
                           op: str, before: Callable[[int], None] | None = None,
@@ -159,3 +170,4 @@ class DedicatedGroup:
         if self._pg is not None:
             compat.abort(self._pg)
             self._pg = None
+        self._store = None
