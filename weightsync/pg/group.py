@@ -16,6 +16,8 @@ Lifecycle, and who calls what:
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -113,36 +115,38 @@ class DedicatedGroup:
             raise RuntimeError(f"generation {self.generation} of {self.channel!r} was aborted")
         if self._pg is None:
             return
-        pending: list[tuple[int, Any, Any, float]] = []
-
-        def finish_one() -> None:
-            i, work, entry, limit = pending.pop(0)
-            try:
-                self._wait(work, limit, cancelled)
-            except BaseException as err:
-                entry.fail(err)
-                raise
-            entry.complete()
-            if after is not None:
-                after(i)
-
-        for i, tensor in enumerate(slices):
-            if len(pending) >= depth:
-                finish_one()
-            if before is not None:
-                before(i)
-            nbytes = tensor.numel()
-            entry = self._recorder.record(op, channel=self.channel, member=self.member, generation=self.generation,
-                                          version=version, bucket=i, nbytes=nbytes).start()
-            limit = deadline(nbytes)
-            try:
+        pending: list[tuple[int, Any, Any, float]] = []  # (bucket, work, recorder entry, deadline)
+        try:
+            for i, tensor in enumerate(slices):
+                if len(pending) >= depth:
+                    self._finish_oldest(pending, cancelled, after)
+                if before is not None:
+                    before(i)
+                limit = deadline(tensor.numel())
+                entry = self._recorder.record(op, channel=self.channel, member=self.member,
+                                              generation=self.generation, version=version, bucket=i,
+                                              nbytes=tensor.numel()).start()
+                pending.append((i, None, entry, time.monotonic() + limit))
                 work = compat.broadcast(self._pg, tensor, 0, limit)
-            except BaseException as err:
-                entry.fail(err)
-                raise
-            pending.append((i, work, entry, time.monotonic() + limit))
-        while pending:
-            finish_one()
+                pending[-1] = (i, work, entry, time.monotonic() + limit)
+            while pending:
+                self._finish_oldest(pending, cancelled, after)
+        except BaseException as err:
+            for _, _, entry, _ in pending:  # buckets still in flight will never complete
+                entry.fail(f"abandoned: {err}", aborted=True)
+            raise
+
+    def _finish_oldest(self, pending: list[tuple[int, Any, Any, float]], cancelled: Callable[[], bool] | None,
+                       after: Callable[[int], None] | None) -> None:
+        i, work, entry, limit = pending.pop(0)
+        try:
+            self._wait(work, limit, cancelled)
+        except BaseException as err:
+            entry.fail(err)
+            raise
+        entry.complete()
+        if after is not None:
+            after(i)
 
     @staticmethod
     def _wait(work: Any, limit: float, cancelled: Callable[[], bool] | None) -> None:
@@ -165,9 +169,81 @@ class DedicatedGroup:
         if self.state == ABORTED:
             return
         self.state = ABORTED
-        self._recorder.record("abort", channel=self.channel, member=self.member, generation=self.generation,
-                              error=reason).complete()
-        if self._pg is not None:
-            compat.abort(self._pg)
-            self._pg = None
-        self._store = None
+        entry = self._recorder.record("abort", channel=self.channel, member=self.member, generation=self.generation,
+                                      error=reason).start()
+        pg, self._pg, store, self._store = self._pg, None, self._store, None
+        if pg is None:
+            entry.complete()
+        else:
+            _reaper.retire(pg, store, entry)
+
+
+class _Reaper:
+    """Aborts retired backends off the caller's thread.
+
+    Measured on torch 2.13: gloo's ``abort()`` of a group whose peer is frozen (SIGSTOP)
+    blocked 6.8 s, long enough for that member to miss the next generation's rendezvous.
+    Nothing is sent on a retired group again (the publisher abandoned it first), so tearing it
+    down can wait; the recorder entry completes when it is really gone.
+    """
+
+    IDLE_EXIT = 30.0
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[tuple[Any, Any, Any]] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._busy = False
+        self._idle = threading.Condition()
+
+    def retire(self, pg: Any, store: Any, entry: Any) -> None:
+        self._queue.put((pg, store, entry))
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="ws-group-reaper", daemon=True)
+                self._thread.start()
+
+    def drain(self, timeout: float) -> bool:
+        """Wait (at most ``timeout`` s) until every retired backend is torn down.
+
+        Called by ``aclose``: a backend still being torn down when the interpreter exits
+        takes the process down with it (``terminate called without an active exception``).
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._lock:
+                thread = self._thread
+                busy = thread is not None and (not self._queue.empty() or self._busy)
+            if not busy:
+                return True
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            with self._idle:
+                self._idle.wait(min(left, 0.5))
+
+    def _run(self) -> None:
+        while True:
+            try:
+                pg, store, entry = self._queue.get(timeout=self.IDLE_EXIT)
+            except queue.Empty:
+                with self._lock:
+                    if self._queue.empty():
+                        self._thread = None
+                        return
+                continue
+            self._busy = True
+            compat.abort(pg)
+            del pg, store  # the backend's destructor runs here, not on a weightsync thread
+            entry.complete()
+            with self._idle:
+                self._busy = self._queue.qsize() > 0
+                self._idle.notify_all()
+
+
+_reaper = _Reaper()
+
+
+def drain_retired(timeout: float) -> bool:
+    """Wait until retired groups are torn down (see :class:`_Reaper`); False on timeout."""
+    return _reaper.drain(timeout)

@@ -2,8 +2,8 @@
 
 The publisher owns it. The inbox thread records requests (join, leave) and samples heartbeat
 counters; the sender thread turns them into the next generation with :meth:`plan_next` and
-:meth:`commit`. A member is *dead* when its heartbeat counter has not moved for three
-intervals; a member that failed a version is kept while alive, and dropped after two failed
+:meth:`commit`. A member is *dead* when its heartbeat counter has not moved for five
+intervals (and at least two seconds); a member that failed a version is kept while alive, and dropped after two failed
 versions in a row (a slow member cannot hold the others back forever).
 """
 
@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from weightsync.pg.control import ControlPlane, StoreTimeout, StoreUnreachable
 from weightsync.pg.recorder import FlightRecorder
 
-DEAD_AFTER_BEATS = 3
+DEAD_AFTER_BEATS = 5
+DEAD_AFTER_SECONDS = 2.0  # never sooner: a loaded machine delays beats, and eviction is costly
 MAX_STRIKES = 2
 
 
@@ -91,7 +92,7 @@ class Membership:
 
     def is_alive(self, member: str) -> bool:
         _, since = self._beats.get(member, (-1, time.monotonic()))
-        return time.monotonic() - since < DEAD_AFTER_BEATS * self.heartbeat_interval
+        return time.monotonic() - since < max(DEAD_AFTER_BEATS * self.heartbeat_interval, DEAD_AFTER_SECONDS)
 
     def has_dead_members(self) -> bool:
         return any(not self.is_alive(m) for m in self.members)
