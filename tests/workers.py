@@ -24,7 +24,8 @@ async def subscriber(spec: dict) -> dict:
     order: list[int] = []
     mode = spec.get("mode", "get")
     async with ws.Subscriber(spec["channel"], address=spec["address"], member_id=spec["member"],
-                             timeout=spec.get("timeout", 10.0), heartbeat_interval=0.25) as sub:
+                             timeout=spec.get("timeout", 10.0), heartbeat_interval=0.25,
+                             flight_recorder_dir=spec.get("fr_dir")) as sub:
         if spec.get("ready_file"):
             open(spec["ready_file"], "w").close()
         deadline = time.monotonic() + spec.get("deadline", 60)
@@ -69,7 +70,11 @@ async def coexist(spec: dict) -> dict:
 
 async def main(spec: dict) -> dict:
     if spec["role"] == "subscriber":
-        return await subscriber(spec)
+        try:
+            return await subscriber(spec)
+        finally:
+            if spec.get("dump_at_end"):
+                ws.pg.process_recorder().dump(reason="worker finished")
     if spec["role"] == "coexist":
         return await coexist(spec)
     raise SystemExit(f"unknown role {spec['role']!r}")

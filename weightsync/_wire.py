@@ -108,6 +108,7 @@ class Reconfigure(msgspec.Struct, frozen=True, tag="reconfigure"):
     next_generation: int
     members: tuple[str, ...]  # rank i+1 is members[i]; rank 0 is the publisher
     reason: str = ""
+    trouble: bool = False  # a failure ended the generation: members dump their flight recorders
 
 
 class Shutdown(msgspec.Struct, frozen=True, tag="shutdown"):

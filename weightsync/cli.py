@@ -1,7 +1,12 @@
 """``weightsync``: the command line.
 
-    weightsync demo      one trainer and two generator processes on CPU (rl_examples)
-    weightsync doctor    what this machine's torch offers weightsync (backends, probes)
+    weightsync demo                 one trainer and two generator processes on CPU (rl_examples)
+    weightsync doctor               what this machine's torch offers weightsync (backends, probes)
+    weightsync fr analyze DIR       merge all ranks' recorder dumps; name where a push stopped
+    weightsync fr timeline DIR -o timeline.png|.html
+
+``fr analyze`` exits 0 when it finds nothing wrong, 1 for a stall or failure, 2 for input it
+cannot read (with a message, never a traceback).
 """
 
 from __future__ import annotations
@@ -30,6 +35,34 @@ def _doctor() -> int:
     return 0
 
 
+def _fr(args: argparse.Namespace) -> int:
+    import msgspec
+
+    from weightsync.pg.analyze import analyze, load_dir, render
+
+    try:
+        dumps = load_dir(args.dir)
+    except (ValueError, OSError) as err:
+        print(f"weightsync fr: {err}", file=sys.stderr)
+        return 2
+    analysis = analyze(dumps, names=[f"{d.label}-{d.pid}" for d in dumps])
+    if args.fr_command == "timeline":
+        from weightsync.pg.timeline import draw
+
+        try:
+            path = draw(dumps, analysis, args.output)
+        except (ValueError, RuntimeError, OSError) as err:
+            print(f"weightsync fr timeline: {err}", file=sys.stderr)
+            return 2
+        print(f"timeline written to {path}")
+        return 0 if analysis.ok else 1
+    if args.json:
+        print(msgspec.json.encode(analysis).decode())
+    else:
+        print(render(analysis))
+    return 0 if analysis.ok else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="weightsync", description="asynchronous weight push for RL")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -37,7 +70,17 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--steps", type=int, default=5)
     demo.add_argument("--generators", type=int, default=2)
     sub.add_parser("doctor", help="what this torch offers (backends, feature probes)")
+    fr = sub.add_parser("fr", help="flight-recorder dumps: analyze, timeline")
+    fr_sub = fr.add_subparsers(dest="fr_command", required=True)
+    an = fr_sub.add_parser("analyze", help="merge all ranks' dumps and report where a push stopped")
+    an.add_argument("dir", help="directory holding the *.wsfr dumps of one run")
+    an.add_argument("--json", action="store_true", help="print the findings as JSON")
+    tl = fr_sub.add_parser("timeline", help="draw one lane per rank")
+    tl.add_argument("dir")
+    tl.add_argument("-o", "--output", default="timeline.png", help="a .png or .html file")
     args = parser.parse_args(argv)
+    if args.command == "fr":
+        return _fr(args)
     if args.command == "demo":
         from rl_examples.minimal_push import main as demo_main
 

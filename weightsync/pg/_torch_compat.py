@@ -197,16 +197,21 @@ def supports_reconfigure(pg: Any) -> bool:
     return bool(probe) and hasattr(pg, "get_reconfigure_handle")
 
 
-def torch_flight_recorder_dump() -> bytes | None:
-    """torch's own flight-recorder trace for this process, when this build has one."""
-    for name in ("_dump_nccl_trace", "_dump_fr_trace"):
+def torch_flight_recorder_json() -> bytes | None:
+    """torch's own flight-recorder trace for this process as JSON, when this build has one.
+
+    JSON, not the pickled variant: nothing weightsync writes or reads is pickle. Tries the
+    2.15 per-backend form first, then the older global one; empty traces count as none.
+    """
+    for name in ("_dump_nccl_trace_json", "_dump_fr_trace_json"):
         fn = getattr(_c10d, name, None)
         if fn is None:
             continue
-        try:
-            data = fn()
-        except Exception:  # noqa: BLE001,S112 - no recorder buffer in this build/config
-            continue
-        if isinstance(data, (bytes, bytearray)) and data:
-            return bytes(data)
+        for kwargs in ({"backend": "gloo"}, {}):
+            try:
+                data = fn(**kwargs)
+            except Exception:  # noqa: BLE001,S112 - no buffer in this build/config, or no such argument
+                continue
+            if isinstance(data, (bytes, bytearray)) and b'"entries"' in data:
+                return bytes(data)
     return None

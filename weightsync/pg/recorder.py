@@ -13,15 +13,27 @@ on by default. ``capacity=0`` turns it off: ``record`` then returns a shared ine
 from __future__ import annotations
 
 import itertools
+import logging
+import os
+import signal
+import socket
+import tempfile
 import threading
 import time
 from collections import deque
+from pathlib import Path
 from typing import Any
 
 import msgspec
 
 SCHEDULED, STARTED, COMPLETED, FAILED, ABORTED = "scheduled", "started", "completed", "failed", "aborted"
 DEFAULT_CAPACITY = 2000
+DUMP_FORMAT = "weightsync-fr"
+DUMP_FORMAT_VERSION = 1
+DUMP_SUFFIX = ".wsfr"
+DIR_ENV = "WEIGHTSYNC_FR_DIR"
+_MIN_AUTO_DUMP_INTERVAL = 0.5
+log = logging.getLogger("weightsync")
 
 
 class Entry(msgspec.Struct, kw_only=True):
@@ -62,6 +74,21 @@ class Entry(msgspec.Struct, kw_only=True):
         return self
 
 
+class Dump(msgspec.Struct, kw_only=True):
+    """One process's recorder dump, as written to ``<label>-<pid>.wsfr`` (msgpack)."""
+
+    format: str = DUMP_FORMAT
+    format_version: int = DUMP_FORMAT_VERSION
+    label: str
+    pid: int
+    host: str
+    time: float
+    reason: str
+    torch_version: str
+    capacity: int
+    entries: list[Entry]
+
+
 class FlightRecorder:
     """A ring buffer of :class:`Entry`, one per process (see :func:`process_recorder`).
 
@@ -75,13 +102,19 @@ class FlightRecorder:
         rec.snapshot()[-1].state  # "completed"
     """
 
-    def __init__(self, capacity: int = DEFAULT_CAPACITY) -> None:
+    def __init__(self, capacity: int = DEFAULT_CAPACITY, *, directory: str | os.PathLike[str] | None = None,
+                 label: str | None = None) -> None:
         if capacity < 0:
             raise ValueError(f"capacity must be >= 0 (0 turns recording off), got {capacity}")
         self.capacity = capacity
         self._ring: deque[Entry] = deque(maxlen=capacity or 1)
         self._seq = itertools.count()
         self._lock = threading.Lock()
+        self._directory = Path(directory) if directory is not None else None
+        self.label = label
+        self._last_auto_dump = 0.0
+        self._announced_dir = False
+        self.last_dump_path: Path | None = None
 
     @property
     def enabled(self) -> bool:
@@ -98,6 +131,68 @@ class FlightRecorder:
         """A copy of the ring, oldest first (entries still in flight keep their state)."""
         with self._lock:
             return [msgspec.structs.replace(e) for e in list(self._ring)]
+
+    # where dumps go --------------------------------------------------------------------------
+    def configure(self, *, directory: str | os.PathLike[str] | None = None, label: str | None = None,
+                  default_directory: str | None = None) -> None:
+        """Set where dumps go (first explicit setting wins) and this process's label."""
+        if directory is not None:
+            self._directory = Path(directory)
+        elif self._directory is None:
+            env = os.environ.get(DIR_ENV)
+            if env:
+                self._directory = Path(env)
+            elif default_directory is not None:
+                self._directory = Path(tempfile.gettempdir()) / "weightsync-fr" / default_directory
+        if label is not None and self.label is None:
+            self.label = label
+
+    @property
+    def directory(self) -> Path:
+        if self._directory is None:
+            self.configure()
+        return self._directory or Path(tempfile.gettempdir()) / "weightsync-fr" / f"pid-{os.getpid()}"
+
+    def dump(self, path: str | os.PathLike[str] | None = None, *, reason: str = "on demand") -> Path:
+        """Write the ring to ``path`` (default ``<directory>/<label>-<pid>.wsfr``); returns the path.
+
+        The file is replaced atomically, so a later dump of the same process supersedes an
+        earlier one. torch's own recorder dump is written beside it when this torch has one.
+        """
+        import torch  # noqa: PLC0415 - only needed when a dump is written
+
+        from weightsync.pg import _torch_compat as compat  # noqa: PLC0415 - avoid an import cycle
+
+        label = (self.label or "process").replace("/", "_")
+        target = Path(path) if path is not None else self.directory / f"{label}-{os.getpid()}{DUMP_SUFFIX}"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        dump = Dump(label=label, pid=os.getpid(), host=socket.gethostname(), time=time.time(), reason=reason,
+                    torch_version=str(torch.__version__), capacity=self.capacity, entries=self.snapshot())
+        tmp = target.with_name(target.name + ".tmp")
+        tmp.write_bytes(msgspec.msgpack.encode(dump))
+        os.replace(tmp, target)
+        torch_trace = compat.torch_flight_recorder_json()
+        if torch_trace:
+            target.with_suffix(".torch.json").write_bytes(torch_trace)
+        self.last_dump_path = target
+        if path is None and not self._announced_dir:
+            self._announced_dir = True
+            log.warning("weightsync flight recorder: dumps go to %s", target.parent)
+        return target
+
+    def dump_on_trouble(self, reason: str, *, force: bool = False) -> Path | None:
+        """Dump after a failure or an expired deadline, at most every 0.5 s; never raises."""
+        if not self.capacity:
+            return None
+        now = time.monotonic()
+        if now - self._last_auto_dump < _MIN_AUTO_DUMP_INTERVAL and not force:
+            return None
+        self._last_auto_dump = now
+        try:
+            return self.dump(reason=reason)
+        except OSError as err:
+            log.warning("weightsync flight recorder: could not dump (%s)", err)
+            return None
 
     def resize(self, capacity: int) -> None:
         with self._lock:
@@ -116,3 +211,32 @@ def process_recorder() -> FlightRecorder:
         if _process_recorder is None:
             _process_recorder = FlightRecorder()
         return _process_recorder
+
+
+def load_dump(path: str | os.PathLike[str]) -> Dump:
+    """Read a ``.wsfr`` file; ValueError with a clear message for anything else."""
+    data = Path(path).read_bytes()
+    try:
+        dump = msgspec.msgpack.decode(data, type=Dump)
+    except (msgspec.DecodeError, msgspec.ValidationError) as err:
+        raise ValueError(f"{path}: not a weightsync flight-recorder dump ({err})") from None
+    if dump.format != DUMP_FORMAT:
+        raise ValueError(f"{path}: format {dump.format!r} is not {DUMP_FORMAT!r}")
+    if dump.format_version > DUMP_FORMAT_VERSION:
+        raise ValueError(f"{path}: format version {dump.format_version} is newer than this weightsync reads "
+                         f"({DUMP_FORMAT_VERSION}); upgrade weightsync")
+    return dump
+
+
+def install_signal_handler(recorder: FlightRecorder | None = None, signum: int = signal.SIGUSR1) -> None:
+    """Dump ``recorder`` (default: this process's) when ``signum`` arrives.
+
+    Call it from the application or the CLI (main thread); importing weightsync never does.
+    """
+    target = recorder or process_recorder()
+
+    def handler(_sig: int, _frame: Any) -> None:
+        path = target.dump(reason=f"signal {signal.Signals(_sig).name}")
+        log.warning("weightsync flight recorder: dumped %s", path)
+
+    signal.signal(signum, handler)

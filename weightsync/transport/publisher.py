@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import threading
 import time
 from collections.abc import Iterable
@@ -32,7 +33,7 @@ from weightsync.errors import Closed, SyncTimeout, WeightSyncError
 from weightsync.pg import _torch_compat as compat
 from weightsync.pg import handshake
 from weightsync.pg.control import ControlPlane, StoreTimeout, StoreUnreachable
-from weightsync.pg.group import DedicatedGroup, resolve_backend
+from weightsync.pg.group import DedicatedGroup, drain_retired, resolve_backend
 from weightsync.pg.membership import Membership
 from weightsync.pg.recorder import FlightRecorder, process_recorder
 from weightsync.transport import layout
@@ -67,12 +68,15 @@ class Publisher:
         secret: shared secret for admission (default: ``$WEIGHTSYNC_TOKEN``; none: open).
         max_snapshots: staging buffers (>= 2: one in flight, one pending).
         recorder: flight recorder (default: this process's).
+        flight_recorder_dir: where dumps go (default ``$WEIGHTSYNC_FR_DIR``, else a per-run
+            directory under the system temp dir, logged once).
     """
 
     def __init__(self, name: str, *, address: str | None = None, store: Any = None, backend: str = "auto",
                  device: str | torch.device | None = None, bucket_bytes: int = 64 * MiB, timeout: float = 30.0,
                  min_bandwidth: float = 50e6, heartbeat_interval: float = 1.0, secret: str | bytes | None = None,
-                 max_snapshots: int = 2, recorder: FlightRecorder | None = None) -> None:
+                 max_snapshots: int = 2, recorder: FlightRecorder | None = None,
+                 flight_recorder_dir: str | os.PathLike[str] | None = None) -> None:
         if not isinstance(name, str) or not name or "/" in name:
             raise ValueError(f"channel name must be a non-empty string without '/', got {name!r}")
         if address is not None and store is not None:
@@ -88,6 +92,7 @@ class Publisher:
         self._secret = handshake.resolve_secret(secret)
         self._staging = Staging(max_snapshots)
         self._recorder = recorder or process_recorder()
+        self._recorder.configure(directory=flight_recorder_dir, label="publisher")
         self._member = "publisher"
         self._last_version: int | None = None
         self._state = "new"
@@ -147,11 +152,13 @@ class Publisher:
             store = self._user_store
             host, port = getattr(store, "host", None), getattr(store, "port", None)
             self._address = f"{host}:{port}" if host and port else None
+            self._recorder.configure(default_directory=f"{self.name}-pid{os.getpid()}")
             return store
         assert self._bind is not None
         host, port = self._bind
         store = compat.new_store_server(host, port, self.options.timeout)
         self._address = f"{advertised_host(host)}:{store.port}"
+        self._recorder.configure(default_directory=f"{self.name}-{self._address.replace(':', '-')}")
         return store
 
     async def aclose(self, timeout: float | None = None) -> None:
@@ -196,6 +203,10 @@ class Publisher:
                                                        version=job.version))
         if self._executor is not None:
             self._executor.shutdown(wait=False)
+        # retired groups finish tearing down before we return (bounded): see group._Reaper
+        await self._loop.run_in_executor(None, drain_retired, self.options.timeout * 3)
+        if self._recorder.last_dump_path is not None:  # trouble was dumped: leave the full story
+            self._recorder.dump_on_trouble("closed after trouble", force=True)
         self._state = "closed"
 
     # public surface -----------------------------------------------------------------------
@@ -381,6 +392,7 @@ class Publisher:
             if newly_dead:
                 self._recorder.record("heartbeat", channel=self.name, member=self._member,
                                       peers=tuple(sorted(newly_dead))).fail("heartbeats stopped")
+                self._recorder.dump_on_trouble(f"heartbeats stopped: {sorted(newly_dead)}")
                 with self._staging.lock:
                     self._staging.lock.notify_all()
                 ctl.push(ctl.replies, _wire.Wake(reason="member died"))
@@ -394,7 +406,8 @@ class Publisher:
                 f"sender stopped: {type(err).__name__}: {err}", channel=self.name)
             self._recorder.record("sender", channel=self.name, member=self._member).fail(self._fatal)
             self._state = "failed"
-            for job in self._staging.drain():
+            in_flight = self._staging.in_flight
+            for job in [*self._staging.drain(), *([in_flight] if in_flight is not None else [])]:
                 job.handle.resolve_threadsafe(error=self._fatal)
         finally:
             self._shutdown_members(ctl)
@@ -428,7 +441,8 @@ class Publisher:
         for _attempt in range(4):
             plan = self.membership.plan_next(failed)
             self._tell(ctl, self.membership.members, _wire.Reconfigure(
-                next_generation=plan.generation, members=plan.members, reason=reason))
+                next_generation=plan.generation, members=plan.members, reason=reason,
+                trouble=reason != "membership change" or bool(plan.evicted)))
             for member_id in plan.admitted:
                 self._tell(ctl, [member_id], _wire.Admit(member_id=member_id, generation=plan.generation,
                                                          members=plan.members))
@@ -436,11 +450,18 @@ class Publisher:
                 self._group.abort(reason)
                 self._group = None
             self._seq = itertools.count()
+            rendezvous = self._recorder.record("rendezvous", channel=self.name, member=self._member,
+                                               generation=plan.generation, peers=plan.members).start()
             missing = self._await_ready(ctl, plan)
             if missing:
+                if all(self.membership.is_leaving(m) for m in missing):
+                    rendezvous.complete()  # members left meanwhile: an ordinary replan, not a failure
+                else:
+                    rendezvous.fail(f"not ready: {sorted(missing)}")
                 self.membership.commit(plan, ok=False)
                 failed, reason = missing, f"members did not come to the rendezvous: {sorted(missing)}"
                 continue
+            rendezvous.complete()
             self._tell(ctl, plan.members, _wire.Go(generation=plan.generation))
             try:
                 self._group = DedicatedGroup.build(
@@ -528,12 +549,17 @@ class Publisher:
                 entry.fail(err)
             self._recorder.record("send", channel=self.name, member=self._member, generation=gen,
                                   version=job.version).fail(err)
+            # receivers still waiting on this version give up now (their queue is no longer
+            # empty) and acknowledge the failure, so live members answer and silent ones stand out
+            self._tell(ctl, members, _wire.Wake(reason=f"version {job.version} abandoned"))
             acked, failed = self._collect_acks(ctl, gen, seq, members, job.version, self.options.timeout)
             job.members_done |= acked
-            return (failed | (set(members) - acked)) or set(members)
+            self._recorder.dump_on_trouble(f"version {job.version} failed: {err}")
+            return failed or set(members) - acked
         job.members_done |= acked
         self.membership.note_delivered(acked, job.version, time.monotonic() - t0)
         if failed:
+            self._recorder.dump_on_trouble(f"version {job.version}: no acknowledgement from {sorted(failed)}")
             return failed
         self._finish(job, t0)
         return None
@@ -565,27 +591,24 @@ class Publisher:
 
     def _collect_acks(self, ctl: ControlPlane, gen: int, seq: int, members: tuple[str, ...], version: int,
                       timeout: float) -> tuple[set[str], set[str]]:
-        """Members that acknowledged ``version`` ok, and those that failed, died or never answered.
+        """Members that acknowledged ``version`` ok, and the ones to blame for what went wrong.
 
-        Stops early once every member has answered or every silent one is known dead.
+        Stops early once every member has answered or every silent one is known dead. Silent
+        members and failed acknowledgements are recorded apart. When someone went silent, only
+        the silent are blamed: members that failed while waiting on them are its victims.
         """
         acked: set[str] = set()
-        failed: set[str] = set()
+        nacked: dict[str, str] = {}
         entry = self._recorder.record("ack", channel=self.name, member=self._member, generation=gen,
                                       version=version, peers=members).start()
         deadline = time.monotonic() + timeout
-        while True:
-            silent = set(members) - acked - failed
-            if not silent:
-                break
-            dead = {m for m in silent if not self.membership.is_alive(m)}
-            if dead == silent:
-                failed |= dead
+        silent = set(members)
+        while silent:
+            if all(not self.membership.is_alive(m) for m in silent):
                 break
             try:
                 message = _wire.reply_decoder.decode(ctl.pop(ctl.replies, deadline - time.monotonic()))
             except StoreTimeout:
-                failed |= silent
                 break
             except Exception as err:  # noqa: BLE001 - a malformed reply counts as no reply
                 self._recorder.record("reply", channel=self.name, member=self._member).fail(f"malformed: {err}")
@@ -594,12 +617,25 @@ class Publisher:
                 continue  # a stale ack or a wake-up
             if message.member_id not in silent:
                 continue
-            (acked if message.ok and message.version == version else failed).add(message.member_id)
-        if failed:
-            entry.fail(f"no acknowledgement from {sorted(failed)}")
+            silent.discard(message.member_id)
+            if message.ok and message.version == version:
+                acked.add(message.member_id)
+            else:
+                nacked[message.member_id] = message.error or f"acked version {message.version}"
+        if silent or nacked:
+            entry.fail(f"silent: {sorted(silent)}; failed: {sorted(nacked)}")
+            for member in sorted(silent):  # per member, so the analyzer can tell culprits from victims
+                self._recorder.record("ack_missing", channel=self.name, member=self._member, generation=gen,
+                                      version=version, peers=(member,)).fail("no acknowledgement")
+            for member, error in sorted(nacked.items()):
+                self._recorder.record("nack", channel=self.name, member=self._member, generation=gen,
+                                      version=version, peers=(member,)).fail(error)
         else:
             entry.complete()
-        return acked, failed
+        if silent:
+            # someone went silent: the members that failed were waiting on it (victims, no strike)
+            return acked, silent
+        return acked, set(nacked)
 
     def _shutdown_members(self, ctl: ControlPlane) -> None:
         try:

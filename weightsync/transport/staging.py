@@ -110,7 +110,7 @@ class Staging:
                 self.retained = job
 
     def drain(self) -> list[Job]:
-        """Close: every job not yet sent, removed from staging."""
+        """Close: every job not yet sent (not the one in flight), removed from staging."""
         with self.lock:
             jobs = [j for j in (self.pending,) if j is not None]
             self.pending = None

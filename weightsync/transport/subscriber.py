@@ -40,7 +40,7 @@ from weightsync.errors import (
 from weightsync.pg import _torch_compat as compat
 from weightsync.pg import handshake
 from weightsync.pg.control import ControlPlane, StoreTimeout, StoreUnreachable
-from weightsync.pg.group import DedicatedGroup, resolve_backend
+from weightsync.pg.group import DedicatedGroup, drain_retired, resolve_backend
 from weightsync.pg.recorder import FlightRecorder, process_recorder
 from weightsync.transport import layout
 from weightsync.transport.handles import Weights, call_soon
@@ -69,12 +69,15 @@ class Subscriber:
         member_id: unique name in the channel (default: ``host-pid-random``).
         timeout: seconds; floor of every deadline (join, buckets, publisher liveness).
         secret: shared secret (default ``$WEIGHTSYNC_TOKEN``).
+        flight_recorder_dir: where dumps go (default ``$WEIGHTSYNC_FR_DIR``, else the same
+            per-run directory under the system temp dir as a publisher on this host).
     """
 
     def __init__(self, name: str, *, address: str | None = None, store: Any = None, backend: str = "auto",
                  device: str | torch.device | None = None, member_id: str | None = None, timeout: float = 30.0,
                  min_bandwidth: float = 50e6, heartbeat_interval: float = 1.0, secret: str | bytes | None = None,
-                 recorder: FlightRecorder | None = None) -> None:
+                 recorder: FlightRecorder | None = None,
+                 flight_recorder_dir: str | os.PathLike[str] | None = None) -> None:
         if not isinstance(name, str) or not name or "/" in name:
             raise ValueError(f"channel name must be a non-empty string without '/', got {name!r}")
         if (address is None) == (store is None):
@@ -91,6 +94,8 @@ class Subscriber:
             raise ValueError(f"member_id must not contain '/', got {self.member_id!r}")
         self._secret = handshake.resolve_secret(secret)
         self._recorder = recorder or process_recorder()
+        default_dir = f"{name}-{address.replace(':', '-')}" if address else f"{name}-pid{os.getpid()}"
+        self._recorder.configure(directory=flight_recorder_dir, label=self.member_id, default_directory=default_dir)
         self._slots = SlotPair(self.device if self.backend == "nccl" else torch.device("cpu"))
         self._state = "new"
         self._terminal: tuple[type[WeightSyncError], str] | None = None
@@ -178,6 +183,10 @@ class Subscriber:
         self._set_terminal(Closed, "subscriber closed")
         if self._executor is not None:
             self._executor.shutdown(wait=False)
+        # retired groups finish tearing down before we return (bounded): see group._Reaper
+        await self._loop.run_in_executor(None, drain_retired, self.options.timeout * 3)
+        if self._recorder.last_dump_path is not None:  # trouble was dumped: leave the full story
+            self._recorder.dump_on_trouble("closed after trouble", force=True)
         self._state = "closed"
 
     # reading ------------------------------------------------------------------------------
@@ -266,6 +275,9 @@ class Subscriber:
                 raise cls(message, channel=self.name, member=self.member_id, version=have)
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
+                self._recorder.record("get", channel=self.name, member=self.member_id,
+                                      version=-1 if min_version is None else min_version).fail("deadline expired")
+                self._recorder.dump_on_trouble("get deadline expired")
                 raise SyncTimeout(f"version >= {min_version} not received within {timeout:.3g}s (have {have})",
                                   channel=self.name, member=self.member_id)
             self._changed.clear()
@@ -281,6 +293,8 @@ class Subscriber:
     def _set_terminal(self, cls: type[WeightSyncError], message: str) -> None:
         if self._terminal is None:
             self._terminal = (cls, message)
+            if cls is not Closed:
+                self._recorder.dump_on_trouble(f"{cls.__name__}: {message}")
         self._wake()
 
     # heartbeat thread -------------------------------------------------------------------------
@@ -337,8 +351,12 @@ class Subscriber:
             if self._closing.is_set() and self._joined.is_set() and self._join_error is None:
                 self._leave(ctl)
 
-    def _next_message(self, ctl: ControlPlane, timeout: float) -> Any:
-        """The next message for this subscriber; None when woken to stop."""
+    def _abandon_rendezvous(self) -> bool:
+        return self._abort.is_set() or self._terminal is not None
+
+    def _next_message(self, ctl: ControlPlane, timeout: float, until: Any = None) -> Any:
+        """The next message for this subscriber; None when woken to stop (``until()`` says when)."""
+        stop = until or self._stopping
         while True:
             raw = ctl.pop(self._queue, timeout)
             try:
@@ -347,7 +365,7 @@ class Subscriber:
                 self._recorder.record("command", channel=self.name, member=self.member_id).fail(f"malformed: {err}")
                 continue
             if isinstance(message, _wire.Wake):
-                if self._stopping():
+                if stop():
                     return None
                 continue
             return message
@@ -390,8 +408,10 @@ class Subscriber:
         ctl.push(ctl.replies, _wire.Ready(generation=generation, member_id=self.member_id))
         while True:
             # bounded by the publisher's liveness (the heartbeat thread wakes us if it goes),
-            # not by a guess at how long the other members take to get ready
-            message = self._next_message(ctl, 3600.0)
+            # not by a guess at how long the other members take to get ready. Having said Ready,
+            # a closing subscriber still goes through with the rendezvous (the publisher may
+            # already be in it); only abort() walks away.
+            message = self._next_message(ctl, 3600.0, until=self._abandon_rendezvous)
             if message is None or not isinstance(message, _wire.Go):
                 return message
             if message.generation == generation:
@@ -420,6 +440,8 @@ class Subscriber:
                         continue  # for a generation we are not in (stale)
                     self._receive(ctl, group, message)
                 elif isinstance(message, _wire.Reconfigure):
+                    if message.trouble:
+                        self._recorder.dump_on_trouble(f"generation {generation} ended: {message.reason}")
                     if group is not None:
                         group.abort(message.reason)
                         group = None
@@ -476,6 +498,7 @@ class Subscriber:
         except _DATA_ERRORS as err:
             error = str(err)
             entry.fail(err)
+            self._recorder.dump_on_trouble(f"version {announce.version} not received: {err}")
         ack = _wire.Ack(generation=announce.generation, seq=announce.seq, member_id=self.member_id,
                         version=announce.version, ok=ok, seconds=time.monotonic() - t0, error=error[:300])
         try:

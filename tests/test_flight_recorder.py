@@ -1,0 +1,142 @@
+"""Flight recorder: the ring, dumps, the analyzer and the timeline, down to a real frozen member."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+
+import weightsync as ws
+from tests.conftest import LOOPS, Procs, loop_policy
+from weightsync.cli import main as cli
+from weightsync.pg.recorder import FlightRecorder, load_dump
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(params=LOOPS)
+def event_loop_policy(request: pytest.FixtureRequest):
+    return loop_policy(request.param)
+
+
+def analyze_json(directory: Path) -> tuple[int, dict]:
+    out = subprocess.run([sys.executable, "-m", "weightsync.cli", "fr", "analyze", str(directory), "--json"],
+                         capture_output=True, text=True, timeout=120, cwd=REPO)
+    return out.returncode, (msgspec.json.decode(out.stdout) if out.stdout.strip() else {})
+
+
+def test_ring_wraps_and_keeps_the_newest() -> None:
+    rec = FlightRecorder(capacity=5)
+    for i in range(12):
+        rec.record("bucket_send", channel="c", member="publisher", bucket=i).start().complete()
+    entries = rec.snapshot()
+    assert [e.bucket for e in entries] == [7, 8, 9, 10, 11]
+    assert [e.seq for e in entries] == sorted(e.seq for e in entries)
+    assert all(e.state == "completed" and e.duration >= 0 for e in entries)
+    off = FlightRecorder(capacity=0)
+    off.record("put", channel="c", member="p")
+    assert off.snapshot() == [] and not off.enabled
+    with pytest.raises(ValueError, match="capacity"):
+        FlightRecorder(capacity=-1)
+
+
+def test_dump_round_trip_and_states(tmp_path: Path) -> None:
+    rec = FlightRecorder(capacity=10, directory=tmp_path, label="gen7")
+    rec.record("receive", channel="c", member="gen7", version=3).start().fail(TimeoutError("late"))
+    rec.record("publish", channel="c", member="gen7", version=2).complete()
+    path = rec.dump()
+    assert path.parent == tmp_path and path.name.startswith("gen7-") and path.suffix == ".wsfr"
+    dump = load_dump(path)
+    assert dump.format_version == 1 and dump.label == "gen7" and dump.pid == os.getpid()
+    assert [(e.op, e.state, e.error) for e in dump.entries] == [("receive", "failed", "late"),
+                                                                ("publish", "completed", "")]
+
+
+@pytest.mark.parametrize("content", [b"", b"\x93\x01\x02", b'{"format": "something-else"}', b"\x80\x04K\x01."])
+def test_unreadable_dumps_exit_2_with_a_message(tmp_path: Path, content: bytes, capsys) -> None:
+    good = FlightRecorder(capacity=4, directory=tmp_path, label="ok")
+    good.record("put", channel="c", member="publisher").complete()
+    data = good.dump().read_bytes()
+    (tmp_path / "bad-1.wsfr").write_bytes(content or data[: len(data) // 2])  # empty: a truncated dump
+    assert cli(["fr", "analyze", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "bad-1.wsfr" in err and "Traceback" not in err
+
+
+def test_empty_or_missing_directory_exits_2(tmp_path: Path, capsys) -> None:
+    assert cli(["fr", "analyze", str(tmp_path)]) == 2
+    assert "no flight-recorder dumps" in capsys.readouterr().err
+    assert cli(["fr", "analyze", str(tmp_path / "nope")]) == 2
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(240)
+async def test_clean_run_analyzes_clean(procs: Procs, tmp_path: Path) -> None:
+    rec = FlightRecorder(directory=tmp_path, label="publisher")  # this test's history only
+    async with ws.Publisher("clean", timeout=10, heartbeat_interval=0.25, recorder=rec) as pub:
+        workers = [procs.spawn("subscriber", channel="clean", address=pub.address, member=f"gen{i}",
+                               until_version=1, deadline=120, fr_dir=str(tmp_path), dump_at_end=True)
+                   for i in range(2)]
+        await pub.wait_subscribers(2, timeout=60)
+        for v in range(2):
+            await (await pub.put({"w": torch.full((1000,), float(v))}, version=v)).delivered(timeout=60)
+        for w in workers:
+            await procs.result(w, timeout=60)
+    rec.dump(reason="test finished")
+    code, report = analyze_json(tmp_path)
+    assert code == 0, (report["failures"], report["culprits"], report["missing_dumps"])
+    assert report["ok"] and report["culprits"] == [] and {"gen0", "gen1", "publisher"} <= set(report["ranks"])
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(300)
+async def test_frozen_member_is_named_with_version_and_bucket(procs: Procs, tmp_path: Path) -> None:
+    """SIGSTOP one of three subscribers mid-transfer: deadline fires, dumps, analyzer names it."""
+    timeout = 3.0
+    rec = FlightRecorder(directory=tmp_path, label="publisher")  # this test's history only
+    async with ws.Publisher("frozen", timeout=timeout, heartbeat_interval=0.25, bucket_bytes=1 << 20,
+                            recorder=rec) as pub:
+        workers = [procs.spawn("subscriber", channel="frozen", address=pub.address, member=f"gen{i}",
+                               until_version=2, deadline=120, mode="updates", fr_dir=str(tmp_path),
+                               dump_at_end=True) for i in range(3)]
+        await pub.wait_subscribers(3, timeout=60)
+        body = torch.empty(16 << 20)  # 64 MiB in 1 MiB buckets: the transfer takes a while
+        body.fill_(0)
+        await (await pub.put({"body": body}, version=0)).delivered(timeout=60)
+        body.fill_(1)
+        handle = await pub.put({"body": body}, version=1)
+        procs.signal(workers[2], signal.SIGSTOP)  # frozen while version 1 is on the wire
+        t0 = time.monotonic()
+        report = await handle.delivered(timeout=120)
+        assert time.monotonic() - t0 < timeout * 4 + 10  # the deadline fired; nobody waited forever
+        assert set(report.members) == {"gen0", "gen1"}  # healthy members lost nothing
+        body.fill_(2)
+        await (await pub.put({"body": body}, version=2)).delivered(timeout=60)
+        for w in workers[:2]:
+            await procs.result(w, timeout=60)
+    names = sorted(p.name.split("-")[0] for p in tmp_path.glob("*.wsfr"))
+    assert names == ["gen0", "gen1", "publisher"]  # every live rank left a dump; the frozen one cannot
+    code, analysis = analyze_json(tmp_path)
+    assert code == 1
+    culprits = analysis["culprits"]
+    assert [(c["member"], c["version"]) for c in culprits] == [("gen2", 1)]
+    assert 0 <= culprits[0]["bucket"] < 64
+    assert analysis["missing_dumps"] == ["gen2"]
+    text = subprocess.run([sys.executable, "-m", "weightsync.cli", "fr", "analyze", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120, cwd=REPO).stdout
+    assert f"LIKELY CULPRIT: gen2 at frozen v1 bucket {culprits[0]['bucket']}" in text
+    png = tmp_path / "timeline.png"
+    assert cli(["fr", "timeline", str(tmp_path), "-o", str(png)]) == 1
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    html = tmp_path / "timeline.html"
+    assert cli(["fr", "timeline", str(tmp_path), "-o", str(html)]) == 1
+    assert "LIKELY CULPRIT: gen2" in html.read_text()
+
+
