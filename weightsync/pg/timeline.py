@@ -40,7 +40,7 @@ def draw(dumps: list[Dump], analysis: Analysis, out: str | Path) -> Path:
     fig, ax = plt.subplots(figsize=(12, 1.2 + 0.6 * len(members)))
     for member in analysis.missing_dumps:
         if member in lane:
-            last = max((d.time for d in dumps), default=t0) - t0
+            last = max(max(e.t_ended, e.t_started, e.t_scheduled) for _, e in entries) - t0
             ax.broken_barh([(0, last)], (lane[member] - 0.35, 0.7), facecolors="#EEEEEE", hatch="xx",
                            edgecolor="#D62728", linewidth=0.5)
             ax.text(last / 2, lane[member], "no dump: stopped or died", ha="center", va="center",

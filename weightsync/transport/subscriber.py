@@ -109,6 +109,7 @@ class Subscriber:
         self._threads: list[threading.Thread] = []
         self.generation = -1
         self.rank = -1
+        self._clean_shutdown = False
 
     # lifecycle ----------------------------------------------------------------------------
     async def __aenter__(self) -> Subscriber:
@@ -293,7 +294,7 @@ class Subscriber:
     def _set_terminal(self, cls: type[WeightSyncError], message: str) -> None:
         if self._terminal is None:
             self._terminal = (cls, message)
-            if cls is not Closed:
+            if cls is not Closed and not self._clean_shutdown:
                 self._recorder.dump_on_trouble(f"{cls.__name__}: {message}")
         self._wake()
 
@@ -457,6 +458,7 @@ class Subscriber:
                     else:
                         pending = entered
                 elif isinstance(message, _wire.Shutdown):
+                    self._clean_shutdown = True  # an orderly end, not trouble: no dump
                     raise PublisherGone(f"publisher shut down: {message.reason}", channel=self.name,
                                         member=self.member_id)
         except StoreTimeout as err:
