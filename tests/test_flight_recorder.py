@@ -140,3 +140,22 @@ async def test_frozen_member_is_named_with_version_and_bucket(procs: Procs, tmp_
     assert "LIKELY CULPRIT: gen2" in html.read_text()
 
 
+
+
+def test_sigusr1_dumps_when_the_application_installed_the_handler(tmp_path: Path) -> None:
+    code = ("import os, signal, sys, time, weightsync as ws\n"
+            "from weightsync.pg.recorder import install_signal_handler\n"
+            "rec = ws.FlightRecorder(capacity=10, directory=sys.argv[1], label='app')\n"
+            "rec.record('put', channel='c', member='publisher', version=1).complete()\n"
+            "assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL  # importing installed nothing\n"
+            "install_signal_handler(rec)\n"
+            "os.kill(os.getpid(), signal.SIGUSR1)\n"
+            "deadline = time.monotonic() + 10\n"
+            "while rec.last_dump_path is None and time.monotonic() < deadline:\n"
+            "    time.sleep(0.01)  # the handler runs between bytecodes of the main thread\n"
+            "print(rec.last_dump_path)\n")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120,
+                         cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    dump = load_dump(out.stdout.strip())
+    assert dump.reason == "signal SIGUSR1" and [e.op for e in dump.entries] == ["put"]
