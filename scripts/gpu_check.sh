@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One prepared run on a single-GPU machine (the device tool): the gpu-marked tests and the
-# doctor report, within about 8 minutes. msgspec and pytest-asyncio are missing there, so
+# doctor report, then the 14 GB stream-ordered snapshot benchmark, within about 8 minutes. msgspec and pytest-asyncio are missing there, so
 # carry wheels in wheels/ (pip download msgspec pytest-asyncio pytest-timeout -d wheels).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -10,5 +10,6 @@ python -m pip install --quiet --no-index --find-links wheels msgspec pytest-asyn
 python -m pip install --quiet --no-deps -e . 2>&1 | tail -2
 { date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; } > "$OUT/hardware.txt" 2>&1
 python -m weightsync.cli doctor | tee "$OUT/doctor.txt"
-timeout 420 python -m pytest tests/test_gpu.py -m gpu -q -p no:cacheprovider --junitxml="$OUT/gpu-tests.xml" \
+timeout 240 python -m pytest tests/test_gpu.py -m gpu -q -p no:cacheprovider --junitxml="$OUT/gpu-tests.xml" \
   2>&1 | tee "$OUT/gpu-tests.txt"
+timeout 150 python -m benchmarks.gpu_snapshot --gb 14 --reps 3 --out "$OUT" 2>&1 | tee "$OUT/gpu-snapshot.txt"

@@ -1,0 +1,103 @@
+"""GPU: the stall of a stream-ordered snapshot against a plain device copy of the same bytes.
+
+    python -m benchmarks.gpu_snapshot [--gb 14] [--reps 3]
+
+A one-rank NCCL channel (the only NCCL shape a single-GPU machine allows) puts a bf16 state
+dict of ``--gb`` GB living on the GPU. ``put`` enqueues the snapshot on a side stream and
+returns without synchronising the host; the device copy of the same bytes, synchronised, is the
+physical reference. Prints both and their ratio; writes JSON. Exits 0 without CUDA (nothing
+to measure), so scripts/gpu_check.sh can run it anywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import time
+from pathlib import Path
+
+import msgspec
+import torch
+
+import weightsync as ws
+
+
+class GpuResult(msgspec.Struct):
+    device: str
+    gb: float
+    backend: str
+    put_stall_ms: list[float]
+    snapshot_done_ms: list[float]
+    device_copy_ms: list[float]
+    stall_vs_device_copy: float
+    device_copy_gbps: float
+    torch: str
+    when: str
+
+
+def make_state_dict(gb: float) -> dict[str, torch.Tensor]:
+    per = 256 << 20  # 512 MiB tensors in bf16
+    n = max(1, int(gb * 1e9 // (per * 2)))
+    return {f"layers.{i}.weight": torch.empty(per, dtype=torch.bfloat16, device="cuda").normal_() for i in range(n)}
+
+
+async def run(gb: float, reps: int) -> GpuResult:
+    sd = make_state_dict(gb)
+    size = sum(t.numel() * t.element_size() for t in sd.values())
+    flat = torch.empty(size, dtype=torch.uint8, device="cuda")
+    copies = []
+    for _ in range(reps + 1):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        offset = 0
+        for t in sd.values():
+            n = t.numel() * t.element_size()
+            flat[offset : offset + n].copy_(t.view(-1).view(torch.uint8))
+            offset += n
+        torch.cuda.synchronize()
+        copies.append((time.perf_counter() - t0) * 1e3)
+    del flat
+    stalls, done = [], []
+    backend = "nccl" if ws.pg._torch_compat.nccl_available() else "gloo"
+    async with ws.Publisher("gpu-bench", backend=backend, device="cuda", timeout=120) as pub:
+        for version in range(reps + 1):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            handle = await pub.put(sd, version=version)
+            stalls.append((time.perf_counter() - t0) * 1e3)
+            torch.cuda.synchronize()  # the snapshot copies are done once the device is idle
+            done.append((time.perf_counter() - t0) * 1e3)
+            await handle.delivered(timeout=600)
+    stalls, done, copies = stalls[1:], done[1:], copies[1:]  # the first of each warms up
+    return GpuResult(device=torch.cuda.get_device_name(), gb=size / 1e9, backend=backend, put_stall_ms=stalls,
+                     snapshot_done_ms=done, device_copy_ms=copies,
+                     stall_vs_device_copy=statistics.median(stalls) / statistics.median(copies),
+                     device_copy_gbps=size / (statistics.median(copies) / 1e3) / 1e9, torch=str(torch.__version__),
+                     when=time.strftime("%Y-%m-%d %H:%M:%S"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gb", type=float, default=14.0)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--out", default="benchmarks/results")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("gpu_snapshot: no CUDA device here; nothing to measure")
+        return 0
+    result = asyncio.run(run(args.gb, args.reps))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu_snapshot.json").write_bytes(msgspec.json.format(msgspec.json.encode(result)))
+    print(f"{result.device}: {result.gb:.1f} GB bf16 on {result.backend}")
+    print(f"  put() returned after   {statistics.median(result.put_stall_ms):8.2f} ms (median; host not synchronised)")
+    print(f"  snapshot complete after {statistics.median(result.snapshot_done_ms):8.2f} ms")
+    print(f"  device copy, synced     {statistics.median(result.device_copy_ms):8.2f} ms "
+          f"({result.device_copy_gbps:.0f} GB/s)")
+    print(f"  stall / device copy     {result.stall_vs_device_copy:8.4f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

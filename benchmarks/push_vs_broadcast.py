@@ -1,0 +1,426 @@
+"""weightsync against blocking broadcasts, side by side in one run (``weightsync bench``).
+
+    weightsync bench [--sizes 64,256,512] [--subscribers 1,2,4] [--reps 3] [--step-ms 300]
+
+Modes, each pushing the same LLM-shaped state dict from a trainer to N generator processes:
+
+- ``naive``     a blocking per-tensor ``broadcast`` loop (what most RL loops do today);
+- ``packed``    a blocking packed-bucket broadcast with two flat buffers (vLLM's way; 1 GiB
+                buffers by default), packing one while the other is on the wire;
+- ``ws_copy``   ``await pub.put(sd)``: returns after the snapshot, the transfer runs behind;
+- ``ws_nocopy`` ``await pub.put(sd, copy=False)`` overlapped with a synthetic training step of
+                ``--step-ms`` (slept: it stands for accelerator time), then ``await released()``.
+
+Per mode: the trainer-visible stall, the time until every generator has the version, GB/s,
+event-loop lag p99 on the trainer and on the generators, and the physical ceiling measured in
+the same run (memcpy and loopback TCP bandwidth). Ratios are against ``packed``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import torch
+import torch.distributed as dist
+
+import weightsync as ws
+from benchmarks.model import make_state_dict, nbytes, packed_chunks
+
+MODES = ("naive", "packed", "ws_copy", "ws_nocopy")
+
+
+class Row(msgspec.Struct):
+    mode: str
+    mib: float
+    subscribers: int
+    stall_ms: float
+    to_all_ms: float
+    gbps: float
+    lag_p99_trainer_ms: float
+    lag_p99_generators_ms: float
+    stall_vs_packed: float = 0.0
+    to_all_vs_packed: float = 0.0
+
+
+class Ceiling(msgspec.Struct):
+    memcpy_gbps: float
+    loopback_gbps: float
+
+
+class Report(msgspec.Struct):
+    when: str
+    torch: str
+    cores: int
+    step_ms: float
+    packed_bytes: int
+    reps: int
+    ceiling: Ceiling
+    rows: list[Row]
+    targets: dict[str, bool]
+
+
+# ceilings --------------------------------------------------------------------------------------
+def memcpy_gbps(mib: int = 512) -> float:
+    src = torch.empty(mib << 20, dtype=torch.uint8).fill_(1)
+    dst = torch.empty_like(src)
+    best = min(_timed(lambda: dst.copy_(src)) for _ in range(3))
+    return src.numel() / best / 1e9
+
+
+def loopback_gbps(mib: int = 512) -> float:
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    payload = memoryview(bytearray(4 << 20))
+    total = mib << 20
+
+    def sink() -> None:
+        conn, _ = server.accept()
+        buf = bytearray(4 << 20)
+        got = 0
+        while got < total:
+            n = conn.recv_into(buf)
+            if not n:
+                break
+            got += n
+        conn.close()
+
+    thread = threading.Thread(target=sink)
+    thread.start()
+    client = socket.create_connection(server.getsockname(), timeout=60)
+    t0 = time.perf_counter()
+    for _ in range(total // len(payload)):
+        client.sendall(payload)
+    client.close()
+    thread.join(timeout=60)
+    server.close()
+    return total / (time.perf_counter() - t0) / 1e9
+
+
+def _timed(fn) -> float:  # type: ignore[no-untyped-def]
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+class LagMeter:
+    """Event-loop lag: how late a 5 ms sleep wakes up, sampled while a push runs."""
+
+    def __init__(self) -> None:
+        self.samples: list[float] = []
+        self._stop = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    async def _tick(self) -> None:
+        while not self._stop.is_set():
+            t0 = time.perf_counter()
+            await asyncio.sleep(0.005)
+            self.samples.append(time.perf_counter() - t0 - 0.005)
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._tick())
+
+    async def stop(self) -> float:
+        self._stop.set()
+        if self._task is not None:
+            await self._task
+        s = sorted(self.samples)
+        return s[int(len(s) * 0.99)] * 1e3 if s else 0.0
+
+
+# workers ---------------------------------------------------------------------------------------
+class Workers:
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.procs: list[tuple[subprocess.Popen[bytes], Path]] = []
+
+    def spawn(self, **spec: object) -> None:
+        out = self.tmp / f"w{len(self.procs)}.json"
+        env = dict(os.environ, TORCH_CPP_LOG_LEVEL="ERROR")
+        proc = subprocess.Popen([sys.executable, "-m", "benchmarks.workers",
+                                 msgspec.json.encode({**spec, "result": str(out)}).decode()], env=env)
+        self.procs.append((proc, out))
+
+    def results(self, timeout: float) -> list[dict]:
+        results = []
+        for proc, out in self.procs:
+            proc.wait(timeout=timeout)
+            result = msgspec.json.decode(out.read_bytes()) if out.exists() else {"error": f"exit {proc.returncode}"}
+            if result.get("error"):
+                raise RuntimeError(f"a generator process failed: {result['error']}")
+            results.append(result)
+        self.procs = []
+        return results
+
+    def kill(self) -> None:
+        for proc, _ in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=10)
+
+
+# baselines: blocking broadcasts --------------------------------------------------------------------
+async def run_baselines(sizes: list[int], n: int, reps: int, packed_bytes: int, tmp: Path,
+                        progress) -> list[Row]:  # type: ignore[no-untyped-def]
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=dt.timedelta(seconds=300))
+    plan = [(mode, mib, reps + 1) for mib in sizes for mode in ("naive", "packed")]
+    workers = Workers(tmp)
+    for rank in range(1, n + 1):
+        workers.spawn(role="baseline", host="127.0.0.1", port=store.port, rank=rank, world=n + 1, plan=plan,
+                      packed_bytes=packed_bytes)
+    rows = []
+    try:
+        pg: Any = await asyncio.get_running_loop().run_in_executor(
+            None, lambda: dist.ProcessGroupGloo(dist.PrefixStore("baseline", store), 0, n + 1,
+                                                dt.timedelta(seconds=300)))
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = 0, 0
+        for mode, mib, total_reps in plan:
+            sd = make_state_dict(mib)
+            bufs = [torch.empty(packed_bytes, dtype=torch.uint8) for _ in range(2)] if mode == "packed" else []
+            stalls, to_all, lags = [], [], []
+            for rep in range(total_reps):
+                meter = LagMeter()
+                meter.start()
+                await asyncio.sleep(0)
+                t0 = time.perf_counter()
+                if mode == "naive":  # blocking, on the event loop: exactly what users do today
+                    for t in sd.values():
+                        pg.broadcast([t], opts).wait()
+                else:
+                    work = None
+                    for i, chunk in enumerate(packed_chunks(sd, packed_bytes)):
+                        buf = bufs[i % 2][: chunk.nbytes]
+                        chunk.pack(buf)  # packing bucket i overlaps bucket i-1 on the wire
+                        if work is not None:
+                            work.wait()
+                        work = pg.broadcast([buf], opts)
+                    if work is not None:
+                        work.wait()
+                stall = time.perf_counter() - t0
+                key = f"done/{mode}/{mib}/{rep}"
+                while store.add(key, 0) < n:  # generators have unpacked it
+                    await asyncio.sleep(0.0005)
+                done = time.perf_counter() - t0
+                lag = await meter.stop()
+                if rep:  # rep 0 warms up
+                    stalls.append(stall)
+                    to_all.append(done)
+                    lags.append(lag)
+            rows.append(_row(mode, nbytes(sd), n, stalls, to_all, lags, 0.0))
+            progress(rows[-1])
+        workers.results(timeout=600)
+    finally:
+        workers.kill()
+    return rows
+
+
+# weightsync ----------------------------------------------------------------------------------------
+async def run_weightsync(sizes: list[int], n: int, reps: int, step_ms: float, tmp: Path,
+                         progress) -> list[Row]:  # type: ignore[no-untyped-def]
+    rows = []
+    workers = Workers(tmp)
+    last_version = len(sizes) * 2 * (reps + 1) - 1
+    async with ws.Publisher("bench", timeout=120, bucket_bytes=64 << 20) as pub:
+        for i in range(n):
+            workers.spawn(role="subscriber", address=pub.address, member=f"gen{i}", last_version=last_version)
+        try:
+            await pub.wait_subscribers(n, timeout=300)
+            version = 0
+            pending: list[tuple[str, int, list[float], list[float], list[float]]] = []
+            for mib in sizes:
+                sd = make_state_dict(mib)
+                for mode in ("ws_copy", "ws_nocopy"):
+                    stalls, to_all, lags = [], [], []
+                    for rep in range(reps + 1):
+                        meter = LagMeter()
+                        meter.start()
+                        await asyncio.sleep(0)
+                        t0 = time.perf_counter()
+                        delivered_at: list[float] = []
+                        handle = await pub.put(sd, version=version, copy=mode == "ws_copy")
+                        put_time = time.perf_counter() - t0
+                        delivery = asyncio.ensure_future(handle.delivered(timeout=600))
+
+                        def stamp(_f: object, d: list[float] = delivered_at) -> None:
+                            d.append(time.perf_counter())
+
+                        delivery.add_done_callback(stamp)
+                        if mode == "ws_copy":
+                            stall = put_time
+                        else:
+                            await asyncio.sleep(step_ms / 1e3)  # forward + backward on the accelerator
+                            t1 = time.perf_counter()
+                            await handle.released(timeout=600)  # optimizer.step() may now run
+                            stall = put_time + (time.perf_counter() - t1)
+                        report = await delivery
+                        done = delivered_at[0] - t0
+                        lag = await meter.stop()
+                        if report.superseded or len(report.members) != n:
+                            raise RuntimeError(f"version {version} reached {report.members} only")
+                        version += 1
+                        if rep:
+                            stalls.append(stall)
+                            to_all.append(done)
+                            lags.append(lag)
+                    pending.append((mode, nbytes(sd), stalls, to_all, lags))
+                    rows.append(_row(mode, nbytes(sd), n, stalls, to_all, lags, 0.0))
+                    progress(rows[-1])
+            gen_lags = [r["lag_p99_ms"] for r in workers.results(timeout=600)]
+        finally:
+            workers.kill()
+    for row in rows:
+        row.lag_p99_generators_ms = max(gen_lags)
+    return rows
+
+
+def _row(mode: str, size: int, n: int, stalls: list[float], to_all: list[float], lags: list[float],
+         gen_lag: float) -> Row:
+    done = statistics.median(to_all)
+    return Row(mode=mode, mib=size / 2**20, subscribers=n, stall_ms=statistics.median(stalls) * 1e3,
+               to_all_ms=done * 1e3, gbps=size * n / done / 1e9, lag_p99_trainer_ms=max(lags),
+               lag_p99_generators_ms=gen_lag)
+
+
+# report --------------------------------------------------------------------------------------------
+def add_ratios(rows: list[Row]) -> None:
+    packed = {(r.mib, r.subscribers): r for r in rows if r.mode == "packed"}
+    for r in rows:
+        base = packed.get((r.mib, r.subscribers))
+        if base is not None:
+            r.stall_vs_packed = r.stall_ms / base.stall_ms
+            r.to_all_vs_packed = r.to_all_ms / base.to_all_ms
+
+
+def check_targets(rows: list[Row]) -> dict[str, bool]:
+    """The issue's targets at 512 MiB (or the largest size run) and 2 subscribers (or the nearest)."""
+    ws_rows = [r for r in rows if r.mode.startswith("ws")]
+    if not ws_rows:
+        return {}
+    n = min({r.subscribers for r in rows}, key=lambda k: abs(k - 2))
+    size = min({r.mib for r in rows}, key=lambda m: abs(m - 496))
+    pick = {r.mode: r for r in rows if r.subscribers == n and r.mib == size}
+    copy, nocopy = pick["ws_copy"], pick["ws_nocopy"]
+    return {
+        f"stall with snapshot <= 0.15 x packed ({copy.stall_vs_packed:.3f})": copy.stall_vs_packed <= 0.15,
+        f"stall copy=False overlapped <= 0.05 x packed ({nocopy.stall_vs_packed:.3f})": nocopy.stall_vs_packed <= 0.05,
+        f"time to all <= 1.1 x packed ({copy.to_all_vs_packed:.3f})": copy.to_all_vs_packed <= 1.1,
+        f"event-loop lag p99 <= 20 ms (trainer {max(copy.lag_p99_trainer_ms, nocopy.lag_p99_trainer_ms):.1f}, "
+        f"generators {copy.lag_p99_generators_ms:.1f})":
+            max(copy.lag_p99_trainer_ms, nocopy.lag_p99_trainer_ms, copy.lag_p99_generators_ms) <= 20,
+    }
+
+
+def table(rows: list[Row], ceiling: Ceiling) -> str:
+    head = (f"{'MiB':>6} {'subs':>4} {'mode':<10} {'stall ms':>9} {'to-all ms':>10} {'GB/s':>6} {'of ceil':>7} "
+            f"{'lag99 trn':>9} {'lag99 gen':>9} {'stall/pk':>8} {'all/pk':>7}")
+    lines = [head, "-" * len(head)]
+    for r in sorted(rows, key=lambda r: (r.subscribers, r.mib, MODES.index(r.mode))):
+        ceil = ceiling.loopback_gbps  # one sender's loopback is the shared bottleneck for every copy
+        lines.append(f"{r.mib:6.0f} {r.subscribers:4d} {r.mode:<10} {r.stall_ms:9.1f} {r.to_all_ms:10.1f} "
+                     f"{r.gbps:6.2f} {r.gbps / ceil:7.2f} {r.lag_p99_trainer_ms:9.1f} {r.lag_p99_generators_ms:9.1f} "
+                     f"{r.stall_vs_packed:8.3f} {r.to_all_vs_packed:7.3f}")
+    return "\n".join(lines)
+
+
+def plot(report: Report, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    subs = sorted({r.subscribers for r in report.rows})
+    fig, axes = plt.subplots(len(subs), 2, figsize=(11, 3.2 * len(subs)), squeeze=False)
+    for row_i, n in enumerate(subs):
+        for col, (field, label) in enumerate((("stall_ms", "trainer stall per push (ms)"),
+                                              ("to_all_ms", "until every generator has it (ms)"))):
+            ax = axes[row_i][col]
+            for mode in MODES:
+                pts = sorted((r.mib, getattr(r, field)) for r in report.rows if r.mode == mode and r.subscribers == n)
+                if pts:
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=mode)
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("state dict (MiB)")
+            ax.set_ylabel(label)
+            ax.set_title(f"{n} generator{'s' if n > 1 else ''}")
+            ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(f"weightsync vs blocking broadcast (gloo, CPU, {report.cores} cores, torch {report.torch})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+async def bench(sizes: list[int], subscribers: list[int], reps: int, step_ms: float, packed_bytes: int) -> Report:
+    print("ceilings: memcpy and loopback TCP, measured now ...", flush=True)
+    ceiling = Ceiling(memcpy_gbps=memcpy_gbps(), loopback_gbps=loopback_gbps())
+    print(f"  memcpy {ceiling.memcpy_gbps:.1f} GB/s, loopback TCP {ceiling.loopback_gbps:.2f} GB/s", flush=True)
+    rows: list[Row] = []
+    total = len(sizes) * len(subscribers) * len(MODES)
+
+    def progress(row: Row) -> None:
+        print(f"  [{len(rows) + 1:>2}/{total}] {row.mib:6.0f} MiB x {row.subscribers} {row.mode:<10} "
+              f"stall {row.stall_ms:8.1f} ms   to all {row.to_all_ms:8.1f} ms", flush=True)
+        rows.append(row)
+
+    with tempfile.TemporaryDirectory(prefix="ws-bench-") as tmp:
+        for n in subscribers:
+            await run_baselines(sizes, n, reps, packed_bytes, Path(tmp), progress)
+            await run_weightsync(sizes, n, reps, step_ms, Path(tmp), progress)
+    add_ratios(rows)
+    return Report(when=time.strftime("%Y-%m-%d %H:%M:%S"), torch=str(torch.__version__), cores=os.cpu_count() or 0,
+                  step_ms=step_ms, packed_bytes=packed_bytes, reps=reps, ceiling=ceiling, rows=rows,
+                  targets=check_targets(rows))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="weightsync bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="64,256,512", help="MiB, comma-separated (CPU: up to 2048)")
+    parser.add_argument("--subscribers", default="1,2,4", help="generator processes, comma-separated")
+    parser.add_argument("--reps", type=int, default=3, help="measured pushes per point (plus one warm-up)")
+    parser.add_argument("--step-ms", type=float, default=300.0, help="synthetic training step for ws_nocopy")
+    parser.add_argument("--packed-mib", type=int, default=1024, help="the packed baseline's buffer size")
+    parser.add_argument("--out", default="benchmarks/results")
+    args = parser.parse_args(argv)
+    try:
+        sizes = [int(s) for s in args.sizes.split(",")]
+        subscribers = [int(s) for s in args.subscribers.split(",")]
+    except ValueError:
+        parser.error("--sizes and --subscribers take comma-separated integers")
+    if min(sizes) < 1 or min(subscribers) < 1 or args.reps < 1:
+        parser.error("sizes, subscribers and reps must be >= 1")
+    need = max(sizes) * (3 + 2 * max(subscribers) + 2) / 1024
+    print(f"weightsync bench: sizes {sizes} MiB x subscribers {subscribers}, {args.reps} reps "
+          f"(peak memory about {need:.1f} GiB)", flush=True)
+    import uvloop
+
+    report = uvloop.run(bench(sizes, subscribers, args.reps, args.step_ms, args.packed_mib << 20))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.json").write_bytes(msgspec.json.format(msgspec.json.encode(report)))
+    plot(report, out / "bench.png")
+    print()
+    print(table(report.rows, report.ceiling))
+    print()
+    for name, ok in report.targets.items():
+        print(f"  {'PASS' if ok else 'FAIL'}  {name}")
+    print(f"\nwrote {out / 'bench.json'} and {out / 'bench.png'}")
+    return 0 if all(report.targets.values()) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,89 @@
+"""Generator-side processes for ``weightsync bench``: a blocking-broadcast receiver and a Subscriber.
+
+Run as ``python -m benchmarks.workers '<json spec>'``; results come back as msgspec JSON in the
+file the spec names (never pickle).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import sys
+import time
+
+import msgspec
+import torch
+import torch.distributed as dist
+
+import weightsync as ws
+from benchmarks.model import make_state_dict, packed_chunks
+
+
+class WorkerResult(msgspec.Struct):
+    lag_p99_ms: float = 0.0
+    lag_max_ms: float = 0.0
+    error: str = ""
+
+
+def baseline(spec: dict) -> WorkerResult:
+    """Receive every planned push by blocking broadcasts, as a generator does today."""
+    store = dist.TCPStore(spec["host"], spec["port"], is_master=False, timeout=dt.timedelta(seconds=120))
+    pg = dist.ProcessGroupGloo(dist.PrefixStore("baseline", store), spec["rank"], spec["world"],
+                               dt.timedelta(seconds=300))
+    opts = dist.BroadcastOptions()
+    opts.rootRank, opts.rootTensor = 0, 0
+    for mode, mib, reps in spec["plan"]:
+        sd = make_state_dict(mib)
+        flat = [torch.empty(spec["packed_bytes"], dtype=torch.uint8) for _ in range(2)] if mode == "packed" else []
+        for rep in range(reps):
+            if mode == "naive":
+                for t in sd.values():
+                    pg.broadcast([t], opts).wait()
+            else:
+                for i, chunk in enumerate(packed_chunks(sd, spec["packed_bytes"])):
+                    buf = flat[i % 2][: chunk.nbytes]
+                    pg.broadcast([buf], opts).wait()
+                    chunk.unpack(buf)
+            store.add(f"done/{mode}/{mib}/{rep}", 1)
+    return WorkerResult()
+
+
+async def subscriber(spec: dict) -> WorkerResult:
+    """Follow the channel until the last version, measuring this process's event-loop lag."""
+    lags: list[float] = []
+    stop = asyncio.Event()
+
+    async def ticker() -> None:
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            await asyncio.sleep(0.005)
+            lags.append(time.perf_counter() - t0 - 0.005)
+
+    task = asyncio.create_task(ticker())
+    async with ws.Subscriber(spec.get("channel", "bench"), address=spec["address"], member_id=spec["member"],
+                             timeout=120) as sub:
+        await sub.get(min_version=spec["last_version"], timeout=3600)
+    stop.set()
+    await task
+    lags.sort()
+    return WorkerResult(lag_p99_ms=lags[int(len(lags) * 0.99)] * 1e3 if lags else 0.0,
+                        lag_max_ms=lags[-1] * 1e3 if lags else 0.0)
+
+
+def main() -> None:
+    spec = msgspec.json.decode(sys.argv[1])
+    try:
+        if spec["role"] == "baseline":
+            result = baseline(spec)
+        else:
+            import uvloop
+
+            result = uvloop.run(subscriber(spec))
+    except Exception as err:  # reported to the bench, which fails loudly
+        result = WorkerResult(error=f"{type(err).__name__}: {err}")
+    with open(spec["result"], "wb") as fh:
+        fh.write(msgspec.json.encode(result))
+
+
+if __name__ == "__main__":
+    main()
