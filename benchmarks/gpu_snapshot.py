@@ -32,6 +32,8 @@ class GpuResult(msgspec.Struct):
     device_copy_ms: list[float]
     stall_vs_device_copy: float
     device_copy_gbps: float
+    pinned_h2d_gbps: float
+    pageable_h2d_gbps: float
     torch: str
     when: str
 
@@ -40,6 +42,20 @@ def make_state_dict(gb: float) -> dict[str, torch.Tensor]:
     per = 256 << 20  # 512 MiB tensors in bf16
     n = max(1, int(gb * 1e9 // (per * 2)))
     return {f"layers.{i}.weight": torch.empty(per, dtype=torch.bfloat16, device="cuda").normal_() for i in range(n)}
+
+
+def h2d_gbps(pin: bool, mib: int = 1024) -> float:
+    """Host-to-device bandwidth, the ceiling for a gloo channel carrying CUDA tensors."""
+    host = torch.empty(mib << 20, dtype=torch.uint8, pin_memory=pin)
+    dev = torch.empty(mib << 20, dtype=torch.uint8, device="cuda")
+    best = float("inf")
+    for _ in range(3):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dev.copy_(host, non_blocking=pin)
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return host.numel() / best / 1e9
 
 
 async def run(gb: float, reps: int) -> GpuResult:
@@ -70,10 +86,12 @@ async def run(gb: float, reps: int) -> GpuResult:
             done.append((time.perf_counter() - t0) * 1e3)
             await handle.delivered(timeout=600)
     stalls, done, copies = stalls[1:], done[1:], copies[1:]  # the first of each warms up
+    pinned, pageable = h2d_gbps(pin=True), h2d_gbps(pin=False)
     return GpuResult(device=torch.cuda.get_device_name(), gb=size / 1e9, backend=backend, put_stall_ms=stalls,
                      snapshot_done_ms=done, device_copy_ms=copies,
                      stall_vs_device_copy=statistics.median(stalls) / statistics.median(copies),
-                     device_copy_gbps=size / (statistics.median(copies) / 1e3) / 1e9, torch=str(torch.__version__),
+                     device_copy_gbps=size / (statistics.median(copies) / 1e3) / 1e9, pinned_h2d_gbps=pinned,
+                     pageable_h2d_gbps=pageable, torch=str(torch.__version__),
                      when=time.strftime("%Y-%m-%d %H:%M:%S"))
 
 
@@ -96,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  device copy, synced     {statistics.median(result.device_copy_ms):8.2f} ms "
           f"({result.device_copy_gbps:.0f} GB/s)")
     print(f"  stall / device copy     {result.stall_vs_device_copy:8.4f}")
+    print(f"  host->device: pinned {result.pinned_h2d_gbps:.1f} GB/s, pageable {result.pageable_h2d_gbps:.1f} GB/s")
     return 0
 
 

@@ -1,0 +1,55 @@
+"""The benchmarks and the demo still run end to end (tiny sizes). Speed is never asserted here: it lives
+in the benchmarks' own output, measured side by side."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import msgspec
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.timeout(300)
+
+
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=280, cwd=REPO)
+
+
+def test_bench_runs_every_mode_and_writes_json_and_plot(tmp_path: Path) -> None:
+    out = run("-m", "weightsync.cli", "bench", "--sizes", "8", "--subscribers", "1", "--reps", "1",
+              "--out", str(tmp_path))
+    assert out.returncode in (0, 1), out.stderr[-3000:]  # 1: a target missed at this toy size
+    report = msgspec.json.decode((tmp_path / "bench.json").read_bytes())
+    modes = {row["mode"] for row in report["rows"]}
+    assert modes == {"naive", "packed", "ws_copy", "ws_nocopy"}
+    assert all(row["to_all_ms"] > 0 and row["stall_ms"] >= 0 for row in report["rows"])
+    assert report["ceiling"]["memcpy_gbps"] > 0 and report["ceiling"]["loopback_gbps"] > 0
+    assert (tmp_path / "bench.png").stat().st_size > 10_000
+    assert "PASS" in out.stdout or "FAIL" in out.stdout
+
+
+def test_train_loop_and_recorder_overhead_run(tmp_path: Path) -> None:
+    out = run("-m", "benchmarks.train_loop", "--mib", "8", "--steps", "2", "--step-ms", "20", "--subscribers", "1",
+              "--out", str(tmp_path))
+    assert out.returncode == 0, out.stderr[-3000:]
+    loop = msgspec.json.decode((tmp_path / "train_loop.json").read_bytes())
+    assert [r["method"] for r in loop["results"]] == ["packed", "ws_copy", "ws_nocopy"]
+    out = run("-m", "benchmarks.recorder_overhead", "--mib", "8", "--reps", "2", "--out", str(tmp_path))
+    assert out.returncode == 0, out.stderr[-3000:]
+    overhead = msgspec.json.decode((tmp_path / "recorder_overhead.json").read_bytes())
+    assert overhead["entries_per_push"] > 0 and overhead["seconds_per_entry"] > 0
+
+
+def test_gpu_snapshot_says_so_without_cuda() -> None:
+    out = run("-m", "benchmarks.gpu_snapshot", "--gb", "0.1")
+    assert out.returncode == 0
+    assert "no CUDA" in out.stdout or "GB bf16" in out.stdout
+
+
+def test_the_readme_demo_runs_and_ends_bit_exact() -> None:
+    out = run("-m", "weightsync.cli", "demo", "--steps", "3", "--generators", "2")
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "every generator ended on the trainer's latest weights" in out.stdout
