@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import time
 
+import msgspec
 import pytest
 import torch
 
@@ -65,3 +67,46 @@ async def test_duplicate_member_id_is_denied() -> None:
             with pytest.raises(ws.AdmissionDenied, match="already"):
                 async with ws.Subscriber("dup", address=pub.address, member_id="same", timeout=15):
                     pass
+
+
+async def test_publisher_killed_subscribers_keep_last_version_and_raise_in_time(procs: Procs, tmp_path) -> None:
+    address_file = tmp_path / "address"
+    pub_index = procs.spawn("publisher", channel="doomed", address_file=str(address_file), deadline=120)
+    deadline = time.monotonic() + 60
+    while not address_file.exists():  # polling for the child's address file, with a deadline
+        assert time.monotonic() < deadline, procs.log(pub_index)
+        await asyncio.sleep(0.05)
+    timeout = 4.0
+    async with ws.Subscriber("doomed", address=address_file.read_text(), timeout=timeout,
+                             heartbeat_interval=0.25) as sub:
+        before = await sub.get(min_version=2, timeout=30)
+        procs.signal(pub_index, signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(ws.PublisherGone):
+            await sub.get(min_version=before.version + 10_000)  # no timeout given: liveness ends it
+        assert time.monotonic() - t0 < timeout + 5  # within its deadline, plus slack for CI
+        kept = await sub.get(timeout=5)  # the last complete version stays readable
+        assert kept.version >= before.version and torch.all(kept["w"] == float(kept.version))
+
+
+async def test_fingerprint_mismatch_is_denied_naming_the_difference() -> None:
+    from weightsync import _wire
+    from weightsync.pg import handshake
+    from weightsync.pg.control import ControlPlane
+
+    async with ws.Publisher("fp", timeout=10, heartbeat_interval=0.25) as pub:
+        ctl = ControlPlane(pub._store, "fp").clone(10.0)
+        mine = handshake.fingerprint(pub.backend, pub.device)
+        alien = msgspec.structs.replace(mine, protocol=mine.protocol + 1)
+        queue = ctl.member_queue("alien", "n1")
+        ctl.push(ctl.inbox, _wire.Join(member_id="alien", reply_to=queue, fingerprint=alien))
+        raw = await asyncio.get_running_loop().run_in_executor(None, ctl.pop, queue, 10.0)
+        reply = _wire.member_decoder.decode(raw)
+        assert isinstance(reply, _wire.Deny) and reply.kind == "handshake"
+        assert "protocol" in reply.reason and str(alien.protocol) in reply.reason
+        ctl.push(ctl.inbox, b"\x00garbage")  # malformed: recorded, never fatal
+        async with ws.Subscriber("fp", address=pub.address, timeout=10, heartbeat_interval=0.25) as sub:
+            await pub.wait_subscribers(1, timeout=10)  # the publisher kept serving
+            await (await pub.put({"x": torch.ones(2)}, version=1)).delivered(timeout=10)
+            assert (await sub.get(timeout=5)).version == 1
+

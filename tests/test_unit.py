@@ -146,3 +146,16 @@ def test_wire_messages_decode_strictly() -> None:
         _wire.member_decoder.decode(b"\x80\x03cos\nsystem\n")  # a pickle is just garbage here
     with pytest.raises(msgspec.ValidationError):
         _wire.inbox_decoder.decode(_wire.encode({"type": "join", "member_id": 5}))
+
+
+def test_fingerprint_comparison_on_nccl_names_every_field() -> None:
+    from weightsync._wire import Fingerprint
+    from weightsync.pg.handshake import compare
+
+    a = Fingerprint(protocol=1, torch="2.15.0", nccl="2.28.9", backend="nccl", device_kind="H200",
+                    nccl_env={"NCCL_PROTO": "Simple"})
+    b = msgspec.structs.replace(a, torch="2.13.0", nccl_env={})
+    diffs = compare(a, b)
+    assert any("torch" in d for d in diffs) and any("nccl_env" in d for d in diffs)
+    gloo = msgspec.structs.replace(a, backend="gloo")
+    assert compare(gloo, msgspec.structs.replace(gloo, torch="2.13.0")) == []  # gloo talks across versions

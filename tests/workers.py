@@ -68,6 +68,23 @@ async def coexist(spec: dict) -> dict:
     return {**sub_result, "before": before, "after": after}
 
 
+async def publisher(spec: dict) -> dict:
+    """Host a channel, write its address to a file, push a version every 50 ms until killed."""
+    async with ws.Publisher(spec["channel"], timeout=spec.get("timeout", 10.0), heartbeat_interval=0.25) as pub:
+        tmp = spec["address_file"] + ".tmp"
+        with open(tmp, "w") as fh:
+            fh.write(pub.address or "")
+        os.replace(tmp, spec["address_file"])
+        await pub.wait_subscribers(spec.get("subscribers", 1), timeout=60)
+        version = 0
+        deadline = time.monotonic() + spec.get("deadline", 60)
+        while time.monotonic() < deadline:
+            await (await pub.put({"w": torch.full((1000,), float(version))}, version=version)).delivered(timeout=30)
+            version += 1
+            await asyncio.sleep(0.05)
+    return {"versions": version}
+
+
 async def main(spec: dict) -> dict:
     if spec["role"] == "subscriber":
         try:
@@ -77,6 +94,8 @@ async def main(spec: dict) -> dict:
                 ws.pg.process_recorder().dump(reason="worker finished")
     if spec["role"] == "coexist":
         return await coexist(spec)
+    if spec["role"] == "publisher":
+        return await publisher(spec)
     raise SystemExit(f"unknown role {spec['role']!r}")
 
 

@@ -18,11 +18,9 @@ The event loop only ever waits on futures the threads resolve; it never touches 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import os
 import threading
 import time
-from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -33,15 +31,14 @@ from weightsync.errors import Closed, SyncTimeout, WeightSyncError
 from weightsync.pg import _torch_compat as compat
 from weightsync.pg import handshake
 from weightsync.pg.control import ControlPlane, StoreTimeout, StoreUnreachable
-from weightsync.pg.group import DedicatedGroup, drain_retired, resolve_backend
+from weightsync.pg.generations import DATA_ERRORS, Generations
+from weightsync.pg.group import drain_retired, resolve_backend
 from weightsync.pg.membership import Membership
 from weightsync.pg.recorder import FlightRecorder, process_recorder
 from weightsync.transport import layout
 from weightsync.transport.handles import DeliveryReport, PutHandle
 from weightsync.transport.options import ChannelOptions, MiB, advertised_host, parse_address, resolve_device
 from weightsync.transport.staging import Job, Staging, superseded_report
-
-_DATA_ERRORS = (TimeoutError, RuntimeError, StoreTimeout, StoreUnreachable, ValueError)
 
 
 class Publisher:
@@ -106,11 +103,12 @@ class Publisher:
         self._copy_stream: Any = None
         self._bucket_bufs: list[torch.Tensor] = []
         self.membership = Membership(name, self._recorder, self.options.heartbeat_interval)
-        self._group: DedicatedGroup | None = None
-        self._seq = itertools.count()
+        self._gens = Generations(name, membership=self.membership, recorder=self._recorder, backend=self.backend,
+                                 device=self._slot_device,
+                                 rendezvous_timeout=self.options.timeout + self.options.deadline(bucket_bytes),
+                                 stopped=self._stop.is_set, on_change=self._notify_members)
         self._address: str | None = None
         self._store: Any = None
-        self._reply_to: dict[str, str] = {}
         self._fatal: WeightSyncError | None = None
 
     # lifecycle ----------------------------------------------------------------------------
@@ -362,7 +360,7 @@ class Publisher:
                                   peers=(message.member_id,)).fail(deny.reason)
             return
         with self._staging.lock:
-            self._reply_to[message.member_id] = message.reply_to
+            self._gens.register(message.member_id, message.reply_to)
             self.membership.request_join(message.member_id)
             self._staging.lock.notify_all()
 
@@ -410,7 +408,7 @@ class Publisher:
             for job in [*self._staging.drain(), *([in_flight] if in_flight is not None else [])]:
                 job.handle.resolve_threadsafe(error=self._fatal)
         finally:
-            self._shutdown_members(ctl)
+            self._gens.shutdown(ctl)
 
     def _sender_loop(self, ctl: ControlPlane) -> None:
         st = self._staging
@@ -422,7 +420,7 @@ class Publisher:
             if self._stop.is_set() or (self._draining and st.pending is None):
                 return
             if self.membership.has_requests() or self.membership.has_dead_members():
-                self._next_generation(ctl, reason="membership change")
+                self._gens.advance(ctl, reason="membership change")
                 retained = st.retained
                 if retained is not None and st.pending is None and self.membership.lacking(retained.version):
                     self._send(ctl, retained)
@@ -430,88 +428,13 @@ class Publisher:
             if job is not None:
                 self._send(ctl, job)
 
-    def _tell(self, ctl: ControlPlane, members: Iterable[str], message: Any) -> None:
-        for member in members:
-            queue = self._reply_to.get(member)
-            if queue is not None:
-                ctl.push(queue, message)
-
-    def _next_generation(self, ctl: ControlPlane, reason: str, failed: Iterable[str] = ()) -> None:
-        """End the current generation and build the next with the live members and joiners."""
-        for _attempt in range(4):
-            plan = self.membership.plan_next(failed)
-            self._tell(ctl, self.membership.members, _wire.Reconfigure(
-                next_generation=plan.generation, members=plan.members, reason=reason,
-                trouble=reason != "membership change" or bool(plan.evicted)))
-            for member_id in plan.admitted:
-                self._tell(ctl, [member_id], _wire.Admit(member_id=member_id, generation=plan.generation,
-                                                         members=plan.members))
-            if self._group is not None:
-                self._group.abort(reason)
-                self._group = None
-            self._seq = itertools.count()
-            rendezvous = self._recorder.record("rendezvous", channel=self.name, member=self._member,
-                                               generation=plan.generation, peers=plan.members).start()
-            missing = self._await_ready(ctl, plan)
-            if missing:
-                if all(self.membership.is_leaving(m) for m in missing):
-                    rendezvous.complete()  # members left meanwhile: an ordinary replan, not a failure
-                else:
-                    rendezvous.fail(f"not ready: {sorted(missing)}")
-                self.membership.commit(plan, ok=False)
-                failed, reason = missing, f"members did not come to the rendezvous: {sorted(missing)}"
-                continue
-            rendezvous.complete()
-            self._tell(ctl, plan.members, _wire.Go(generation=plan.generation))
-            try:
-                self._group = DedicatedGroup.build(
-                    ctl.store, channel=self.name, member=self._member, generation=plan.generation,
-                    rank=0, size=len(plan.members) + 1, backend=self.backend, device=self._slot_device,
-                    timeout=self._rendezvous_timeout(), recorder=self._recorder, peers=plan.members)
-            except _DATA_ERRORS as err:
-                self.membership.commit(plan, ok=False)
-                failed, reason = self.membership.unresponsive(), f"rendezvous failed: {err}"
-                continue
-            self.membership.commit(plan, ok=True)
-            for member in plan.evicted:
-                self._reply_to.pop(member, None)
-            self._notify_members()
-            return
-        raise WeightSyncError("could not form a generation after 4 attempts", channel=self.name)
-
-    def _await_ready(self, ctl: ControlPlane, plan: Any) -> set[str]:
-        """Wait until every planned member is on its way into the rendezvous.
-
-        Returns the members that left, died or never came: gloo's own rendezvous cannot be
-        interrupted, so nobody enters it until everyone is known to be coming.
-        """
-        deadline = time.monotonic() + self._rendezvous_timeout()
-        waiting = set(plan.members)
-        while waiting:
-            gone = {m for m in waiting if self.membership.is_leaving(m) or not self.membership.is_alive(m)}
-            if gone or self._stop.is_set():
-                return gone or waiting
-            try:
-                message = _wire.reply_decoder.decode(ctl.pop(ctl.replies, deadline - time.monotonic()))
-            except StoreTimeout:
-                return waiting
-            except Exception as err:  # noqa: BLE001 - a malformed reply is dropped, never fatal
-                self._recorder.record("reply", channel=self.name, member=self._member).fail(f"malformed: {err}")
-                continue
-            if isinstance(message, _wire.Ready) and message.generation == plan.generation:
-                waiting.discard(message.member_id)
-        return set()
-
-    def _rendezvous_timeout(self) -> float:
-        return self.options.timeout + self.options.deadline(self.options.bucket_bytes)
-
     def _send(self, ctl: ControlPlane, job: Job) -> None:
         for _attempt in range(3):
             failed = self._send_once(ctl, job)
             if failed is None:
                 return
             # the group is broken: rebuild with the live members and re-send this version
-            self._next_generation(ctl, reason=f"version {job.version} failed", failed=failed)
+            self._gens.advance(ctl, reason=f"version {job.version} failed", failed=failed)
             if job.flat is None and job.handle._released.done():
                 break  # copy=False tensors were released: nothing left to re-send from
         self._finish(job, time.monotonic())
@@ -524,7 +447,7 @@ class Publisher:
             if self._slot_device.type != "cuda":
                 job.ready.synchronize()  # gloo reads host memory: the device->host copy must be done
         members = tuple(self.membership.members)
-        gen, seq, group = self.membership.generation, next(self._seq), self._group
+        gen, seq, group = self.membership.generation, self._gens.next_seq(), self._gens.group
         ranges = layout.bucket_ranges(job.manifest.total_bytes, self.options.bucket_bytes)
         announce = _wire.Announce(generation=gen, seq=seq, version=job.version, manifest=job.manifest,
                                   bucket_bytes=self.options.bucket_bytes, num_buckets=len(ranges),
@@ -535,7 +458,7 @@ class Publisher:
         entry = self._recorder.record("announce", channel=self.name, member=self._member, generation=gen,
                                       version=job.version, nbytes=job.manifest.total_bytes, peers=members).start()
         try:
-            self._tell(ctl, members, announce)
+            self._gens.tell(ctl, members, announce)
             entry.complete()
             if members and group is not None:
                 slices, before = self._slices(job, ranges)
@@ -543,16 +466,16 @@ class Publisher:
                                         op="bucket_send", before=before)
             if job.flat is None:
                 job.handle.release_threadsafe()
-            acked, failed = self._collect_acks(ctl, gen, seq, members, job.version, self.options.timeout)
-        except _DATA_ERRORS as err:
+            acked, failed = self._gens.collect_acks(ctl, gen, seq, members, job.version, self.options.timeout)
+        except DATA_ERRORS as err:
             if entry.state != "completed":
                 entry.fail(err)
             self._recorder.record("send", channel=self.name, member=self._member, generation=gen,
                                   version=job.version).fail(err)
             # receivers still waiting on this version give up now (their queue is no longer
             # empty) and acknowledge the failure, so live members answer and silent ones stand out
-            self._tell(ctl, members, _wire.Wake(reason=f"version {job.version} abandoned"))
-            acked, failed = self._collect_acks(ctl, gen, seq, members, job.version, self.options.timeout)
+            self._gens.tell(ctl, members, _wire.Wake(reason=f"version {job.version} abandoned"))
+            acked, failed = self._gens.collect_acks(ctl, gen, seq, members, job.version, self.options.timeout)
             job.members_done |= acked
             self._recorder.dump_on_trouble(f"version {job.version} failed: {err}")
             return failed or set(members) - acked
@@ -589,60 +512,3 @@ class Publisher:
 
         return [bufs[i % 2][: hi - lo] for i, (lo, hi) in enumerate(ranges)], pack
 
-    def _collect_acks(self, ctl: ControlPlane, gen: int, seq: int, members: tuple[str, ...], version: int,
-                      timeout: float) -> tuple[set[str], set[str]]:
-        """Members that acknowledged ``version`` ok, and the ones to blame for what went wrong.
-
-        Stops early once every member has answered or every silent one is known dead. Silent
-        members and failed acknowledgements are recorded apart. When someone went silent, only
-        the silent are blamed: members that failed while waiting on them are its victims.
-        """
-        acked: set[str] = set()
-        nacked: dict[str, str] = {}
-        entry = self._recorder.record("ack", channel=self.name, member=self._member, generation=gen,
-                                      version=version, peers=members).start()
-        deadline = time.monotonic() + timeout
-        silent = set(members)
-        while silent:
-            if all(not self.membership.is_alive(m) for m in silent):
-                break
-            try:
-                message = _wire.reply_decoder.decode(ctl.pop(ctl.replies, deadline - time.monotonic()))
-            except StoreTimeout:
-                break
-            except Exception as err:  # noqa: BLE001 - a malformed reply counts as no reply
-                self._recorder.record("reply", channel=self.name, member=self._member).fail(f"malformed: {err}")
-                continue
-            if not isinstance(message, _wire.Ack) or (message.generation, message.seq) != (gen, seq):
-                continue  # a stale ack or a wake-up
-            if message.member_id not in silent:
-                continue
-            silent.discard(message.member_id)
-            if message.ok and message.version == version:
-                acked.add(message.member_id)
-            else:
-                nacked[message.member_id] = message.error or f"acked version {message.version}"
-        if silent or nacked:
-            entry.fail(f"silent: {sorted(silent)}; failed: {sorted(nacked)}")
-            for member in sorted(silent):  # per member, so the analyzer can tell culprits from victims
-                self._recorder.record("ack_missing", channel=self.name, member=self._member, generation=gen,
-                                      version=version, peers=(member,)).fail("no acknowledgement")
-            for member, error in sorted(nacked.items()):
-                self._recorder.record("nack", channel=self.name, member=self._member, generation=gen,
-                                      version=version, peers=(member,)).fail(error)
-        else:
-            entry.complete()
-        if silent:
-            # someone went silent: the members that failed were waiting on it (victims, no strike)
-            return acked, silent
-        return acked, set(nacked)
-
-    def _shutdown_members(self, ctl: ControlPlane) -> None:
-        try:
-            self._tell(ctl, self.membership.members, _wire.Shutdown(reason="publisher closed"))
-            self._tell(ctl, self.membership.joining(), _wire.Deny(reason="publisher closed", kind="closed"))
-        except (StoreTimeout, StoreUnreachable):
-            pass
-        if self._group is not None:
-            self._group.abort("publisher closed")
-        self._notify_members()

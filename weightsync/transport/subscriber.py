@@ -29,10 +29,7 @@ import torch
 
 from weightsync import _wire
 from weightsync.errors import (
-    AdmissionDenied,
     Closed,
-    Evicted,
-    HandshakeMismatch,
     PublisherGone,
     SyncTimeout,
     WeightSyncError,
@@ -40,17 +37,16 @@ from weightsync.errors import (
 from weightsync.pg import _torch_compat as compat
 from weightsync.pg import handshake
 from weightsync.pg.control import ControlPlane, StoreTimeout, StoreUnreachable
-from weightsync.pg.group import DedicatedGroup, drain_retired, resolve_backend
+from weightsync.pg.group import drain_retired, resolve_backend
 from weightsync.pg.recorder import FlightRecorder, process_recorder
 from weightsync.transport import layout
 from weightsync.transport.handles import Weights, call_soon
 from weightsync.transport.options import ChannelOptions, parse_address, resolve_device
+from weightsync.transport.receiver import ReceiverLoop
 from weightsync.transport.slots import Slot, SlotPair
 
-_DATA_ERRORS = (TimeoutError, RuntimeError, StoreTimeout, ValueError)
 
-
-class Subscriber:
+class Subscriber(ReceiverLoop):
     """Receives every version of channel ``name`` in the background; reads never tear.
 
     Example::
@@ -328,189 +324,3 @@ class Subscriber:
             ctl.push(self._queue, _wire.Wake(reason=reason))
         except (StoreTimeout, StoreUnreachable):
             pass  # the receiver's own pop fails the same way and ends
-
-    # receiver thread --------------------------------------------------------------------------
-    def _receiver_main(self, ctl: ControlPlane) -> None:
-        try:
-            generation, members = self._join(ctl)
-            self._joined.set()
-            self._follow(ctl, generation, members)
-        except WeightSyncError as err:
-            if not self._joined.is_set():
-                self._join_error = err
-                self._joined.set()
-            self._set_terminal(type(err), str(err))
-        except Exception as err:  # noqa: BLE001 - the thread must end in a state callers can see
-            cls = PublisherGone if isinstance(err, (StoreUnreachable, StoreTimeout)) else WeightSyncError
-            failure = cls(f"receiver stopped: {type(err).__name__}: {err}", channel=self.name, member=self.member_id)
-            self._recorder.record("receiver", channel=self.name, member=self.member_id).fail(failure)
-            if not self._joined.is_set():
-                self._join_error = failure
-                self._joined.set()
-            self._set_terminal(cls, str(failure))
-        finally:
-            if self._closing.is_set() and self._joined.is_set() and self._join_error is None:
-                self._leave(ctl)
-
-    def _abandon_rendezvous(self) -> bool:
-        return self._abort.is_set() or self._terminal is not None
-
-    def _next_message(self, ctl: ControlPlane, timeout: float, until: Any = None) -> Any:
-        """The next message for this subscriber; None when woken to stop (``until()`` says when)."""
-        stop = until or self._stopping
-        while True:
-            raw = ctl.pop(self._queue, timeout)
-            try:
-                message = _wire.member_decoder.decode(raw)
-            except Exception as err:  # noqa: BLE001 - never crash on a malformed message
-                self._recorder.record("command", channel=self.name, member=self.member_id).fail(f"malformed: {err}")
-                continue
-            if isinstance(message, _wire.Wake):
-                if stop():
-                    return None
-                continue
-            return message
-
-    def _join(self, ctl: ControlPlane) -> tuple[int, tuple[str, ...]]:
-        entry = self._recorder.record("join", channel=self.name, member=self.member_id).start()
-        join = _wire.Join(member_id=self.member_id, reply_to=self._queue,
-                          fingerprint=handshake.fingerprint(self.backend, self.device),
-                          token_mac=handshake.token_mac(self._secret, self.name, self.member_id),
-                          pid=os.getpid(), host=socket.gethostname())
-        try:
-            ctl.push(ctl.inbox, join)
-            reply = self._next_message(ctl, 2 * self.options.timeout + self.options.deadline(64 << 20))
-        except StoreTimeout as err:
-            entry.fail(err)
-            raise SyncTimeout("the publisher did not answer the join", channel=self.name,
-                              member=self.member_id) from err
-        if reply is None:
-            entry.fail("closed while joining")
-            raise Closed("closed while joining", channel=self.name, member=self.member_id)
-        if isinstance(reply, _wire.Deny):
-            entry.fail(reply.reason)
-            cls: type[WeightSyncError] = HandshakeMismatch if reply.kind == "handshake" else AdmissionDenied
-            if reply.kind == "closed":
-                cls = PublisherGone
-            raise cls(f"join refused: {reply.reason}", channel=self.name, member=self.member_id)
-        if not isinstance(reply, _wire.Admit):
-            entry.fail(f"unexpected {type(reply).__name__}")
-            raise WeightSyncError(f"unexpected reply to join: {type(reply).__name__}", channel=self.name)
-        entry.complete()
-        return reply.generation, reply.members
-
-    def _enter(self, ctl: ControlPlane, generation: int, members: tuple[str, ...]) -> Any:
-        """Enter generation ``generation``: a DedicatedGroup, or the message that replaced it.
-
-        The publisher says Go once every member is ready; until then it may abandon the
-        generation with a Reconfigure (someone left or died), which is returned instead.
-        """
-        self.generation, self.rank = generation, members.index(self.member_id) + 1
-        ctl.push(ctl.replies, _wire.Ready(generation=generation, member_id=self.member_id))
-        while True:
-            # bounded by the publisher's liveness (the heartbeat thread wakes us if it goes),
-            # not by a guess at how long the other members take to get ready. Having said Ready,
-            # a closing subscriber still goes through with the rendezvous (the publisher may
-            # already be in it); only abort() walks away.
-            message = self._next_message(ctl, 3600.0, until=self._abandon_rendezvous)
-            if message is None or not isinstance(message, _wire.Go):
-                return message
-            if message.generation == generation:
-                return DedicatedGroup.build(
-                    ctl.store, channel=self.name, member=self.member_id, generation=generation, rank=self.rank,
-                    size=len(members) + 1, backend=self.backend, device=self._slots.device,
-                    recorder=self._recorder, peers=members,
-                    timeout=self.options.timeout + self.options.deadline(64 << 20))
-
-    def _follow(self, ctl: ControlPlane, generation: int, members: tuple[str, ...]) -> None:
-        group: DedicatedGroup | None = None
-        pending: Any = None
-        try:
-            entered = self._enter(ctl, generation, members)
-            if isinstance(entered, DedicatedGroup):
-                group = entered
-            else:
-                pending = entered
-            while not self._closing.is_set() or pending is not None:
-                message = pending if pending is not None else self._next_message(ctl, 3600.0)
-                pending = None
-                if message is None:
-                    return
-                if isinstance(message, _wire.Announce):
-                    if group is None or message.generation != generation:
-                        continue  # for a generation we are not in (stale)
-                    self._receive(ctl, group, message)
-                elif isinstance(message, _wire.Reconfigure):
-                    if message.trouble:
-                        self._recorder.dump_on_trouble(f"generation {generation} ended: {message.reason}")
-                    if group is not None:
-                        group.abort(message.reason)
-                        group = None
-                    if self.member_id not in message.members:
-                        self._recorder.record("evict", channel=self.name, member=self.member_id,
-                                              generation=message.next_generation).complete()
-                        raise Evicted(f"evicted from the channel ({message.reason})", channel=self.name,
-                                      member=self.member_id, generation=generation)
-                    generation, members = message.next_generation, message.members
-                    entered = self._enter(ctl, generation, members)
-                    if isinstance(entered, DedicatedGroup):
-                        group = entered
-                    else:
-                        pending = entered
-                elif isinstance(message, _wire.Shutdown):
-                    self._clean_shutdown = True  # an orderly end, not trouble: no dump
-                    raise PublisherGone(f"publisher shut down: {message.reason}", channel=self.name,
-                                        member=self.member_id)
-        except StoreTimeout as err:
-            raise PublisherGone(f"no word from the publisher: {err}", channel=self.name, member=self.member_id) from err
-        except _DATA_ERRORS as err:
-            if not self._closing.is_set():
-                raise PublisherGone(f"channel failed: {err}", channel=self.name, member=self.member_id) from err
-        finally:
-            if group is not None:
-                group.abort("subscriber stopped")
-
-    def _stopping(self) -> bool:
-        return self._closing.is_set() or self._terminal is not None
-
-    def _receive(self, ctl: ControlPlane, group: DedicatedGroup, announce: _wire.Announce) -> None:
-        manifest = announce.manifest
-        t0 = time.monotonic()
-        entry = self._recorder.record("receive", channel=self.name, member=self.member_id,
-                                      generation=announce.generation, version=announce.version,
-                                      nbytes=manifest.total_bytes).start()
-        ok, error = False, ""
-        try:
-            flat = self._slots.prepare(manifest, self.options.timeout)
-            ranges = layout.bucket_ranges(manifest.total_bytes, announce.bucket_bytes)
-            if len(ranges) != announce.num_buckets:
-                raise ValueError(f"announced {announce.num_buckets} buckets, layout has {len(ranges)}")
-            # anything new in our queue mid-transfer means the publisher gave up on this version
-            group.broadcast_buckets([flat[lo:hi] for lo, hi in ranges], version=announce.version,
-                                    deadline=self.options.deadline, op="bucket_recv",
-                                    cancelled=lambda: self._abort.is_set() or ctl.pending(self._queue) > 0)
-            if self.version is None or announce.version > self.version:
-                self._slots.publish(announce.version)
-                self._recorder.record("publish", channel=self.name, member=self.member_id,
-                                      generation=announce.generation, version=announce.version,
-                                      nbytes=manifest.total_bytes).complete()
-                self._wake()
-            ok = True
-            entry.complete()
-        except _DATA_ERRORS as err:
-            error = str(err)
-            entry.fail(err)
-            self._recorder.dump_on_trouble(f"version {announce.version} not received: {err}")
-        ack = _wire.Ack(generation=announce.generation, seq=announce.seq, member_id=self.member_id,
-                        version=announce.version, ok=ok, seconds=time.monotonic() - t0, error=error[:300])
-        try:
-            ctl.push(ctl.replies, ack)
-        except StoreTimeout:
-            pass
-
-    def _leave(self, ctl: ControlPlane) -> None:
-        try:
-            ctl.push(ctl.inbox, _wire.Leave(member_id=self.member_id))
-            ctl.delete(self._queue)
-        except (StoreTimeout, StoreUnreachable):
-            pass

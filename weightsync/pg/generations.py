@@ -1,0 +1,191 @@
+"""The publisher's side of generations: who is told what, the gated rendezvous, acknowledgements.
+
+A generation ends when membership changes (a join, a leave, a death) or a version fails. The
+sender thread then calls :meth:`Generations.advance`:
+
+1. plan the next generation from membership (live members and joiners; the dead, the departed
+   and members that failed twice are dropped);
+2. tell current members ``Reconfigure`` and joiners ``Admit``; retire the old group;
+3. wait until every planned member says ``Ready`` (a member that leaves or dies meanwhile
+   makes a new plan: gloo's rendezvous cannot be interrupted, so nobody enters it until
+   everyone is known to be coming); then ``Go``, and build the group under a fresh prefix.
+
+After each version the sender calls :meth:`collect_acks`, which tells the silent (the ones
+to blame) from members that failed while waiting on them (victims).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from weightsync import _wire
+from weightsync.errors import WeightSyncError
+from weightsync.pg.control import ControlPlane, StoreTimeout, StoreUnreachable
+from weightsync.pg.group import DedicatedGroup
+from weightsync.pg.membership import Membership
+from weightsync.pg.recorder import FlightRecorder
+
+PUBLISHER = "publisher"
+DATA_ERRORS = (TimeoutError, RuntimeError, StoreTimeout, StoreUnreachable, ValueError)
+
+
+class Generations:
+    """Owned and called by the publisher's sender thread (``register`` by its inbox thread)."""
+
+    def __init__(self, channel: str, *, membership: Membership, recorder: FlightRecorder, backend: str,
+                 device: torch.device, rendezvous_timeout: float, stopped: Callable[[], bool],
+                 on_change: Callable[[], None]) -> None:
+        self.channel = channel
+        self.membership = membership
+        self.backend = backend
+        self.device = device
+        self.rendezvous_timeout = rendezvous_timeout
+        self.group: DedicatedGroup | None = None
+        self._recorder = recorder
+        self._stopped = stopped
+        self._on_change = on_change
+        self._reply_to: dict[str, str] = {}
+        self._seq = itertools.count()
+
+    def register(self, member_id: str, reply_to: str) -> None:
+        """A joiner's own queue, where everything for it goes."""
+        self._reply_to[member_id] = reply_to
+
+    def next_seq(self) -> int:
+        """The sequence number of the next command in the current generation."""
+        return next(self._seq)
+
+    def tell(self, ctl: ControlPlane, members: Iterable[str], message: Any) -> None:
+        for member in members:
+            queue = self._reply_to.get(member)
+            if queue is not None:
+                ctl.push(queue, message)
+
+    def advance(self, ctl: ControlPlane, reason: str, failed: Iterable[str] = ()) -> None:
+        """End the current generation and build the next with the live members and joiners."""
+        for _attempt in range(4):
+            plan = self.membership.plan_next(failed)
+            self.tell(ctl, self.membership.members, _wire.Reconfigure(
+                next_generation=plan.generation, members=plan.members, reason=reason,
+                trouble=reason != "membership change" or bool(plan.evicted)))
+            for member_id in plan.admitted:
+                self.tell(ctl, [member_id], _wire.Admit(member_id=member_id, generation=plan.generation,
+                                                         members=plan.members))
+            if self.group is not None:
+                self.group.abort(reason)
+                self.group = None
+            self._seq = itertools.count()
+            rendezvous = self._recorder.record("rendezvous", channel=self.channel, member=PUBLISHER,
+                                               generation=plan.generation, peers=plan.members).start()
+            missing = self._await_ready(ctl, plan)
+            if missing:
+                if all(self.membership.is_leaving(m) for m in missing):
+                    rendezvous.complete()  # members left meanwhile: an ordinary replan, not a failure
+                else:
+                    rendezvous.fail(f"not ready: {sorted(missing)}")
+                self.membership.commit(plan, ok=False)
+                failed, reason = missing, f"members did not come to the rendezvous: {sorted(missing)}"
+                continue
+            rendezvous.complete()
+            self.tell(ctl, plan.members, _wire.Go(generation=plan.generation))
+            try:
+                self.group = DedicatedGroup.build(
+                    ctl.store, channel=self.channel, member=PUBLISHER, generation=plan.generation,
+                    rank=0, size=len(plan.members) + 1, backend=self.backend, device=self.device,
+                    timeout=self.rendezvous_timeout, recorder=self._recorder, peers=plan.members)
+            except DATA_ERRORS as err:
+                self.membership.commit(plan, ok=False)
+                failed, reason = self.membership.unresponsive(), f"rendezvous failed: {err}"
+                continue
+            self.membership.commit(plan, ok=True)
+            for member in plan.evicted:
+                self._reply_to.pop(member, None)
+            self._on_change()
+            return
+        raise WeightSyncError("could not form a generation after 4 attempts", channel=self.channel)
+
+    def _await_ready(self, ctl: ControlPlane, plan: Any) -> set[str]:
+        """Wait until every planned member is on its way into the rendezvous.
+
+        Returns the members that left, died or never came: gloo's own rendezvous cannot be
+        interrupted, so nobody enters it until everyone is known to be coming.
+        """
+        deadline = time.monotonic() + self.rendezvous_timeout
+        waiting = set(plan.members)
+        while waiting:
+            gone = {m for m in waiting if self.membership.is_leaving(m) or not self.membership.is_alive(m)}
+            if gone or self._stopped():
+                return gone or waiting
+            try:
+                message = _wire.reply_decoder.decode(ctl.pop(ctl.replies, deadline - time.monotonic()))
+            except StoreTimeout:
+                return waiting
+            except Exception as err:  # noqa: BLE001 - a malformed reply is dropped, never fatal
+                self._recorder.record("reply", channel=self.channel, member=PUBLISHER).fail(f"malformed: {err}")
+                continue
+            if isinstance(message, _wire.Ready) and message.generation == plan.generation:
+                waiting.discard(message.member_id)
+        return set()
+
+    def collect_acks(self, ctl: ControlPlane, gen: int, seq: int, members: tuple[str, ...], version: int,
+                      timeout: float) -> tuple[set[str], set[str]]:
+        """Members that acknowledged ``version`` ok, and the ones to blame for what went wrong.
+
+        Stops early once every member has answered or every silent one is known dead. Silent
+        members and failed acknowledgements are recorded apart. When someone went silent, only
+        the silent are blamed: members that failed while waiting on them are its victims.
+        """
+        acked: set[str] = set()
+        nacked: dict[str, str] = {}
+        entry = self._recorder.record("ack", channel=self.channel, member=PUBLISHER, generation=gen,
+                                      version=version, peers=members).start()
+        deadline = time.monotonic() + timeout
+        silent = set(members)
+        while silent:
+            if all(not self.membership.is_alive(m) for m in silent):
+                break
+            try:
+                message = _wire.reply_decoder.decode(ctl.pop(ctl.replies, deadline - time.monotonic()))
+            except StoreTimeout:
+                break
+            except Exception as err:  # noqa: BLE001 - a malformed reply counts as no reply
+                self._recorder.record("reply", channel=self.channel, member=PUBLISHER).fail(f"malformed: {err}")
+                continue
+            if not isinstance(message, _wire.Ack) or (message.generation, message.seq) != (gen, seq):
+                continue  # a stale ack or a wake-up
+            if message.member_id not in silent:
+                continue
+            silent.discard(message.member_id)
+            if message.ok and message.version == version:
+                acked.add(message.member_id)
+            else:
+                nacked[message.member_id] = message.error or f"acked version {message.version}"
+        if silent or nacked:
+            entry.fail(f"silent: {sorted(silent)}; failed: {sorted(nacked)}")
+            for member in sorted(silent):  # per member, so the analyzer can tell culprits from victims
+                self._recorder.record("ack_missing", channel=self.channel, member=PUBLISHER, generation=gen,
+                                      version=version, peers=(member,)).fail("no acknowledgement")
+            for member, error in sorted(nacked.items()):
+                self._recorder.record("nack", channel=self.channel, member=PUBLISHER, generation=gen,
+                                      version=version, peers=(member,)).fail(error)
+        else:
+            entry.complete()
+        if silent:
+            # someone went silent: the members that failed were waiting on it (victims, no strike)
+            return acked, silent
+        return acked, set(nacked)
+
+    def shutdown(self, ctl: ControlPlane) -> None:
+        try:
+            self.tell(ctl, self.membership.members, _wire.Shutdown(reason="publisher closed"))
+            self.tell(ctl, self.membership.joining(), _wire.Deny(reason="publisher closed", kind="closed"))
+        except (StoreTimeout, StoreUnreachable):
+            pass
+        if self.group is not None:
+            self.group.abort("publisher closed")
+        self._on_change()
