@@ -20,24 +20,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime as dt
 import os
 import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import msgspec
 import torch
-import torch.distributed as dist
 
 import weightsync as ws
-from benchmarks.model import make_state_dict, nbytes, packed_chunks
+from benchmarks.baseline import BlockingBroadcast
+from benchmarks.lag import LagMeter
+from benchmarks.model import make_state_dict, nbytes
+from benchmarks.procs import Workers
 
 MODES = ("naive", "packed", "ws_copy", "ws_nocopy")
 
@@ -116,104 +114,24 @@ def _timed(fn) -> float:  # type: ignore[no-untyped-def]
     return time.perf_counter() - t0
 
 
-class LagMeter:
-    """Event-loop lag: how late a 5 ms sleep wakes up, sampled while a push runs."""
-
-    def __init__(self) -> None:
-        self.samples: list[float] = []
-        self._stop = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
-
-    async def _tick(self) -> None:
-        while not self._stop.is_set():
-            t0 = time.perf_counter()
-            await asyncio.sleep(0.005)
-            self.samples.append(time.perf_counter() - t0 - 0.005)
-
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._tick())
-
-    async def stop(self) -> float:
-        self._stop.set()
-        if self._task is not None:
-            await self._task
-        s = sorted(self.samples)
-        return s[int(len(s) * 0.99)] * 1e3 if s else 0.0
-
-
-# workers ---------------------------------------------------------------------------------------
-class Workers:
-    def __init__(self, tmp: Path) -> None:
-        self.tmp = tmp
-        self.procs: list[tuple[subprocess.Popen[bytes], Path]] = []
-
-    def spawn(self, **spec: object) -> None:
-        out = self.tmp / f"w{len(self.procs)}.json"
-        env = dict(os.environ, TORCH_CPP_LOG_LEVEL="ERROR")
-        proc = subprocess.Popen([sys.executable, "-m", "benchmarks.workers",
-                                 msgspec.json.encode({**spec, "result": str(out)}).decode()], env=env)
-        self.procs.append((proc, out))
-
-    def results(self, timeout: float) -> list[dict]:
-        results = []
-        for proc, out in self.procs:
-            proc.wait(timeout=timeout)
-            result = msgspec.json.decode(out.read_bytes()) if out.exists() else {"error": f"exit {proc.returncode}"}
-            if result.get("error"):
-                raise RuntimeError(f"a generator process failed: {result['error']}")
-            results.append(result)
-        self.procs = []
-        return results
-
-    def kill(self) -> None:
-        for proc, _ in self.procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(timeout=10)
-
-
-# baselines: blocking broadcasts --------------------------------------------------------------------
 async def run_baselines(sizes: list[int], n: int, reps: int, packed_bytes: int, tmp: Path,
                         progress) -> list[Row]:  # type: ignore[no-untyped-def]
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=dt.timedelta(seconds=300))
     plan = [(mode, mib, reps + 1) for mib in sizes for mode in ("naive", "packed")]
-    workers = Workers(tmp)
-    for rank in range(1, n + 1):
-        workers.spawn(role="baseline", host="127.0.0.1", port=store.port, rank=rank, world=n + 1, plan=plan,
-                      packed_bytes=packed_bytes)
+    sender = BlockingBroadcast(n, plan, packed_bytes, tmp)
     rows = []
     try:
-        pg: Any = await asyncio.get_running_loop().run_in_executor(
-            None, lambda: dist.ProcessGroupGloo(dist.PrefixStore("baseline", store), 0, n + 1,
-                                                dt.timedelta(seconds=300)))
-        opts = dist.BroadcastOptions()
-        opts.rootRank, opts.rootTensor = 0, 0
+        await sender.connect()
         for mode, mib, total_reps in plan:
             sd = make_state_dict(mib)
-            bufs = [torch.empty(packed_bytes, dtype=torch.uint8) for _ in range(2)] if mode == "packed" else []
             stalls, to_all, lags = [], [], []
             for rep in range(total_reps):
                 meter = LagMeter()
                 meter.start()
                 await asyncio.sleep(0)
                 t0 = time.perf_counter()
-                if mode == "naive":  # blocking, on the event loop: exactly what users do today
-                    for t in sd.values():
-                        pg.broadcast([t], opts).wait()
-                else:
-                    work = None
-                    for i, chunk in enumerate(packed_chunks(sd, packed_bytes)):
-                        buf = bufs[i % 2][: chunk.nbytes]
-                        chunk.pack(buf)  # packing bucket i overlaps bucket i-1 on the wire
-                        if work is not None:
-                            work.wait()
-                        work = pg.broadcast([buf], opts)
-                    if work is not None:
-                        work.wait()
+                sender.push(sd, mode)
                 stall = time.perf_counter() - t0
-                key = f"done/{mode}/{mib}/{rep}"
-                while store.add(key, 0) < n:  # generators have unpacked it
-                    await asyncio.sleep(0.0005)
+                await sender.wait_unpacked(mode, mib, rep)
                 done = time.perf_counter() - t0
                 lag = await meter.stop()
                 if rep:  # rep 0 warms up
@@ -222,9 +140,8 @@ async def run_baselines(sizes: list[int], n: int, reps: int, packed_bytes: int, 
                     lags.append(lag)
             rows.append(_row(mode, nbytes(sd), n, stalls, to_all, lags, 0.0))
             progress(rows[-1])
-        workers.results(timeout=600)
     finally:
-        workers.kill()
+        sender.close()
     return rows
 
 

@@ -18,19 +18,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime as dt
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 import msgspec
 import torch
-import torch.distributed as dist
 
 import weightsync as ws
-from benchmarks.model import make_state_dict, packed_chunks
-from benchmarks.push_vs_broadcast import Workers
+from benchmarks.baseline import BlockingBroadcast
+from benchmarks.model import make_state_dict
+from benchmarks.procs import Workers
 
 
 class LoopResult(msgspec.Struct):
@@ -56,40 +54,22 @@ def optimizer_step(sd: dict[str, torch.Tensor]) -> None:
             t.add_(1e-3)
 
 
-async def packed_loop(sd: dict[str, torch.Tensor], n: int, steps: int, step_s: float, tmp: Path,
-                      packed_bytes: int) -> float:
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=dt.timedelta(seconds=300))
-    workers = Workers(tmp)
-    mib = round(sum(t.numel() * t.element_size() for t in sd.values()) / 2**20)
-    for rank in range(1, n + 1):
-        workers.spawn(role="baseline", host="127.0.0.1", port=store.port, rank=rank, world=n + 1,
-                      plan=[("packed", mib, steps + 1)], packed_bytes=packed_bytes)
+async def packed_loop(mib: int, n: int, steps: int, step_s: float, tmp: Path, packed_bytes: int) -> float:
+    sd = make_state_dict(mib)
+    sender = BlockingBroadcast(n, [("packed", mib, steps + 1)], packed_bytes, tmp)
     try:
-        pg: Any = await asyncio.get_running_loop().run_in_executor(
-            None, lambda: dist.ProcessGroupGloo(dist.PrefixStore("baseline", store), 0, n + 1,
-                                                dt.timedelta(seconds=300)))
-        opts = dist.BroadcastOptions()
-        opts.rootRank, opts.rootTensor = 0, 0
-        bufs = [torch.empty(packed_bytes, dtype=torch.uint8) for _ in range(2)]
+        await sender.connect()
         t0 = 0.0
         for step in range(steps + 1):
             if step == 1:
                 t0 = time.perf_counter()  # step 0 warms up
             await asyncio.sleep(step_s)
             optimizer_step(sd)
-            work = None
-            for i, chunk in enumerate(packed_chunks(sd, packed_bytes)):
-                buf = bufs[i % 2][: chunk.nbytes]
-                chunk.pack(buf)
-                if work is not None:
-                    work.wait()
-                work = pg.broadcast([buf], opts)
-            if work is not None:
-                work.wait()
+            sender.push(sd, "packed")
         elapsed = time.perf_counter() - t0
-        workers.results(timeout=600)
+        await sender.wait_unpacked("packed", mib, steps)
     finally:
-        workers.kill()
+        sender.close()
     return steps / elapsed
 
 
@@ -136,7 +116,7 @@ async def run(mib: int, n: int, steps: int, step_ms: float, packed_bytes: int) -
         for method in ("packed", "ws_copy", "ws_nocopy"):
             print(f"  {method} ...", flush=True)
             if method == "packed":
-                rate = await packed_loop(sd, n, steps, step_s, Path(tmp), packed_bytes)
+                rate = await packed_loop(mib, n, steps, step_s, Path(tmp), packed_bytes)
             else:
                 rate = await ws_loop(sd, n, steps, step_s, Path(tmp), copy=method == "ws_copy", name=method)
             results.append(LoopResult(method, rate))

@@ -6,16 +6,15 @@ file the spec names (never pickle).
 
 from __future__ import annotations
 
-import asyncio
 import datetime as dt
 import sys
-import time
 
 import msgspec
 import torch
 import torch.distributed as dist
 
 import weightsync as ws
+from benchmarks.lag import LagMeter
 from benchmarks.model import make_state_dict, packed_chunks
 
 
@@ -50,24 +49,14 @@ def baseline(spec: dict) -> WorkerResult:
 
 async def subscriber(spec: dict) -> WorkerResult:
     """Follow the channel until the last version, measuring this process's event-loop lag."""
-    lags: list[float] = []
-    stop = asyncio.Event()
-
-    async def ticker() -> None:
-        while not stop.is_set():
-            t0 = time.perf_counter()
-            await asyncio.sleep(0.005)
-            lags.append(time.perf_counter() - t0 - 0.005)
-
-    task = asyncio.create_task(ticker())
+    meter = LagMeter()
+    meter.start()
     async with ws.Subscriber(spec.get("channel", "bench"), address=spec["address"], member_id=spec["member"],
                              timeout=120) as sub:
         await sub.get(min_version=spec["last_version"], timeout=3600)
-    stop.set()
-    await task
-    lags.sort()
-    return WorkerResult(lag_p99_ms=lags[int(len(lags) * 0.99)] * 1e3 if lags else 0.0,
-                        lag_max_ms=lags[-1] * 1e3 if lags else 0.0)
+    p99 = await meter.stop()
+    lags = sorted(meter.samples)
+    return WorkerResult(lag_p99_ms=p99, lag_max_ms=lags[-1] * 1e3 if lags else 0.0)
 
 
 def main() -> None:

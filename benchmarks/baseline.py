@@ -1,0 +1,72 @@
+"""The trainer's side of the blocking baselines: rank 0 of a standalone gloo group that pushes
+a state dict the way RL loops do today, with generators in ``benchmarks.workers`` processes."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from benchmarks.model import packed_chunks
+from benchmarks.procs import Workers
+
+
+class BlockingBroadcast:
+    """Spawns ``n`` receivers that follow ``plan`` [(mode, nominal MiB, pushes)], then pushes.
+
+    ``plan`` holds *nominal* sizes: both sides build their state dict with
+    ``make_state_dict(mib)`` from the same number, so the layouts match.
+    """
+
+    def __init__(self, n: int, plan: list[tuple[str, int, int]], packed_bytes: int, tmp: Path) -> None:
+        self.n = n
+        self.packed_bytes = packed_bytes
+        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                   timeout=dt.timedelta(seconds=300))
+        self.workers = Workers(tmp)
+        for rank in range(1, n + 1):
+            self.workers.spawn(role="baseline", host="127.0.0.1", port=self.store.port, rank=rank, world=n + 1,
+                               plan=plan, packed_bytes=packed_bytes)
+        self._bufs: list[torch.Tensor] = []
+        self._pg: Any = None
+        self._opts = dist.BroadcastOptions()
+        self._opts.rootRank, self._opts.rootTensor = 0, 0
+
+    async def connect(self) -> None:
+        self._pg = await asyncio.get_running_loop().run_in_executor(
+            None, lambda: dist.ProcessGroupGloo(dist.PrefixStore("baseline", self.store), 0, self.n + 1,
+                                                dt.timedelta(seconds=300)))
+
+    def push(self, sd: dict[str, torch.Tensor], mode: str) -> None:
+        """Blocking, on the caller's thread (the event loop): exactly what users do today."""
+        if mode == "naive":
+            for t in sd.values():
+                self._pg.broadcast([t], self._opts).wait()
+            return
+        if not self._bufs:
+            self._bufs = [torch.empty(self.packed_bytes, dtype=torch.uint8) for _ in range(2)]
+        work = None
+        for i, chunk in enumerate(packed_chunks(sd, self.packed_bytes)):
+            buf = self._bufs[i % 2][: chunk.nbytes]
+            chunk.pack(buf)  # packing bucket i overlaps bucket i-1 on the wire
+            if work is not None:
+                work.wait()
+            work = self._pg.broadcast([buf], self._opts)
+        if work is not None:
+            work.wait()
+
+    async def wait_unpacked(self, mode: str, mib: int, rep: int) -> None:
+        """Until every receiver has unpacked push ``rep`` (they count it on the store)."""
+        key = f"done/{mode}/{mib}/{rep}"
+        while self.store.add(key, 0) < self.n:
+            await asyncio.sleep(0.0005)  # polling a counter between pushes, never inside one
+
+    def close(self, timeout: float = 600) -> None:
+        try:
+            self.workers.results(timeout=timeout)
+        finally:
+            self.workers.kill()
