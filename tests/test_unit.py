@@ -159,3 +159,26 @@ def test_fingerprint_comparison_on_nccl_names_every_field() -> None:
     assert any("torch" in d for d in diffs) and any("nccl_env" in d for d in diffs)
     gloo = msgspec.structs.replace(a, backend="gloo")
     assert compare(gloo, msgspec.structs.replace(gloo, torch="2.13.0")) == []  # gloo talks across versions
+
+
+def test_admission_names_each_reason_to_refuse() -> None:
+    from weightsync._wire import Join
+    from weightsync.pg.handshake import admission_problem, fingerprint, token_mac
+
+    mine = fingerprint("gloo", torch.device("cpu"))
+    prefix = "ws/c/q/member/"
+    good = Join(member_id="g0", reply_to=prefix + "g0/n", fingerprint=mine, token_mac=token_mac(b"s", "c", "g0"))
+
+    def problem(join: Join, **kw: object):
+        args = {"channel": "c", "queue_prefix": prefix, "secret": b"s", "mine": mine, "taken": False,
+                "closing": False, **kw}
+        return admission_problem(join, **args)  # type: ignore[arg-type]
+
+    assert problem(good) is None
+    assert problem(good, closing=True).kind == "closed"
+    assert problem(msgspec.structs.replace(good, reply_to="ws/other/x")).kind == "token"
+    assert problem(msgspec.structs.replace(good, token_mac="0" * 64)).kind == "token"
+    assert problem(msgspec.structs.replace(good, token_mac=""), secret=None) is None  # an open channel
+    assert problem(msgspec.structs.replace(good, fingerprint=msgspec.structs.replace(mine, backend="nccl"))).kind \
+        == "handshake"
+    assert problem(good, taken=True).kind == "duplicate"

@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from weightsync._wire import PROTOCOL_VERSION, Fingerprint
+from weightsync._wire import PROTOCOL_VERSION, Deny, Fingerprint, Join
 from weightsync.pg import _torch_compat as compat
 
 # NCCL variables that change the wire protocol or transport choice and so must agree.
@@ -73,3 +73,30 @@ def token_ok(secret: bytes | None, channel: str, member_id: str, mac: str) -> bo
     if secret is None:
         return True
     return hmac.compare_digest(token_mac(secret, channel, member_id), mac)
+
+
+def admission_problem(join: Join, *, channel: str, queue_prefix: str, secret: bytes | None, mine: Fingerprint,
+                      taken: bool, closing: bool) -> Deny | None:
+    """Why the publisher must refuse ``join``, or None to admit it.
+
+    Args:
+        join: the subscriber's request.
+        channel: the channel name (part of the token's MAC).
+        queue_prefix: where this channel's member queues live; replies go nowhere else.
+        secret: the shared secret, or None for an open channel.
+        mine: the publisher's own fingerprint.
+        taken: the member id is already a member, a joiner, or the publisher's.
+        closing: the publisher is shutting down.
+    """
+    if closing:
+        return Deny(reason="the publisher is shutting down", kind="closed")
+    if not join.reply_to.startswith(queue_prefix):
+        return Deny(reason=f"reply queue {join.reply_to!r} is outside this channel", kind="token")
+    if not token_ok(secret, channel, join.member_id, join.token_mac):
+        return Deny(reason="missing or wrong token", kind="token")
+    diffs = compare(mine, join.fingerprint)
+    if diffs:
+        return Deny(reason="; ".join(diffs), kind="handshake")
+    if taken:
+        return Deny(reason=f"member id {join.member_id!r} is already in the channel", kind="duplicate")
+    return None

@@ -353,9 +353,13 @@ class Publisher:
                 self._staging.lock.notify_all()
             ctl.push(ctl.replies, _wire.Wake(reason="leave"))  # a sender waiting on replies re-checks
             return
-        deny = self._admission_problem(message)
+        deny = handshake.admission_problem(
+            message, channel=self.name, queue_prefix=self._ctl.prefix + "q/member/", secret=self._secret,
+            mine=handshake.fingerprint(self.backend, self.device), closing=self._draining or self._stop.is_set(),
+            taken=message.member_id == self._member or self.membership.is_member_or_joining(message.member_id))
         if deny is not None:
-            ctl.push(message.reply_to, deny)
+            if message.reply_to.startswith(self._ctl.prefix + "q/member/"):  # never write outside the channel
+                ctl.push(message.reply_to, deny)
             self._recorder.record("admit", channel=self.name, member=self._member,
                                   peers=(message.member_id,)).fail(deny.reason)
             return
@@ -363,20 +367,6 @@ class Publisher:
             self._gens.register(message.member_id, message.reply_to)
             self.membership.request_join(message.member_id)
             self._staging.lock.notify_all()
-
-    def _admission_problem(self, join: _wire.Join) -> _wire.Deny | None:
-        if self._draining or self._stop.is_set():
-            return _wire.Deny(reason="the publisher is shutting down", kind="closed")
-        if not join.reply_to.startswith(self._ctl.prefix + "q/member/"):
-            return _wire.Deny(reason=f"reply queue {join.reply_to!r} is outside this channel", kind="token")
-        if not handshake.token_ok(self._secret, self.name, join.member_id, join.token_mac):
-            return _wire.Deny(reason="missing or wrong token", kind="token")
-        diffs = handshake.compare(handshake.fingerprint(self.backend, self.device), join.fingerprint)
-        if diffs:
-            return _wire.Deny(reason="; ".join(diffs), kind="handshake")
-        if join.member_id == self._member or self.membership.is_member_or_joining(join.member_id):
-            return _wire.Deny(reason=f"member id {join.member_id!r} is already in the channel", kind="duplicate")
-        return None
 
     # monitor thread: our heartbeat, theirs sampled ----------------------------------------------
     def _monitor_main(self, ctl: ControlPlane) -> None:
