@@ -141,11 +141,6 @@ def make_nccl(store: dist.Store, rank: int, size: int, timeout: float, device: t
     return pg
 
 
-def backend_name(pg: Any) -> str:
-    name = getattr(pg, "name", None)
-    return str(name()) if callable(name) else type(pg).__name__
-
-
 def broadcast(pg: Any, tensor: torch.Tensor, root: int, timeout: float) -> Any:
     opts = dist.BroadcastOptions()
     opts.rootRank = root

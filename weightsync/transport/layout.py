@@ -12,7 +12,7 @@ for an LLM) and cannot be pipelined; packing per bucket (vLLM style) costs a sec
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Union
 
 import torch
@@ -133,6 +133,3 @@ def check_destination(manifest: Manifest, dest: Mapping[str, torch.Tensor]) -> N
     if problems:
         raise ManifestMismatch("; ".join(problems[:8]))
 
-
-def iter_specs(manifest: Manifest) -> Iterator[TensorSpec]:
-    return iter(manifest.tensors)
