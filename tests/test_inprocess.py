@@ -213,3 +213,13 @@ async def test_event_loop_stays_responsive_during_256_mib_push() -> None:
         assert p99 < 0.25, f"p99 loop lag {p99 * 1e3:.1f} ms (median {statistics.median(lags) * 1e3:.2f} ms)"
     finally:
         await close(pub, subs)
+
+
+async def test_listening_on_every_interface_advertises_a_reachable_address() -> None:
+    async with ws.Publisher("anyaddr", address="0.0.0.0:0", **FAST) as pub:
+        host, _, port = (pub.address or "").rpartition(":")
+        assert host not in ("0.0.0.0", "") and int(port) > 0
+        async with ws.Subscriber("anyaddr", address=pub.address, **FAST) as sub:
+            await pub.wait_subscribers(1, timeout=10)
+            await (await pub.put({"w": torch.ones(4)}, version=5)).delivered(timeout=10)
+            assert (await sub.get(min_version=5, timeout=5)).version == 5
