@@ -38,7 +38,7 @@ from weightsync.pg.recorder import FlightRecorder, process_recorder
 from weightsync.transport import layout
 from weightsync.transport.handles import DeliveryReport, PutHandle
 from weightsync.transport.options import ChannelOptions, MiB, advertised_host, parse_address, resolve_device
-from weightsync.transport.staging import Job, Staging, superseded_report
+from weightsync.transport.staging import BucketBuffers, Job, Staging, bucket_slices, cuda_snapshot, superseded_report
 
 
 class Publisher:
@@ -101,7 +101,7 @@ class Publisher:
         self._threads: list[threading.Thread] = []
         self._members_changed: asyncio.Event | None = None
         self._copy_stream: Any = None
-        self._bucket_bufs: list[torch.Tensor] = []
+        self._bucket_buffers = BucketBuffers(self._slot_device)
         self.membership = Membership(name, self._recorder, self.options.heartbeat_interval)
         self._gens = Generations(name, membership=self.membership, recorder=self._recorder, backend=self.backend,
                                  device=self._slot_device,
@@ -297,27 +297,13 @@ class Publisher:
                         items: list[tuple[str, torch.Tensor]]) -> tuple[torch.Tensor, Any]:
         flat = buf[: manifest.total_bytes]
         if any(t.is_cuda for _, t in items):
-            return flat, self._cuda_snapshot(flat, manifest, items)
+            device = next(t.device for _, t in items if t.is_cuda)
+            if self._copy_stream is None:
+                self._copy_stream = torch.cuda.Stream(device)
+            return flat, cuda_snapshot(flat, manifest, items, self._copy_stream)
         assert self._loop is not None
         await self._loop.run_in_executor(self._executor, layout.pack_into, flat, manifest, items)
         return flat, None
-
-    def _cuda_snapshot(self, flat: torch.Tensor, manifest: _wire.Manifest,
-                       items: list[tuple[str, torch.Tensor]]) -> Any:
-        """Enqueue the copies on a side stream ordered after the caller's work; no host sync."""
-        device = next(t.device for _, t in items if t.is_cuda)
-        if self._copy_stream is None:
-            self._copy_stream = torch.cuda.Stream(device)
-        stream = self._copy_stream
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            layout.pack_into(flat, manifest, items)
-        for _, tensor in items:
-            if tensor.is_cuda:
-                tensor.record_stream(stream)  # the caller may free it; the copy still reads it
-        event = torch.cuda.Event()
-        event.record(stream)
-        return event
 
     def _check_running(self) -> None:
         if self._state != "running":
@@ -451,7 +437,7 @@ class Publisher:
             self._gens.tell(ctl, members, announce)
             entry.complete()
             if members and group is not None:
-                slices, before = self._slices(job, ranges)
+                slices, before = bucket_slices(job, ranges, self._bucket_buffers, self.options.bucket_bytes)
                 group.broadcast_buckets(slices, version=job.version, deadline=self.options.deadline,
                                         op="bucket_send", before=before)
             if job.flat is None:
@@ -483,22 +469,4 @@ class Publisher:
                                 seconds=time.monotonic() - (job.started or t0))
         self._staging.finish(job)
         job.handle.resolve_threadsafe(report)
-
-    def _slices(self, job: Job, ranges: list[tuple[int, int]]) -> tuple[list[torch.Tensor], Any]:
-        if job.flat is not None:
-            return [job.flat[lo:hi] for lo, hi in ranges], None
-        # copy=False: two bucket buffers take turns, packing i+1 while i is on the wire
-        size = min(self.options.bucket_bytes, job.manifest.total_bytes)
-        if not self._bucket_bufs or self._bucket_bufs[0].numel() < size:
-            self._bucket_bufs = [torch.empty(size, dtype=torch.uint8, device=self._slot_device) for _ in range(2)]
-        bufs, items = self._bucket_bufs, job.items
-        assert items is not None
-
-        def pack(i: int) -> None:
-            lo, hi = ranges[i]
-            layout.pack_range(bufs[i % 2], lo, hi, job.manifest, items)
-            if i == len(ranges) - 1:
-                job.handle.release_threadsafe()
-
-        return [bufs[i % 2][: hi - lo] for i, (lo, hi) in enumerate(ranges)], pack
 

@@ -1,4 +1,4 @@
-"""Publisher staging: latest wins, in at most ``max_snapshots`` buffers.
+"""Publisher staging: latest wins, in at most ``max_snapshots`` buffers; how snapshots are taken.
 
 Three roles a put can hold, and the buffers they pin::
 
@@ -13,17 +13,23 @@ tensors until released) and are not retained.
 
 Thread-safety: every method takes the lock; the snapshot copy itself runs outside it, into a
 buffer the staging handed out and nobody else can see until :meth:`commit`.
+
+Also here: :func:`cuda_snapshot` (the stream-ordered device copy behind ``put`` on CUDA) and
+:func:`bucket_slices` (what the sender broadcasts: snapshot slices, or two bucket buffers that a
+``copy=False`` send packs into in turn).
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from weightsync._wire import Manifest
+from weightsync.transport import layout
 from weightsync.transport.handles import DeliveryReport, PutHandle
 
 
@@ -116,6 +122,61 @@ class Staging:
             self.pending = None
             self.lock.notify_all()
             return jobs
+
+
+def cuda_snapshot(flat: torch.Tensor, manifest: Manifest, items: list[tuple[str, torch.Tensor]],
+                  stream: Any) -> Any:
+    """Enqueue the snapshot copies on ``stream``, ordered after the caller's work; no host sync.
+
+    Returns the CUDA event the snapshot completes on; the sender waits on it (stream-ordered
+    for NCCL, on the host for gloo) before the first bucket goes out.
+    """
+    device = next(t.device for _, t in items if t.is_cuda)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        layout.pack_into(flat, manifest, items)
+    for _, tensor in items:
+        if tensor.is_cuda:
+            tensor.record_stream(stream)  # the caller may free it; the copy still reads it
+    event = torch.cuda.Event()
+    event.record(stream)
+    return event
+
+
+class BucketBuffers:
+    """The two bucket buffers a ``copy=False`` send packs into, in turn (kept between sends)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._bufs: list[torch.Tensor] = []
+
+    def get(self, size: int) -> list[torch.Tensor]:
+        if not self._bufs or self._bufs[0].numel() < size:
+            self._bufs = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(2)]
+        return self._bufs
+
+
+def bucket_slices(job: Job, ranges: list[tuple[int, int]], buffers: BucketBuffers,
+                  bucket_bytes: int) -> tuple[list[torch.Tensor], Callable[[int], None] | None]:
+    """What the sender broadcasts for ``job``, and what to run before each bucket.
+
+    With a snapshot: slices of it, nothing to run. With ``copy=False``: two bucket buffers
+    taking turns, bucket i+1 packed while bucket i is on the wire; the caller's tensors are
+    released once the last bucket is packed.
+    """
+    if job.flat is not None:
+        return [job.flat[lo:hi] for lo, hi in ranges], None
+    bufs = buffers.get(min(bucket_bytes, job.manifest.total_bytes))
+    items = job.items
+    assert items is not None
+
+    def pack(i: int) -> None:
+        lo, hi = ranges[i]
+        layout.pack_range(bufs[i % 2], lo, hi, job.manifest, items)
+        if i == len(ranges) - 1:
+            job.handle.release_threadsafe()
+
+    return [bufs[i % 2][: hi - lo] for i, (lo, hi) in enumerate(ranges)], pack
 
 
 def superseded_report(job: Job) -> DeliveryReport:
