@@ -36,7 +36,7 @@ from weightsync.pg.group import drain_retired, resolve_backend
 from weightsync.pg.membership import Membership
 from weightsync.pg.recorder import FlightRecorder, process_recorder
 from weightsync.transport import layout
-from weightsync.transport.handles import DeliveryReport, PutHandle
+from weightsync.transport.handles import DeliveryReport, PutHandle, call_soon
 from weightsync.transport.options import ChannelOptions, MiB, advertised_host, parse_address, resolve_device
 from weightsync.transport.staging import BucketBuffers, Job, Staging, bucket_slices, cuda_snapshot, superseded_report
 
@@ -311,7 +311,6 @@ class Publisher:
 
     def _notify_members(self) -> None:
         if self._loop is not None and self._members_changed is not None:
-            from weightsync.transport.handles import call_soon
             call_soon(self._loop, self._members_changed.set)
 
     # inbox thread: joins and leaves ---------------------------------------------------------
