@@ -35,13 +35,13 @@ class Procs:
         self.tmp = tmp
         self.procs: list[tuple[subprocess.Popen[bytes], Path, Path]] = []
 
-    def spawn(self, role: str, **args: object) -> int:
-        """Start ``python -m tests.workers ROLE`` with ``args``; returns its index."""
+    def spawn(self, role: str, env: dict[str, str] | None = None, **args: object) -> int:
+        """Start ``python -m tests.workers ROLE`` with ``args`` (and ``env``); returns its index."""
         index = len(self.procs)
         out = self.tmp / f"{role}-{index}.json"
         log = self.tmp / f"{role}-{index}.log"
         spec = msgspec.json.encode({"role": role, "result": str(out), **args})
-        env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
+        env = dict(os.environ, **(env or {}), PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
         with open(log, "wb") as fh:
             proc = subprocess.Popen([sys.executable, "-m", "tests.workers", spec.decode()], cwd=REPO, env=env,
                                     stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)

@@ -20,8 +20,9 @@ from weightsync.transport.staging import Job, Staging
 def test_public_names_are_pinned() -> None:
     assert sorted(ws.__all__) == sorted([
         "AdmissionDenied", "Closed", "DeliveryReport", "Evicted", "FlightRecorder", "HandshakeMismatch",
-        "ManifestMismatch", "Publisher", "PublisherGone", "PutHandle", "Subscriber", "SyncTimeout", "Weights",
-        "WeightSyncError", "__version__"])
+        "LocalProcessOrchestrator", "ManifestMismatch", "MemberInfo", "Orchestrator", "Publisher", "PublisherGone",
+        "PutHandle", "StragglerPolicy", "Subscriber", "SyncTimeout", "WeightStream", "Weights", "WeightSyncError",
+        "__version__"])
     for name in ws.__all__:
         assert hasattr(ws, name)
 

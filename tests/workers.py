@@ -29,7 +29,17 @@ async def subscriber(spec: dict) -> dict:
         if spec.get("ready_file"):
             open(spec["ready_file"], "w").close()
         deadline = time.monotonic() + spec.get("deadline", 60)
-        if mode == "updates":
+        if mode == "follow":  # every version we can get, until the publisher shuts down
+            last = -1
+            while time.monotonic() < deadline:
+                try:
+                    w = await sub.get(min_version=last + 1, timeout=deadline - time.monotonic())
+                except ws.PublisherGone:
+                    break
+                order.append(w.version)
+                seen[w.version] = digests(w)
+                last = w.version
+        elif mode == "updates":
             async for w in sub.updates(timeout=deadline - time.monotonic()):
                 order.append(w.version)
                 seen[w.version] = digests(w)
@@ -99,8 +109,22 @@ async def main(spec: dict) -> dict:
     raise SystemExit(f"unknown role {spec['role']!r}")
 
 
+def load_spec(arg: str) -> dict:
+    """The spec inline, or ``@path`` to a JSON file (an orchestrator's command line); ``{n}`` in
+    ``member`` and ``result`` becomes ``$WEIGHTSYNC_REPLACEMENT`` (which replacement this is)."""
+    if arg.startswith("@"):
+        with open(arg[1:], "rb") as fh:
+            arg = fh.read().decode()
+    spec = msgspec.json.decode(arg)
+    n = os.environ.get("WEIGHTSYNC_REPLACEMENT", "0")
+    for key in ("member", "result"):
+        if isinstance(spec.get(key), str):
+            spec[key] = spec[key].replace("{n}", n)
+    return spec
+
+
 if __name__ == "__main__":
-    spec = msgspec.json.decode(sys.argv[1])
+    spec = load_spec(sys.argv[1])
     if spec.get("loop") == "uvloop":
         import uvloop
 

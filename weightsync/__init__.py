@@ -14,8 +14,10 @@ from weightsync.errors import (
     SyncTimeout,
     WeightSyncError,
 )
+from weightsync.orchestrator import LocalProcessOrchestrator, MemberInfo, Orchestrator
+from weightsync.pg.membership import StragglerPolicy
 from weightsync.pg.recorder import FlightRecorder
-from weightsync.transport import DeliveryReport, Publisher, PutHandle, Subscriber, Weights
+from weightsync.transport import DeliveryReport, Publisher, PutHandle, Subscriber, Weights, WeightStream
 
 __version__ = "0.1.0"
 
@@ -26,12 +28,17 @@ __all__ = [
     "Evicted",
     "FlightRecorder",
     "HandshakeMismatch",
+    "LocalProcessOrchestrator",
     "ManifestMismatch",
+    "MemberInfo",
+    "Orchestrator",
     "Publisher",
     "PublisherGone",
     "PutHandle",
+    "StragglerPolicy",
     "Subscriber",
     "SyncTimeout",
+    "WeightStream",
     "Weights",
     "WeightSyncError",
     "__version__",

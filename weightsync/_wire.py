@@ -76,6 +76,8 @@ class Admit(msgspec.Struct, frozen=True, tag="admit"):
     member_id: str
     generation: int
     members: tuple[str, ...]  # rank i+1 is members[i]; rank 0 is the publisher
+    slot: int = 0  # unique in this channel: the rank a reconfigurable backend is created with
+    in_place: bool = False  # generations re-form one long-lived backend (Ready carries its handle)
 
 
 class Deny(msgspec.Struct, frozen=True, tag="deny"):
@@ -87,6 +89,8 @@ class Go(msgspec.Struct, frozen=True, tag="go"):
     """Every member of `generation` is ready: enter the group's rendezvous now."""
 
     generation: int
+    uuid: int = 0  # with handles: reconfigure the long-lived backend in place under this uuid
+    handles: tuple[str, ...] = ()  # rank-ordered reconfigure handles; empty: build a fresh group
 
 
 class Announce(msgspec.Struct, frozen=True, tag="announce"):
@@ -98,8 +102,18 @@ class Announce(msgspec.Struct, frozen=True, tag="announce"):
     manifest: Manifest
     bucket_bytes: int
     num_buckets: int
-    checksum: int = 0  # 0: not computed
+    checksum: bool = False  # a Seal with per-bucket checksums follows the buckets
     resend: bool = False
+
+
+class Seal(msgspec.Struct, frozen=True, tag="seal"):
+    """Per-bucket CRC32s of version `version`, sent once its buckets left the publisher."""
+
+    generation: int
+    seq: int
+    version: int
+    checksums: tuple[int, ...]
+    abandoned: bool = False  # the publisher gave up on this version: no checksums follow
 
 
 class Reconfigure(msgspec.Struct, frozen=True, tag="reconfigure"):
@@ -109,6 +123,7 @@ class Reconfigure(msgspec.Struct, frozen=True, tag="reconfigure"):
     members: tuple[str, ...]  # rank i+1 is members[i]; rank 0 is the publisher
     reason: str = ""
     trouble: bool = False  # a failure ended the generation: members dump their flight recorders
+    fresh: bool = False  # an operation failed mid-flight: re-formed backends are replaced, not reused
 
 
 class Shutdown(msgspec.Struct, frozen=True, tag="shutdown"):
@@ -118,6 +133,7 @@ class Shutdown(msgspec.Struct, frozen=True, tag="shutdown"):
 class Ready(msgspec.Struct, frozen=True, tag="ready"):
     generation: int
     member_id: str
+    handle: str = ""  # this member's reconfigure handle, read just now ("" when it has none)
 
 
 class Ack(msgspec.Struct, frozen=True, tag="ack"):
@@ -127,12 +143,14 @@ class Ack(msgspec.Struct, frozen=True, tag="ack"):
     version: int
     ok: bool
     seconds: float = 0.0
+    own_seconds: float = 0.0  # of `seconds`, the time not spent waiting on the collective
     error: str = ""
 
 
 InboxMessage = Union[Join, Leave, Wake]
 MemberMessage = Union[Admit, Deny, Go, Announce, Reconfigure, Shutdown, Wake]
 ReplyMessage = Union[Ack, Ready, Wake]
+SealMessage = Union[Seal, Wake]
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -141,3 +159,4 @@ encode = _encoder.encode
 inbox_decoder = msgspec.msgpack.Decoder(InboxMessage)
 member_decoder = msgspec.msgpack.Decoder(MemberMessage)
 reply_decoder = msgspec.msgpack.Decoder(ReplyMessage)
+seal_decoder = msgspec.msgpack.Decoder(SealMessage)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import datetime as dt
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -121,6 +122,34 @@ def gloo_options_reconfigurable() -> bool:
 def make_gloo(store: dist.Store, rank: int, size: int, timeout: float) -> Any:
     """A standalone gloo backend; its constructor runs the rendezvous (bounded by timeout)."""
     return dist.ProcessGroupGloo(store, rank, size, _td(timeout))
+
+
+def make_gloo_reconfigurable(store: dist.Store, slot: int, timeout: float) -> Any:
+    """A lazy gloo backend (2.14+) that joins a group only through :func:`reconfigure`.
+
+    ``slot`` must be unique among the backends that will ever share a group: it is part of the
+    reconfigure handle, and handles must differ.
+    """
+    gloo: Any = dist.ProcessGroupGloo
+    options = gloo._Options()
+    options._timeout = _td(timeout)
+    options.enable_reconfigure = True
+    options._devices = [gloo.create_default_device()]
+    return gloo(store, slot, slot + 1, options)
+
+
+def reconfigure_handle(pg: Any) -> str:
+    """The backend's current handle; it changes with every reconfigure, so read it each time."""
+    return str(pg.get_reconfigure_handle())
+
+
+def reconfigure(pg: Any, uuid: int, handles: Sequence[str], timeout: float) -> None:
+    """Re-form ``pg`` in place with ``handles`` (rank = position); bounded by ``timeout``."""
+    opts = _c10d.ReconfigureOptions()
+    opts.uuid = uuid
+    opts.handles = list(handles)
+    opts.timeout = _td(timeout)
+    wait_work(pg.reconfigure(opts), timeout)
 
 
 def make_nccl(store: dist.Store, rank: int, size: int, timeout: float, device: torch.device, max_ctas: int) -> Any:

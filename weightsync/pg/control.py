@@ -8,6 +8,7 @@ thread that waits clones its own (:meth:`ControlPlane.clone`).
 from __future__ import annotations
 
 import datetime as dt
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -31,6 +32,10 @@ def _is_timeout(err: BaseException) -> bool:
     name = type(err).__name__
     text = str(err).lower()
     return name == "DistStoreError" and "timeout" in text or "wait timeout" in text or "timed out" in text
+
+
+def _reraise(err: BaseException) -> None:
+    raise err
 
 
 class ControlPlane:
@@ -71,8 +76,19 @@ class ControlPlane:
 
     def pop(self, queue: str, timeout: float) -> bytes:
         """The next item of ``queue``; StoreTimeout when none comes within ``timeout`` seconds."""
-        self._call(self.store.set_timeout, dt.timedelta(seconds=max(min(timeout, 86_400.0), 0.001)))
-        return bytes(self._call(self.store.queue_pop, queue, True))
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            self._call(self.store.set_timeout, dt.timedelta(seconds=max(min(left, 86_400.0), 0.001)))
+            try:
+                return bytes(self.store.queue_pop(queue, True))
+            except StoreError as err:
+                # measured (2.13, under churn): a blocking pop can wake on an empty queue and
+                # fail with "queue is empty"; that is a spurious wake-up, not a dead store
+                if "queue is empty" not in str(err) or left <= 0:
+                    self._call(_reraise, err)
+            except Exception as err:  # noqa: BLE001 - classified by _call like every store error
+                self._call(_reraise, err)
 
     def delete(self, key: str) -> None:
         try:

@@ -17,6 +17,7 @@ to blame) from members that failed while waiting on them (victims).
 from __future__ import annotations
 
 import itertools
+import secrets
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -26,11 +27,24 @@ import torch
 from weightsync import _wire
 from weightsync.errors import WeightSyncError
 from weightsync.pg.control import ControlPlane, StoreTimeout, StoreUnreachable
-from weightsync.pg.group import DedicatedGroup
+from weightsync.pg.group import DedicatedGroup, Reconfigurable, reconfigure_enabled
 from weightsync.pg.membership import Membership
 from weightsync.pg.recorder import FlightRecorder
 
 PUBLISHER = "publisher"
+
+
+class MemberInfo:
+    """Who a member was, for an orchestrator replacing it: id, host, pid and why it left."""
+
+    __slots__ = ("member_id", "host", "pid", "reason", "generation")
+
+    def __init__(self, member_id: str, host: str = "", pid: int = 0, reason: str = "", generation: int = -1) -> None:
+        self.member_id, self.host, self.pid, self.reason, self.generation = member_id, host, pid, reason, generation
+
+    def __repr__(self) -> str:
+        return (f"MemberInfo({self.member_id!r}, host={self.host!r}, pid={self.pid}, reason={self.reason!r}, "
+                f"generation={self.generation})")
 DATA_ERRORS = (TimeoutError, RuntimeError, StoreTimeout, StoreUnreachable, ValueError)
 
 
@@ -39,7 +53,7 @@ class Generations:
 
     def __init__(self, channel: str, *, membership: Membership, recorder: FlightRecorder, backend: str,
                  device: torch.device, rendezvous_timeout: float, stopped: Callable[[], bool],
-                 on_change: Callable[[], None]) -> None:
+                 on_change: Callable[[], None], on_evicted: Callable[[MemberInfo], None] = lambda _m: None) -> None:
         self.channel = channel
         self.membership = membership
         self.backend = backend
@@ -49,12 +63,25 @@ class Generations:
         self._recorder = recorder
         self._stopped = stopped
         self._on_change = on_change
+        self._on_evicted = on_evicted
         self._reply_to: dict[str, str] = {}
+        self._info: dict[str, MemberInfo] = {}
+        self._slots: dict[str, int] = {}
+        self._next_slot = itertools.count(1)  # 0 is the publisher's
         self._seq = itertools.count()
+        self.in_place = reconfigure_enabled(backend)
+        self._backend: Reconfigurable | None = None  # the publisher's, when in_place
+        self.last_timings: dict[str, tuple[float, float]] = {}  # member -> (seconds, own seconds)
 
-    def register(self, member_id: str, reply_to: str) -> None:
+    def register(self, member_id: str, reply_to: str, host: str = "", pid: int = 0) -> None:
         """A joiner's own queue, where everything for it goes."""
         self._reply_to[member_id] = reply_to
+        self._info[member_id] = MemberInfo(member_id, host=host, pid=pid)
+        self._slots[member_id] = next(self._next_slot)  # a rejoin is a new incarnation: a new slot
+
+    def seal_queue(self, member_id: str) -> str | None:
+        queue = self._reply_to.get(member_id)
+        return None if queue is None else queue + "/seal"
 
     def next_seq(self) -> int:
         """The sequence number of the next command in the current generation."""
@@ -70,19 +97,27 @@ class Generations:
         """End the current generation and build the next with the live members and joiners."""
         for _attempt in range(4):
             plan = self.membership.plan_next(failed)
+            # after a failed operation, works may still hang on the old backend's threads and
+            # would block a re-formed one (measured on 2.15): every member starts a fresh one
+            fresh = reason != "membership change"
             self.tell(ctl, self.membership.members, _wire.Reconfigure(
                 next_generation=plan.generation, members=plan.members, reason=reason,
-                trouble=reason != "membership change" or bool(plan.evicted)))
+                trouble=reason != "membership change" or bool(plan.evicted), fresh=fresh))
+            if fresh and self._backend is not None:
+                self._backend.close()
+                self._backend = None
             for member_id in plan.admitted:
                 self.tell(ctl, [member_id], _wire.Admit(member_id=member_id, generation=plan.generation,
-                                                         members=plan.members))
+                                                         members=plan.members, slot=self._slots[member_id],
+                                                         in_place=self.in_place))
             if self.group is not None:
                 self.group.abort(reason)
                 self.group = None
             self._seq = itertools.count()
             rendezvous = self._recorder.record("rendezvous", channel=self.channel, member=PUBLISHER,
                                                generation=plan.generation, peers=plan.members).start()
-            missing = self._await_ready(ctl, plan)
+            handles: dict[str, str] = {}
+            missing = self._await_ready(ctl, plan, handles)
             if missing:
                 if all(self.membership.is_leaving(m) for m in missing):
                     rendezvous.complete()  # members left meanwhile: an ordinary replan, not a failure
@@ -92,12 +127,8 @@ class Generations:
                 failed, reason = missing, f"members did not come to the rendezvous: {sorted(missing)}"
                 continue
             rendezvous.complete()
-            self.tell(ctl, plan.members, _wire.Go(generation=plan.generation))
             try:
-                self.group = DedicatedGroup.build(
-                    ctl.store, channel=self.channel, member=PUBLISHER, generation=plan.generation,
-                    rank=0, size=len(plan.members) + 1, backend=self.backend, device=self.device,
-                    timeout=self.rendezvous_timeout, recorder=self._recorder, peers=plan.members)
+                self.group = self._form(ctl, plan, handles)
             except DATA_ERRORS as err:
                 self.membership.commit(plan, ok=False)
                 failed, reason = self.membership.unresponsive(), f"rendezvous failed: {err}"
@@ -105,11 +136,35 @@ class Generations:
             self.membership.commit(plan, ok=True)
             for member in plan.evicted:
                 self._reply_to.pop(member, None)
+                self._slots.pop(member, None)
+                info = self._info.pop(member, None) or MemberInfo(member)
+                info.reason, info.generation = plan.reasons.get(member, "evicted"), plan.generation
+                self._on_evicted(info)
             self._on_change()
             return
         raise WeightSyncError("could not form a generation after 4 attempts", channel=self.channel)
 
-    def _await_ready(self, ctl: ControlPlane, plan: Any) -> set[str]:
+    def _form(self, ctl: ControlPlane, plan: Any, handles: dict[str, str]) -> DedicatedGroup | None:
+        """Say Go and form the generation's group: re-form our backend in place, or build anew."""
+        if self.in_place:
+            if not plan.members:
+                self.tell(ctl, plan.members, _wire.Go(generation=plan.generation))
+                return None
+            if self._backend is None:
+                self._backend = Reconfigurable(ctl.store, channel=self.channel, member=PUBLISHER, slot=0,
+                                               timeout=self.rendezvous_timeout, recorder=self._recorder)
+            ordered = (self._backend.handle(), *(handles[m] for m in plan.members))
+            uuid = secrets.randbits(62)  # fresh per re-formation; unique across channels on one store
+            self.tell(ctl, plan.members, _wire.Go(generation=plan.generation, uuid=uuid, handles=ordered))
+            return self._backend.enter(generation=plan.generation, uuid=uuid, handles=ordered, rank=0,
+                                       peers=plan.members, timeout=self.rendezvous_timeout, device=self.device)
+        self.tell(ctl, plan.members, _wire.Go(generation=plan.generation))
+        return DedicatedGroup.build(
+            ctl.store, channel=self.channel, member=PUBLISHER, generation=plan.generation,
+            rank=0, size=len(plan.members) + 1, backend=self.backend, device=self.device,
+            timeout=self.rendezvous_timeout, recorder=self._recorder, peers=plan.members)
+
+    def _await_ready(self, ctl: ControlPlane, plan: Any, handles: dict[str, str]) -> set[str]:
         """Wait until every planned member is on its way into the rendezvous.
 
         Returns the members that left, died or never came: gloo's own rendezvous cannot be
@@ -129,6 +184,11 @@ class Generations:
                 self._recorder.record("reply", channel=self.channel, member=PUBLISHER).fail(f"malformed: {err}")
                 continue
             if isinstance(message, _wire.Ready) and message.generation == plan.generation:
+                if self.in_place and not message.handle:
+                    self._recorder.record("rendezvous", channel=self.channel, member=PUBLISHER,
+                                          peers=(message.member_id,)).fail("Ready without a reconfigure handle")
+                    continue  # it will not come: it is counted missing when the deadline passes
+                handles[message.member_id] = message.handle
                 waiting.discard(message.member_id)
         return set()
 
@@ -142,6 +202,7 @@ class Generations:
         """
         acked: set[str] = set()
         nacked: dict[str, str] = {}
+        self.last_timings = {}
         entry = self._recorder.record("ack", channel=self.channel, member=PUBLISHER, generation=gen,
                                       version=version, peers=members).start()
         deadline = time.monotonic() + timeout
@@ -163,6 +224,7 @@ class Generations:
             silent.discard(message.member_id)
             if message.ok and message.version == version:
                 acked.add(message.member_id)
+                self.last_timings[message.member_id] = (message.seconds, message.own_seconds)
             else:
                 nacked[message.member_id] = message.error or f"acked version {message.version}"
         if silent or nacked:
@@ -188,4 +250,7 @@ class Generations:
             pass
         if self.group is not None:
             self.group.abort("publisher closed")
+        if self._backend is not None:
+            self._backend.close()
+            self._backend = None
         self._on_change()

@@ -12,10 +12,17 @@ Lifecycle, and who calls what:
    receive slices, each bucket bounded by its own deadline;
 3. on a membership change or a failure every member calls :meth:`abort`; a new generation is
    built under a new prefix. An aborted group is never used again.
+
+Where torch can re-form a backend in place (2.14+, gloo), each member instead keeps one
+:class:`Reconfigurable` backend for its whole membership, and a generation is entered with
+:meth:`Reconfigurable.enter`: the publisher's ``Go`` carries a fresh uuid and every member's
+handle, and the same backend is re-formed with them (tens of milliseconds, no new sockets to
+the store). The generation's :class:`DedicatedGroup` then only borrows the backend.
 """
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
@@ -65,6 +72,7 @@ class DedicatedGroup:
         self.rank, self.size, self.backend, self.device = rank, size, backend, device
         self._recorder = recorder
         self._store: Any = None
+        self._borrowed = False  # the backend belongs to a Reconfigurable: never torn down here
         self.state = ALIVE
 
     @classmethod
@@ -102,7 +110,7 @@ class DedicatedGroup:
     def broadcast_buckets(self, slices: Sequence[torch.Tensor], *, version: int, deadline: Callable[[int], float],
                           op: str, before: Callable[[int], None] | None = None,
                           after: Callable[[int], None] | None = None, depth: int = 2,
-                          cancelled: Callable[[], bool] | None = None) -> None:
+                          cancelled: Callable[[], bool] | None = None) -> float:
         """Broadcast each slice from rank 0, keeping up to ``depth`` buckets in flight.
 
         ``before(i)`` runs before bucket i is issued (the publisher packs it there when it has
@@ -110,16 +118,18 @@ class DedicatedGroup:
         ``deadline(nbytes)``, RuntimeError when the backend fails; the group is then unusable.
         With ``cancelled``, waits run in short slices and :class:`Cancelled` is raised as soon
         as it returns True (a receiver whose publisher already moved to a new generation).
+        Returns the seconds spent waiting on the collective (the rest was this member's own).
         """
         if self.state != ALIVE:
             raise RuntimeError(f"generation {self.generation} of {self.channel!r} was aborted")
         if self._pg is None:
-            return
+            return 0.0
         pending: list[tuple[int, Any, Any, float]] = []  # (bucket, work, recorder entry, deadline)
+        waited = [0.0]
         try:
             for i, tensor in enumerate(slices):
                 if len(pending) >= depth:
-                    self._finish_oldest(pending, cancelled, after)
+                    self._finish_oldest(pending, cancelled, after, waited)
                 if before is not None:
                     before(i)
                 limit = deadline(tensor.numel())
@@ -130,20 +140,24 @@ class DedicatedGroup:
                 work = compat.broadcast(self._pg, tensor, 0, limit)
                 pending[-1] = (i, work, entry, time.monotonic() + limit)
             while pending:
-                self._finish_oldest(pending, cancelled, after)
+                self._finish_oldest(pending, cancelled, after, waited)
         except BaseException as err:
             for _, _, entry, _ in pending:  # buckets still in flight will never complete
                 entry.fail(f"abandoned: {err}", aborted=True)
             raise
+        return waited[0]
 
     def _finish_oldest(self, pending: list[tuple[int, Any, Any, float]], cancelled: Callable[[], bool] | None,
-                       after: Callable[[int], None] | None) -> None:
+                       after: Callable[[int], None] | None, waited: list[float]) -> None:
         i, work, entry, limit = pending.pop(0)
+        t0 = time.monotonic()
         try:
             self._wait(work, limit, cancelled)
         except BaseException as err:
             entry.fail(err)
             raise
+        finally:
+            waited[0] += time.monotonic() - t0
         entry.complete()
         if after is not None:
             after(i)
@@ -172,10 +186,61 @@ class DedicatedGroup:
         entry = self._recorder.record("abort", channel=self.channel, member=self.member, generation=self.generation,
                                       error=reason).start()
         pg, self._pg, store, self._store = self._pg, None, self._store, None
-        if pg is None:
-            entry.complete()
+        if pg is None or self._borrowed:
+            entry.complete()  # a borrowed backend is re-formed by the next reconfigure
         else:
             _reaper.retire(pg, store, entry)
+
+
+def reconfigure_enabled(backend: str) -> bool:
+    """True when generations re-form one backend in place (gloo on torch 2.14+).
+
+    ``WEIGHTSYNC_RECONFIGURE=0`` forces the rebuild path (a fresh group per generation).
+    NCCL always rebuilds: nccl2's in-place reconfigure is not verified on a GPU yet.
+    """
+    if os.environ.get("WEIGHTSYNC_RECONFIGURE", "1") == "0":
+        return False
+    return backend == "gloo" and compat.gloo_options_reconfigurable()
+
+
+class Reconfigurable:
+    """One member's gloo backend for its whole membership, re-formed in place every generation."""
+
+    def __init__(self, store: Any, *, channel: str, member: str, slot: int, timeout: float,
+                 recorder: FlightRecorder) -> None:
+        self.channel, self.member, self.slot = channel, member, slot
+        self._recorder = recorder
+        self._store = compat.clone_store(store, timeout)
+        # every member's backend shares this prefix: the rendezvous keys live under the uuid
+        self._pg = compat.make_gloo_reconfigurable(compat.prefix_store(f"ws/{channel}/rc", self._store), slot,
+                                                   timeout)
+
+    def handle(self) -> str:
+        return compat.reconfigure_handle(self._pg)
+
+    def enter(self, *, generation: int, uuid: int, handles: Sequence[str], rank: int, peers: Sequence[str],
+              timeout: float, device: torch.device) -> DedicatedGroup:
+        """Re-form the backend with ``handles`` (rank = position) as generation ``generation``."""
+        entry = self._recorder.record("reconfigure", channel=self.channel, member=self.member,
+                                      generation=generation, peers=tuple(peers)).start()
+        try:
+            compat.reconfigure(self._pg, uuid, handles, timeout)
+        except Exception as err:
+            entry.fail(err)
+            raise
+        entry.complete()
+        group = DedicatedGroup(self._pg, channel=self.channel, member=self.member, generation=generation, rank=rank,
+                               size=len(handles), backend="gloo", device=device, recorder=self._recorder)
+        group._borrowed = True
+        return group
+
+    def close(self) -> None:
+        """Tear the backend down (off this thread); the object is not used again."""
+        if self._pg is None:
+            return
+        entry = self._recorder.record("abort", channel=self.channel, member=self.member, error="closed").start()
+        pg, self._pg, store, self._store = self._pg, None, self._store, None
+        _reaper.retire(pg, store, entry)
 
 
 class _Reaper:

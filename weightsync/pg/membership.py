@@ -9,10 +9,12 @@ versions in a row (a slow member cannot hold the others back forever).
 
 from __future__ import annotations
 
+import statistics
 import threading
 import time
+from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from weightsync.pg.control import ControlPlane, StoreTimeout, StoreUnreachable
 from weightsync.pg.recorder import FlightRecorder
@@ -20,6 +22,36 @@ from weightsync.pg.recorder import FlightRecorder
 DEAD_AFTER_BEATS = 5
 DEAD_AFTER_SECONDS = 2.0  # never sooner: a loaded machine delays beats, and eviction is costly
 MAX_STRIKES = 2
+
+
+ACTIONS = ("keep", "evict", "replace")
+
+
+@dataclass(frozen=True)
+class StragglerPolicy:
+    """What the publisher does about a member that is slow but alive, and one that died.
+
+    A member is *slow* on a version when the time it spent on its own (receiving minus waiting
+    on the collective: copies, checks, a busy host) exceeds ``slow_factor`` times the median
+    of the other members' plus ``slow_floor`` seconds. Flagged on ``window`` versions in a
+    row, ``on_slow`` applies: ``"keep"`` (recorded only; it holds every push back), ``"evict"``,
+    or ``"replace"`` (evict, then ask the orchestrator for a new member; without an
+    orchestrator the same as evict). ``on_dead`` is ``"evict"`` or ``"replace"``.
+    """
+
+    slow_factor: float = 3.0
+    slow_floor: float = 0.05
+    window: int = 3
+    on_slow: str = "replace"
+    on_dead: str = "replace"
+
+    def __post_init__(self) -> None:
+        if self.on_slow not in ACTIONS:
+            raise ValueError(f"on_slow must be one of {ACTIONS}, got {self.on_slow!r}")
+        if self.on_dead not in ("evict", "replace"):
+            raise ValueError(f"on_dead must be 'evict' or 'replace', got {self.on_dead!r}")
+        if self.slow_factor <= 1 or self.window < 1 or self.slow_floor < 0:
+            raise ValueError("need slow_factor > 1, window >= 1 and slow_floor >= 0")
 
 
 @dataclass(frozen=True)
@@ -30,6 +62,7 @@ class Plan:
     admitted: tuple[str, ...]
     evicted: tuple[str, ...]
     notify: bool
+    reasons: dict[str, str] = field(default_factory=dict)  # evicted member -> dead | failed | slow
 
 
 class Membership:
@@ -45,7 +78,10 @@ class Membership:
         self._beats: dict[str, tuple[int, float]] = {}  # member -> (counter, monotonic when it last moved)
         self._strikes: dict[str, int] = {}
         self._versions: dict[str, int] = {}
-        self.receive_seconds: dict[str, list[float]] = {}
+        self._evicting: dict[str, str] = {}  # member -> why (slow)
+        self.receive_seconds: dict[str, deque[float]] = {}
+        self._own: dict[str, deque[float]] = {}  # member -> recent own (non-waiting) receive seconds
+        self._slow_streak: dict[str, int] = {}
 
     # requests (inbox thread) -------------------------------------------------------------
     def request_join(self, member_id: str) -> None:
@@ -71,7 +107,12 @@ class Membership:
             return member_id in self._leaving
 
     def has_requests(self) -> bool:
-        return bool(self._joining or self._leaving)
+        return bool(self._joining or self._leaving or self._evicting)
+
+    def request_evict(self, member_id: str, reason: str) -> None:
+        with self._lock:
+            if member_id in self.members:
+                self._evicting[member_id] = reason
 
     def sample_heartbeats(self, ctl: ControlPlane) -> set[str]:
         """Read every watched member's beat counter; returns members that just went silent."""
@@ -108,19 +149,27 @@ class Membership:
         with self._lock:
             evicted = []
             keep = []
+            reasons: dict[str, str] = {}
             for member in self.members:
-                if member in self._leaving or (member in failed and not self.is_alive(member)):
+                if member in self._leaving:
                     continue
-                strikes = self._strikes.get(member, 0) + (1 if member in failed else 0)
-                self._strikes[member] = strikes
-                if not self.is_alive(member) or strikes >= MAX_STRIKES:
+                if not self.is_alive(member):
+                    reasons[member] = "dead"
+                elif member in self._evicting:
+                    reasons[member] = self._evicting[member]
+                else:
+                    strikes = self._strikes.get(member, 0) + (1 if member in failed else 0)
+                    self._strikes[member] = strikes
+                    if strikes >= MAX_STRIKES:
+                        reasons[member] = "failed"
+                if member in reasons:
                     evicted.append(member)
                 else:
                     keep.append(member)
             admitted = tuple(m for m in self._joining if self.is_alive(m) and m not in failed)
             return Plan(old_generation=self.generation, generation=self.generation + 1,
                         members=tuple(keep) + admitted, admitted=admitted,
-                        evicted=tuple(evicted), notify=bool(self.members))
+                        evicted=tuple(evicted), notify=bool(self.members), reasons=reasons)
 
     def commit(self, plan: Plan, ok: bool) -> None:
         """Adopt ``plan`` (``ok``) or record that its rendezvous failed."""
@@ -129,6 +178,8 @@ class Membership:
             self._joining = [m for m in self._joining if m not in admitted]
             if ok:
                 self._leaving.clear()
+                for member in plan.evicted:
+                    self._evicting.pop(member, None)
             self.generation = plan.generation
             # on failure the planned members (newcomers too) wait on this generation's command
             # stream; the next plan reaches them with a Reconfigure there
@@ -136,19 +187,45 @@ class Membership:
             for member in plan.evicted:
                 self._strikes.pop(member, None)
                 self._versions.pop(member, None)
+                self._slow_streak.pop(member, None)
+                self.receive_seconds.pop(member, None)
+                self._own.pop(member, None)
                 self._recorder.record("evict", channel=self.channel, member="publisher", generation=plan.generation,
-                                      peers=(member,)).complete()
+                                      peers=(member,), error=plan.reasons.get(member, "")).complete()
             for member in admitted:
                 self._recorder.record("admit", channel=self.channel, member="publisher", generation=plan.generation,
                                       peers=(member,)).complete() if ok else None
 
-    def note_delivered(self, acked: set[str], version: int, seconds: float) -> None:
+    def note_delivered(self, acked: set[str], version: int, seconds: dict[str, float],
+                       own: dict[str, float]) -> None:
         with self._lock:
             for member in self.members:
                 if member in acked:
                     self._strikes[member] = 0
                     self._versions[member] = version
-                    self.receive_seconds.setdefault(member, []).append(seconds)
+                    self.receive_seconds.setdefault(member, deque(maxlen=32)).append(seconds.get(member, 0.0))
+                    self._own.setdefault(member, deque(maxlen=32)).append(own.get(member, 0.0))
+
+    def slow_members(self, policy: StragglerPolicy, own: dict[str, float]) -> dict[str, float]:
+        """Members flagged slow on the last ``policy.window`` versions; member -> its ratio now.
+
+        ``own`` is this version's own-time per member; each is scored against the median of
+        the others, so a uniformly slow network flags nobody.
+        """
+        flagged: dict[str, float] = {}
+        with self._lock:
+            for member, mine in own.items():
+                others = [t for m, t in own.items() if m != member]
+                if not others or member not in self.members:
+                    continue
+                typical = statistics.median(others)
+                if mine > policy.slow_factor * typical + policy.slow_floor:
+                    self._slow_streak[member] = self._slow_streak.get(member, 0) + 1
+                else:
+                    self._slow_streak[member] = 0
+                if self._slow_streak[member] >= policy.window:
+                    flagged[member] = mine / max(typical, 1e-6)
+        return flagged
 
     def lacking(self, version: int) -> bool:
         """True when some current member does not have ``version`` yet."""

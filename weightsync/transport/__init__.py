@@ -1,7 +1,7 @@
 """The asyncio API: Publisher, Subscriber, PutHandle, Weights, manifests, buckets, staging."""
 
-from weightsync.transport.handles import DeliveryReport, PutHandle, Weights
+from weightsync.transport.handles import DeliveryReport, PutHandle, Weights, WeightStream
 from weightsync.transport.publisher import Publisher
 from weightsync.transport.subscriber import Subscriber
 
-__all__ = ["DeliveryReport", "Publisher", "PutHandle", "Subscriber", "Weights"]
+__all__ = ["DeliveryReport", "Publisher", "PutHandle", "Subscriber", "WeightStream", "Weights"]

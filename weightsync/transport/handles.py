@@ -14,7 +14,9 @@ from typing import Any, TypeVar
 import msgspec
 import torch
 
+from weightsync._wire import Manifest
 from weightsync.errors import SyncTimeout
+from weightsync.transport import layout
 
 T = TypeVar("T")
 
@@ -136,3 +138,34 @@ class Weights(Mapping[str, torch.Tensor]):
 
     def __repr__(self) -> str:
         return f"Weights(version={self._version}, tensors={len(self)}, nbytes={self._nbytes})"
+
+
+class WeightStream:
+    """One complete version as ``(name, tensor)`` pairs in wire order, without a copy.
+
+    The tensors are views into the subscriber's readable slot, which stays pinned (the
+    receiver will not overwrite it) until the ``async with sub.stream()`` block ends: copy
+    what you keep (an engine's ``load_weights`` does) and do not hold the views past it.
+    Iterating after the block raises RuntimeError.
+    """
+
+    def __init__(self, version: int, flat: torch.Tensor, manifest: Manifest) -> None:
+        self.version = version
+        self.nbytes = manifest.total_bytes
+        self._flat: torch.Tensor | None = flat
+        self._manifest = manifest
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for spec in self._manifest.tensors:
+            if self._flat is None:
+                raise RuntimeError("this WeightStream ended with its 'async with sub.stream()' block")
+            yield spec.name, layout.tensor_view(self._flat, spec)
+
+    def __len__(self) -> int:
+        return len(self._manifest.tensors)
+
+    def close(self) -> None:
+        self._flat = None
+
+    def __repr__(self) -> str:
+        return f"WeightStream(version={self.version}, tensors={len(self)}, nbytes={self.nbytes})"

@@ -12,6 +12,7 @@ for an LLM) and cannot be pipelined; packing per bucket (vLLM style) costs a sec
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Iterable, Mapping
 from typing import Union
 
@@ -133,3 +134,17 @@ def check_destination(manifest: Manifest, dest: Mapping[str, torch.Tensor]) -> N
     if problems:
         raise ManifestMismatch("; ".join(problems[:8]))
 
+
+
+def checksum(buf: torch.Tensor) -> int:
+    """CRC32 of a flat uint8 bucket (host memory: zlib, which releases the GIL).
+
+    On a CUDA bucket: the wrapping sum of its 8-byte words folded with the CRC32 of the tail,
+    computed on the device (a bit flip changes it; a reordering of words would not).
+    """
+    if buf.is_cuda:
+        n8 = buf.numel() // 8 * 8
+        total = int(buf[:n8].view(torch.int64).sum().item()) if n8 else 0
+        tail = zlib.crc32(buf[n8:].cpu().numpy().tobytes())
+        return (total ^ (tail << 1)) & 0xFFFFFFFFFFFFFFFF
+    return zlib.crc32(buf.numpy().data)

@@ -18,6 +18,7 @@ The event loop only ever waits on futures the threads resolve; it never touches 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import threading
 import time
@@ -28,17 +29,20 @@ import torch
 
 from weightsync import _wire
 from weightsync.errors import Closed, SyncTimeout, WeightSyncError
+from weightsync.orchestrator import Orchestrator
 from weightsync.pg import _torch_compat as compat
 from weightsync.pg import handshake
 from weightsync.pg.control import ControlPlane, StoreTimeout, StoreUnreachable
-from weightsync.pg.generations import DATA_ERRORS, Generations
+from weightsync.pg.generations import DATA_ERRORS, Generations, MemberInfo
 from weightsync.pg.group import drain_retired, resolve_backend
-from weightsync.pg.membership import Membership
+from weightsync.pg.membership import Membership, StragglerPolicy
 from weightsync.pg.recorder import FlightRecorder, process_recorder
 from weightsync.transport import layout
 from weightsync.transport.handles import DeliveryReport, PutHandle, call_soon
 from weightsync.transport.options import ChannelOptions, MiB, advertised_host, parse_address, resolve_device
 from weightsync.transport.staging import BucketBuffers, Job, Staging, bucket_slices, cuda_snapshot, superseded_report
+
+log = logging.getLogger("weightsync")
 
 
 class Publisher:
@@ -67,13 +71,19 @@ class Publisher:
         recorder: flight recorder (default: this process's).
         flight_recorder_dir: where dumps go (default ``$WEIGHTSYNC_FR_DIR``, else a per-run
             directory under the system temp dir, logged once).
+        policy: what to do about slow and dead members (:class:`StragglerPolicy`).
+        orchestrator: starts replacements for dropped members (an :class:`Orchestrator`, e.g.
+            :class:`LocalProcessOrchestrator`); without one, dropped members are not replaced.
+        checksum: send per-bucket CRC32s; a subscriber never makes a version readable whose
+            buckets do not match (default on: computed while the next bucket is on the wire).
     """
 
     def __init__(self, name: str, *, address: str | None = None, store: Any = None, backend: str = "auto",
                  device: str | torch.device | None = None, bucket_bytes: int = 64 * MiB, timeout: float = 30.0,
                  min_bandwidth: float = 50e6, heartbeat_interval: float = 1.0, secret: str | bytes | None = None,
                  max_snapshots: int = 2, recorder: FlightRecorder | None = None,
-                 flight_recorder_dir: str | os.PathLike[str] | None = None) -> None:
+                 flight_recorder_dir: str | os.PathLike[str] | None = None, policy: StragglerPolicy | None = None,
+                 orchestrator: Orchestrator | None = None, checksum: bool = True) -> None:
         if not isinstance(name, str) or not name or "/" in name:
             raise ValueError(f"channel name must be a non-empty string without '/', got {name!r}")
         if address is not None and store is not None:
@@ -103,13 +113,21 @@ class Publisher:
         self._copy_stream: Any = None
         self._bucket_buffers = BucketBuffers(self._slot_device)
         self.membership = Membership(name, self._recorder, self.options.heartbeat_interval)
-        self._gens = Generations(name, membership=self.membership, recorder=self._recorder, backend=self.backend,
-                                 device=self._slot_device,
-                                 rendezvous_timeout=self.options.timeout + self.options.deadline(bucket_bytes),
-                                 stopped=self._stop.is_set, on_change=self._notify_members)
         self._address: str | None = None
         self._store: Any = None
         self._fatal: WeightSyncError | None = None
+        if orchestrator is not None and not callable(getattr(orchestrator, "replace", None)):
+            raise TypeError("orchestrator must have an async replace(member) method (see weightsync.Orchestrator)")
+        self.policy = policy or StragglerPolicy()
+        self.orchestrator = orchestrator
+        self.checksum = checksum
+        self.replacements: list[asyncio.Task[None]] = []
+        self.evicted: list[MemberInfo] = []  # every member dropped so far, with why
+        self._gens = Generations(name, membership=self.membership, recorder=self._recorder, backend=self.backend,
+                                 device=self._slot_device,
+                                 rendezvous_timeout=self.options.timeout + self.options.deadline(bucket_bytes),
+                                 stopped=self._stop.is_set, on_change=self._notify_members,
+                                 on_evicted=self._on_evicted)
 
     # lifecycle ----------------------------------------------------------------------------
     async def __aenter__(self) -> Publisher:
@@ -199,6 +217,10 @@ class Publisher:
         for job in self._staging.drain():
             job.handle.resolve_threadsafe(error=Closed("publisher closed before sending", channel=self.name,
                                                        version=job.version))
+        if self.replacements:  # replacements being started finish (bounded); none start after this
+            _done, late = await asyncio.wait(self.replacements, timeout=self.options.timeout)
+            for task in late:
+                task.cancel()
         if self._executor is not None:
             self._executor.shutdown(wait=False)
         # retired groups finish tearing down before we return (bounded): see group._Reaper
@@ -249,6 +271,15 @@ class Publisher:
                 pass
             self._check_running()  # a sender that died ends the wait with Closed (from its error)
         return self.members
+
+    async def evict(self, member_id: str, reason: str = "operator") -> None:
+        """Drop ``member_id`` at the next generation (it raises Evicted and may rejoin)."""
+        self._check_running()
+        if member_id not in self.membership.members:
+            raise ValueError(f"{member_id!r} is not a member of {self.name!r} (members: {self.members})")
+        with self._staging.lock:
+            self.membership.request_evict(member_id, reason)
+            self._staging.lock.notify_all()
 
     async def put(self, tensors: layout.TensorsLike, *, version: int | None = None, copy: bool = True) -> PutHandle:
         """Queue a new version; returns once the snapshot is taken.
@@ -313,6 +344,33 @@ class Publisher:
         if self._loop is not None and self._members_changed is not None:
             call_soon(self._loop, self._members_changed.set)
 
+    def _on_evicted(self, member: MemberInfo) -> None:
+        """Sender thread: ``member`` was dropped; ask the orchestrator when the policy says so."""
+        self.evicted.append(member)
+        action = {"slow": self.policy.on_slow, "dead": self.policy.on_dead, "failed": self.policy.on_dead}.get(
+            member.reason, "evict")  # operator evictions and leaves are not replaced
+        if action != "replace" or self.orchestrator is None or self._loop is None or self._stop.is_set():
+            return
+        call_soon(self._loop, self._start_replacement, member)
+
+    def _start_replacement(self, member: MemberInfo) -> None:
+        """Event loop: run ``orchestrator.replace(member)`` as a task; failures are recorded."""
+        assert self.orchestrator is not None
+        entry = self._recorder.record("replace", channel=self.name, member=self._member,
+                                      peers=(member.member_id,), error=member.reason).start()
+
+        async def run() -> None:
+            assert self.orchestrator is not None
+            try:
+                await self.orchestrator.replace(member)
+            except Exception as err:  # noqa: BLE001 - a failed replacement must never reach put()
+                entry.fail(f"{type(err).__name__}: {err}")
+                log.warning("weightsync: replacing %s failed: %s", member.member_id, err)
+            else:
+                entry.complete()
+
+        self.replacements.append(asyncio.ensure_future(run()))
+
     # inbox thread: joins and leaves ---------------------------------------------------------
     def _inbox_main(self, ctl: ControlPlane) -> None:
         while not self._stop.is_set():
@@ -349,7 +407,7 @@ class Publisher:
                                   peers=(message.member_id,)).fail(deny.reason)
             return
         with self._staging.lock:
-            self._gens.register(message.member_id, message.reply_to)
+            self._gens.register(message.member_id, message.reply_to, host=message.host, pid=message.pid)
             self.membership.request_join(message.member_id)
             self._staging.lock.notify_all()
 
@@ -426,7 +484,7 @@ class Publisher:
         ranges = layout.bucket_ranges(job.manifest.total_bytes, self.options.bucket_bytes)
         announce = _wire.Announce(generation=gen, seq=seq, version=job.version, manifest=job.manifest,
                                   bucket_bytes=self.options.bucket_bytes, num_buckets=len(ranges),
-                                  resend=job.resends > 0)
+                                  checksum=self.checksum, resend=job.resends > 0)
         job.resends += 1
         job.started = job.started or time.monotonic()
         t0 = time.monotonic()
@@ -437,8 +495,14 @@ class Publisher:
             entry.complete()
             if members and group is not None:
                 slices, before = bucket_slices(job, ranges, self._bucket_buffers, self.options.bucket_bytes)
+                sums: list[int] = []
+                # each bucket's CRC is taken once it is on the wire, while the next one transfers
+                after = (lambda i: sums.append(layout.checksum(slices[i]))) if self.checksum else None
                 group.broadcast_buckets(slices, version=job.version, deadline=self.options.deadline,
-                                        op="bucket_send", before=before)
+                                        op="bucket_send", before=before, after=after)
+                if self.checksum:
+                    self._push_seals(ctl, members, _wire.Seal(generation=gen, seq=seq, version=job.version,
+                                                              checksums=tuple(sums)))
             if job.flat is None:
                 job.handle.release_threadsafe()
             acked, failed = self._gens.collect_acks(ctl, gen, seq, members, job.version, self.options.timeout)
@@ -450,17 +514,39 @@ class Publisher:
             # receivers still waiting on this version give up now (their queue is no longer
             # empty) and acknowledge the failure, so live members answer and silent ones stand out
             self._gens.tell(ctl, members, _wire.Wake(reason=f"version {job.version} abandoned"))
+            if self.checksum:  # a receiver past its buckets waits on its seal queue, not its queue
+                self._push_seals(ctl, members, _wire.Seal(generation=gen, seq=seq, version=job.version,
+                                                          checksums=(), abandoned=True))
             acked, failed = self._gens.collect_acks(ctl, gen, seq, members, job.version, self.options.timeout)
             job.members_done |= acked
             self._recorder.dump_on_trouble(f"version {job.version} failed: {err}")
             return failed or set(members) - acked
         job.members_done |= acked
-        self.membership.note_delivered(acked, job.version, time.monotonic() - t0)
+        self._score(acked, job.version)
         if failed:
             self._recorder.dump_on_trouble(f"version {job.version}: no acknowledgement from {sorted(failed)}")
             return failed
         self._finish(job, t0)
         return None
+
+    def _push_seals(self, ctl: ControlPlane, members: tuple[str, ...], seal: _wire.Seal) -> None:
+        for member in members:
+            queue = self._gens.seal_queue(member)
+            if queue is not None:
+                ctl.push(queue, seal)
+
+    def _score(self, acked: set[str], version: int) -> None:
+        """Record receive times and act on members the policy finds slow."""
+        timings = self._gens.last_timings
+        own = {m: timings[m][1] for m in acked if m in timings}
+        self.membership.note_delivered(acked, version, {m: timings[m][0] for m in own}, own)
+        for member, ratio in self.membership.slow_members(self.policy, own).items():
+            self._recorder.record("slow", channel=self.name, member=self._member, version=version,
+                                  peers=(member,)).fail(f"{ratio:.1f}x the others' receive time")
+            if self.policy.on_slow != "keep":
+                log.warning("weightsync: %s is %.1fx slower than the others: evicting (%s)", member, ratio,
+                            self.policy.on_slow)
+                self.membership.request_evict(member, "slow")
 
     def _finish(self, job: Job, t0: float) -> None:
         members = tuple(m for m in self.membership.members if m in job.members_done)

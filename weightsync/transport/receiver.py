@@ -23,6 +23,7 @@ import time
 from typing import Any
 
 from weightsync import _wire
+from weightsync._faults import Faults
 from weightsync.errors import (
     AdmissionDenied,
     Closed,
@@ -34,13 +35,17 @@ from weightsync.errors import (
 )
 from weightsync.pg import handshake
 from weightsync.pg.control import ControlPlane, StoreTimeout, StoreUnreachable
-from weightsync.pg.group import DedicatedGroup
+from weightsync.pg.group import DedicatedGroup, Reconfigurable
 from weightsync.pg.recorder import FlightRecorder
 from weightsync.transport import layout
 from weightsync.transport.options import ChannelOptions
 from weightsync.transport.slots import SlotPair
 
 DATA_ERRORS = (TimeoutError, RuntimeError, StoreTimeout, ValueError)
+
+
+class ChecksumMismatch(ValueError):
+    """A received bucket does not match the publisher's checksum: the version is dropped."""
 
 
 class ReceiverLoop:
@@ -63,6 +68,9 @@ class ReceiverLoop:
     _join_error: BaseException | None
     _terminal: tuple[type[WeightSyncError], str] | None
     _clean_shutdown: bool
+    _faults: Faults | None
+    _backend: Reconfigurable | None  # the long-lived backend, when generations re-form in place
+    _slot: int  # its rank at creation: unique in the channel, part of its handle
 
     def _wake(self) -> None:  # provided by Subscriber
         raise NotImplementedError
@@ -112,6 +120,7 @@ class ReceiverLoop:
             return message
 
     def _join(self, ctl: ControlPlane) -> tuple[int, tuple[str, ...]]:
+        """Join; on Admit, also create the long-lived backend when the publisher re-forms in place."""
         entry = self._recorder.record("join", channel=self.name, member=self.member_id).start()
         join = _wire.Join(member_id=self.member_id, reply_to=self._queue,
                           fingerprint=handshake.fingerprint(self.backend, self.device),
@@ -136,8 +145,15 @@ class ReceiverLoop:
         if not isinstance(reply, _wire.Admit):
             entry.fail(f"unexpected {type(reply).__name__}")
             raise WeightSyncError(f"unexpected reply to join: {type(reply).__name__}", channel=self.name)
+        if reply.in_place:
+            self._slot = reply.slot
+            self._backend = self._new_backend(ctl)
         entry.complete()
         return reply.generation, reply.members
+
+    def _new_backend(self, ctl: ControlPlane) -> Reconfigurable:
+        return Reconfigurable(ctl.store, channel=self.name, member=self.member_id, slot=self._slot,
+                              timeout=self.options.timeout, recorder=self._recorder)
 
     def _enter(self, ctl: ControlPlane, generation: int, members: tuple[str, ...]) -> Any:
         """Enter generation ``generation``: a DedicatedGroup, or the message that replaced it.
@@ -146,7 +162,8 @@ class ReceiverLoop:
         generation with a Reconfigure (someone left or died), which is returned instead.
         """
         self.generation, self.rank = generation, members.index(self.member_id) + 1
-        ctl.push(ctl.replies, _wire.Ready(generation=generation, member_id=self.member_id))
+        handle = self._backend.handle() if self._backend is not None else ""  # changes every reconfigure
+        ctl.push(ctl.replies, _wire.Ready(generation=generation, member_id=self.member_id, handle=handle))
         while True:
             # bounded by the publisher's liveness (the heartbeat thread wakes us if it goes),
             # not by a guess at how long the other members take to get ready. Having said Ready,
@@ -155,6 +172,13 @@ class ReceiverLoop:
             message = self._next_message(ctl, 3600.0, until=self._abandon_rendezvous)
             if message is None or not isinstance(message, _wire.Go):
                 return message
+            if message.generation == generation and message.handles:
+                if self._backend is None:
+                    raise WeightSyncError("the publisher re-forms groups in place but admitted us without a slot",
+                                          channel=self.name, member=self.member_id)
+                return self._backend.enter(generation=generation, uuid=message.uuid, handles=message.handles,
+                                           rank=self.rank, peers=members, device=self._slots.device,
+                                           timeout=self.options.timeout + self.options.deadline(64 << 20))
             if message.generation == generation:
                 return DedicatedGroup.build(
                     ctl.store, channel=self.name, member=self.member_id, generation=generation, rank=self.rank,
@@ -191,6 +215,9 @@ class ReceiverLoop:
                                               generation=message.next_generation).complete()
                         raise Evicted(f"evicted from the channel ({message.reason})", channel=self.name,
                                       member=self.member_id, generation=generation)
+                    if message.fresh and self._backend is not None:  # see Generations.advance
+                        self._backend.close()
+                        self._backend = self._new_backend(ctl)
                     generation, members = message.next_generation, message.members
                     entered = self._enter(ctl, generation, members)
                     if isinstance(entered, DedicatedGroup):
@@ -209,6 +236,9 @@ class ReceiverLoop:
         finally:
             if group is not None:
                 group.abort("subscriber stopped")
+            if self._backend is not None:
+                self._backend.close()
+                self._backend = None
 
     def _stopping(self) -> bool:
         return self._closing.is_set() or self._terminal is not None
@@ -219,16 +249,29 @@ class ReceiverLoop:
         entry = self._recorder.record("receive", channel=self.name, member=self.member_id,
                                       generation=announce.generation, version=announce.version,
                                       nbytes=manifest.total_bytes).start()
-        ok, error = False, ""
+        ok, error, waited = False, "", 0.0
         try:
             flat = self._slots.prepare(manifest, self.options.timeout)
             ranges = layout.bucket_ranges(manifest.total_bytes, announce.bucket_bytes)
             if len(ranges) != announce.num_buckets:
                 raise ValueError(f"announced {announce.num_buckets} buckets, layout has {len(ranges)}")
+            buckets = [flat[lo:hi] for lo, hi in ranges]
+            sums: list[int] = []
+            last = [time.monotonic()]
+
+            def after(i: int) -> None:  # bucket i is here; bucket i+1 is on the wire meanwhile
+                if self._faults is not None:
+                    self._faults.after_bucket(announce.version, i, buckets[i], time.monotonic() - last[0])
+                if announce.checksum:
+                    sums.append(layout.checksum(buckets[i]))
+                last[0] = time.monotonic()
+
             # anything new in our queue mid-transfer means the publisher gave up on this version
-            group.broadcast_buckets([flat[lo:hi] for lo, hi in ranges], version=announce.version,
-                                    deadline=self.options.deadline, op="bucket_recv",
-                                    cancelled=lambda: self._abort.is_set() or ctl.pending(self._queue) > 0)
+            waited = group.broadcast_buckets(buckets, version=announce.version, deadline=self.options.deadline,
+                                             op="bucket_recv", after=after,
+                                             cancelled=lambda: self._abort.is_set() or ctl.pending(self._queue) > 0)
+            if announce.checksum:
+                self._verify(ctl, announce, sums)
             if self._slots.version is None or announce.version > self._slots.version:
                 self._slots.publish(announce.version)
                 self._recorder.record("publish", channel=self.name, member=self.member_id,
@@ -241,12 +284,38 @@ class ReceiverLoop:
             error = str(err)
             entry.fail(err)
             self._recorder.dump_on_trouble(f"version {announce.version} not received: {err}")
+        seconds = time.monotonic() - t0
         ack = _wire.Ack(generation=announce.generation, seq=announce.seq, member_id=self.member_id,
-                        version=announce.version, ok=ok, seconds=time.monotonic() - t0, error=error[:300])
+                        version=announce.version, ok=ok, seconds=seconds, own_seconds=max(seconds - waited, 0.0),
+                        error=error[:300])
         try:
             ctl.push(ctl.replies, ack)
         except StoreTimeout:
             pass
+
+    def _verify(self, ctl: ControlPlane, announce: _wire.Announce, sums: list[int]) -> None:
+        """Compare our buckets' CRCs with the publisher's Seal; raises ChecksumMismatch."""
+        deadline = time.monotonic() + self.options.timeout
+        while True:
+            try:
+                raw = ctl.pop(self._queue + "/seal", deadline - time.monotonic())
+            except StoreTimeout as err:
+                raise TimeoutError(f"no checksums for version {announce.version} within {self.options.timeout}s") \
+                    from err
+            try:
+                seal = _wire.seal_decoder.decode(raw)
+            except Exception:  # noqa: BLE001,S112 - a malformed seal is no seal
+                continue
+            if isinstance(seal, _wire.Seal) and (seal.generation, seal.seq) == (announce.generation, announce.seq):
+                break  # older seals belong to versions given up on: skipped
+        if seal.abandoned:
+            raise RuntimeError(f"the publisher gave up on version {announce.version}")
+        bad = [i for i, (mine, theirs) in enumerate(zip(sums, seal.checksums, strict=False)) if mine != theirs]
+        if bad or len(sums) != len(seal.checksums):
+            self._recorder.record("checksum", channel=self.name, member=self.member_id,
+                                  generation=announce.generation, version=announce.version,
+                                  bucket=bad[0] if bad else -1).fail(f"buckets {bad} do not match")
+            raise ChecksumMismatch(f"version {announce.version}: buckets {bad} arrived corrupted; not made readable")
 
     def _leave(self, ctl: ControlPlane) -> None:
         try:

@@ -16,20 +16,23 @@ Who calls what, in order:
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import inspect
 import os
 import socket
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 
-from weightsync import _wire
+from weightsync import _faults, _wire
 from weightsync.errors import (
     Closed,
+    Evicted,
     PublisherGone,
     SyncTimeout,
     WeightSyncError,
@@ -40,7 +43,7 @@ from weightsync.pg.control import ControlPlane, StoreTimeout, StoreUnreachable
 from weightsync.pg.group import drain_retired, resolve_backend
 from weightsync.pg.recorder import FlightRecorder, process_recorder
 from weightsync.transport import layout
-from weightsync.transport.handles import Weights, call_soon
+from weightsync.transport.handles import Weights, WeightStream, call_soon
 from weightsync.transport.options import ChannelOptions, parse_address, resolve_device
 from weightsync.transport.receiver import ReceiverLoop
 from weightsync.transport.slots import Slot, SlotPair
@@ -106,6 +109,9 @@ class Subscriber(ReceiverLoop):
         self.generation = -1
         self.rank = -1
         self._clean_shutdown = False
+        self._faults = _faults.from_env()
+        self._backend = None
+        self._slot = 0
 
     # lifecycle ----------------------------------------------------------------------------
     async def __aenter__(self) -> Subscriber:
@@ -132,10 +138,16 @@ class Subscriber(ReceiverLoop):
             raise PublisherGone(f"cannot reach the publisher's store: {err}", channel=self.name,
                                 member=self.member_id) from err
         self._ctl = ControlPlane(store, self.name)
+        await self._launch(limit)
+
+    async def _launch(self, limit: float) -> None:
+        """Start the heartbeat and receiver threads on a fresh queue and wait for admission."""
+        assert self._loop is not None
         self._queue = self._ctl.member_queue(self.member_id, uuid.uuid4().hex[:12])
         roles = ((self._heartbeat_main, "heartbeat"), (self._receiver_main, "receiver"))
         clones = await self._loop.run_in_executor(
             self._executor, lambda: [self._ctl.clone(self.options.timeout) for _ in roles])
+        self._threads = []
         for (target, role), ctl in zip(roles, clones, strict=True):
             thread = threading.Thread(target=target, args=(ctl,), name=f"ws-{self.name}-{role}", daemon=True)
             thread.start()
@@ -152,6 +164,27 @@ class Subscriber(ReceiverLoop):
             return self._user_store
         assert self._connect is not None
         return compat.new_store_client(self._connect[0], self._connect[1], self.options.timeout)
+
+    async def rejoin(self, timeout: float | None = None) -> None:
+        """Join again after :class:`Evicted`; the last complete version stays readable meanwhile.
+
+        Raises RuntimeError when this subscriber was not evicted, and what ``start`` raises
+        when admission fails (the subscriber is then closed).
+        """
+        if self._state != "running" or self._terminal is None or self._terminal[0] is not Evicted:
+            raise RuntimeError("rejoin() is for a running subscriber that was evicted")
+        assert self._loop is not None
+        deadline = time.monotonic() + self.options.timeout
+        for thread in self._threads:  # both end on their own once evicted
+            await self._loop.run_in_executor(None, thread.join, max(deadline - time.monotonic(), 0.01))
+            if thread.is_alive():
+                raise SyncTimeout(f"{thread.name} did not stop within {self.options.timeout}s", channel=self.name,
+                                  member=self.member_id)
+        self._terminal, self._join_error = None, None
+        self._joined.clear()
+        await self._launch(timeout if timeout is not None else 2 * self.options.timeout)
+        self._recorder.record("rejoin", channel=self.name, member=self.member_id,
+                              version=-1 if self.version is None else self.version).complete()
 
     async def aclose(self) -> None:
         """Finish the version in flight, leave the channel, stop. Idempotent."""
@@ -226,6 +259,53 @@ class Subscriber(ReceiverLoop):
             return slot.version
         finally:
             self._slots.unpin(slot)
+
+    @contextlib.asynccontextmanager
+    async def stream(self, *, min_version: int | None = None,
+                     timeout: float | None = None) -> AsyncIterator[WeightStream]:
+        """The latest version (>= ``min_version``) as ``(name, tensor)`` views, without a copy.
+
+        For engines that load weights from an iterator (vLLM's ``model.load_weights``)::
+
+            async with sub.stream(min_version=v) as weights:
+                await asyncio.to_thread(model.load_weights, weights)
+
+        The version stays readable and unchanged inside the block (the receiver writes the
+        next one into the other slot, and waits at most its deadline for this one); the
+        views must not be used after it.
+        """
+        await self._wait_version(min_version, timeout)
+        slot = self._slots.pin()
+        try:
+            assert slot.flat is not None and slot.manifest is not None and slot.version is not None
+            if slot.flat.is_cuda:
+                torch.cuda.current_stream(slot.flat.device).synchronize()
+            weights = WeightStream(slot.version, slot.flat, slot.manifest)
+            try:
+                yield weights
+            finally:
+                weights.close()
+        finally:
+            self._slots.unpin(slot)
+
+    async def load(self, into: Callable[[Iterable[tuple[str, torch.Tensor]]], Any], *,
+                   min_version: int | None = None, timeout: float | None = None) -> int:
+        """Call ``into(pairs)`` with the latest version's ``(name, tensor)`` views; its version.
+
+        ``into`` is an engine's weight loader (``model.load_weights``): it runs in a worker
+        thread (an ``async def`` one on the loop), tensor by tensor in wire order, with no
+        intermediate copy of the whole version.
+        """
+        if not callable(into):
+            raise TypeError(f"into must be callable, e.g. model.load_weights; got {type(into).__name__}")
+        assert self._loop is not None or self._state == "new"
+        async with self.stream(min_version=min_version, timeout=timeout) as weights:
+            if inspect.iscoroutinefunction(into):
+                await into(weights)
+            else:
+                assert self._loop is not None
+                await self._loop.run_in_executor(None, into, weights)
+            return weights.version
 
     async def updates(self, *, timeout: float | None = None) -> AsyncIterator[Weights]:
         """Each version newer than the last one yielded, skipping any that came in between.

@@ -1,0 +1,141 @@
+"""Replacing members: the ``Orchestrator`` protocol and a local-process implementation.
+
+The publisher calls ``await orchestrator.replace(member)`` on its event loop after it evicted a
+member that its :class:`~weightsync.StragglerPolicy` says to replace (dead by default; slow by
+default too). ``member`` is a :class:`MemberInfo`: id, host, pid, reason (``"dead"``,
+``"slow"``, ``"failed"``) and the generation that dropped it. The replacement is an ordinary
+subscriber: it joins, enters the next generation and receives the newest version while the
+trainer keeps putting. ``replace`` must not block the loop; its errors are recorded in the
+flight recorder and logged, never raised into ``put``.
+
+How other launchers implement the protocol is in docs/fault-tolerance.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+from weightsync.pg.generations import MemberInfo
+
+log = logging.getLogger("weightsync")
+
+__all__ = ["LocalProcessOrchestrator", "MemberInfo", "Orchestrator"]
+
+
+@runtime_checkable
+class Orchestrator(Protocol):
+    """Starts a new member in place of one the publisher dropped."""
+
+    async def replace(self, member: MemberInfo) -> None: ...
+
+
+class LocalProcessOrchestrator:
+    """Starts replacements on this host, from a command or a callable.
+
+    Args:
+        command: argv of the replacement; each item is formatted with ``{member}`` (the dropped
+            member's id), ``{n}`` (a counter from 1) and ``{reason}``. The environment gets
+            ``WEIGHTSYNC_REPLACES`` (the dropped id) and ``WEIGHTSYNC_REPLACEMENT`` (``{n}``).
+        target: instead of a command, ``target(member)``; it may return an awaitable (awaited)
+            or a process-like object with ``poll()``/``pid`` (tracked and stopped by ``aclose``).
+        env: extra environment for commands.
+        stop_old: also SIGKILL the dropped member's process when it runs on this host (a slow
+            member would otherwise keep running beside its replacement). Default False.
+        cwd, stdout, stderr: passed to :class:`subprocess.Popen`.
+
+    Use it as an async context manager, or call :meth:`aclose`, to stop every process it
+    started (SIGTERM, then SIGKILL after ``grace`` seconds).
+    """
+
+    def __init__(self, command: Sequence[str] | None = None, *, target: Callable[[MemberInfo], Any] | None = None,
+                 env: Mapping[str, str] | None = None, stop_old: bool = False, cwd: str | None = None,
+                 stdout: Any = None, stderr: Any = None, grace: float = 5.0) -> None:
+        if (command is None) == (target is None):
+            raise ValueError("pass exactly one of command= (argv) or target= (a callable)")
+        if command is not None and (isinstance(command, str) or not command):
+            raise ValueError("command must be a non-empty argv list, e.g. [sys.executable, 'gen.py', '{member}']")
+        self.command = list(command) if command is not None else None
+        self.target = target
+        self.env = dict(env or {})
+        self.stop_old = stop_old
+        self.cwd, self.stdout, self.stderr, self.grace = cwd, stdout, stderr, grace
+        self.started: list[tuple[MemberInfo, Any]] = []  # (replaced member, process or target's result)
+
+    async def __aenter__(self) -> LocalProcessOrchestrator:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def replace(self, member: MemberInfo) -> None:
+        if self.stop_old:
+            self._stop_old(member)
+        n = len(self.started) + 1
+        if self.command is not None:
+            argv = [part.format(member=member.member_id, n=n, reason=member.reason) for part in self.command]
+            env = dict(os.environ, **self.env, WEIGHTSYNC_REPLACES=member.member_id, WEIGHTSYNC_REPLACEMENT=str(n))
+            proc: Any = subprocess.Popen(argv, env=env, cwd=self.cwd, stdout=self.stdout, stderr=self.stderr,
+                                         start_new_session=True)
+            self.started.append((member, proc))
+            log.info("weightsync: started %s (pid %d) to replace %s (%s)", argv[0], proc.pid, member.member_id,
+                     member.reason)
+            return
+        assert self.target is not None
+        result = self.target(member)
+        if inspect.isawaitable(result):
+            result = await result
+        self.started.append((member, result))
+
+    def _stop_old(self, member: MemberInfo) -> None:
+        if member.pid <= 0 or member.pid == os.getpid() or member.host not in ("", socket.gethostname()):
+            return
+        try:
+            os.kill(member.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def processes(self) -> list[Any]:
+        return [p for _, p in self.started if p is not None and hasattr(p, "poll")]
+
+    async def aclose(self) -> None:
+        """Stop every process this orchestrator started; bounded by ``grace`` seconds."""
+        live = [p for p in self.processes() if p.poll() is None]
+        for proc in live:
+            _signal(proc, signal.SIGTERM)
+        deadline = time.monotonic() + self.grace
+        while any(p.poll() is None for p in live) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)  # polling child exit status, bounded by the grace period
+        for proc in live:
+            if proc.poll() is None:
+                _signal(proc, signal.SIGKILL)
+                await asyncio.get_running_loop().run_in_executor(None, _reap, proc)
+
+
+def _signal(proc: Any, sig: int) -> None:
+    try:
+        if isinstance(proc, subprocess.Popen):
+            os.killpg(proc.pid, sig)
+        else:
+            os.kill(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _reap(proc: Any) -> None:
+    try:
+        if isinstance(proc, subprocess.Popen):
+            proc.wait(timeout=10)
+        elif hasattr(proc, "join"):
+            proc.join(10)
+    except subprocess.TimeoutExpired:
+        print(f"weightsync: process {proc.pid} survived SIGKILL for 10 s", file=sys.stderr)
