@@ -8,6 +8,8 @@ Modes, each pushing the same LLM-shaped state dict from a trainer to N generator
 - ``packed``    a blocking packed-bucket broadcast with two flat buffers (vLLM's way; 1 GiB
                 buffers by default), packing one while the other is on the wire;
 - ``ws_copy``   ``await pub.put(sd)``: returns after the snapshot, the transfer runs behind;
+- ``ws_nocrc``  ``ws_copy`` with per-bucket checksums off (``Publisher(checksum=False)``): what
+                the default-on corruption check costs, measured beside it;
 - ``ws_nocopy`` ``await pub.put(sd, copy=False)`` overlapped with a synthetic training step of
                 ``--step-ms`` (slept: it stands for accelerator time), then ``await released()``.
 
@@ -37,7 +39,8 @@ from benchmarks.lag import LagMeter
 from benchmarks.model import make_state_dict, nbytes
 from benchmarks.procs import Workers
 
-MODES = ("naive", "packed", "ws_copy", "ws_nocopy")
+MODES = ("naive", "packed", "ws_copy", "ws_nocrc", "ws_nocopy")
+WS_MODES = ("ws_copy", "ws_nocrc", "ws_nocopy")
 
 
 class Row(msgspec.Struct):
@@ -150,7 +153,7 @@ async def run_weightsync(sizes: list[int], n: int, reps: int, step_ms: float, tm
                          progress) -> list[Row]:  # type: ignore[no-untyped-def]
     rows = []
     workers = Workers(tmp)
-    last_version = len(sizes) * 2 * (reps + 1) - 1
+    last_version = len(sizes) * len(WS_MODES) * (reps + 1) - 1
     async with ws.Publisher("bench", timeout=120, bucket_bytes=64 << 20) as pub:
         for i in range(n):
             workers.spawn(role="subscriber", address=pub.address, member=f"gen{i}", last_version=last_version)
@@ -160,7 +163,8 @@ async def run_weightsync(sizes: list[int], n: int, reps: int, step_ms: float, tm
             pending: list[tuple[str, int, list[float], list[float], list[float]]] = []
             for mib in sizes:
                 sd = make_state_dict(mib)
-                for mode in ("ws_copy", "ws_nocopy"):
+                for mode in WS_MODES:
+                    pub.checksum = mode != "ws_nocrc"
                     stalls, to_all, lags = [], [], []
                     for rep in range(reps + 1):
                         meter = LagMeter()
@@ -168,7 +172,7 @@ async def run_weightsync(sizes: list[int], n: int, reps: int, step_ms: float, tm
                         await asyncio.sleep(0)
                         t0 = time.perf_counter()
                         delivered_at: list[float] = []
-                        handle = await pub.put(sd, version=version, copy=mode == "ws_copy")
+                        handle = await pub.put(sd, version=version, copy=mode != "ws_nocopy")
                         put_time = time.perf_counter() - t0
                         delivery = asyncio.ensure_future(handle.delivered(timeout=600))
 
@@ -176,7 +180,7 @@ async def run_weightsync(sizes: list[int], n: int, reps: int, step_ms: float, tm
                             d.append(time.perf_counter())
 
                         delivery.add_done_callback(stamp)
-                        if mode == "ws_copy":
+                        if mode != "ws_nocopy":
                             stall = put_time
                         else:
                             await asyncio.sleep(step_ms / 1e3)  # forward + backward on the accelerator

@@ -24,7 +24,7 @@ def test_bench_runs_every_mode_and_writes_json_and_plot(tmp_path: Path) -> None:
     assert out.returncode in (0, 1), out.stderr[-3000:]  # 1: a target missed at this toy size
     report = msgspec.json.decode((tmp_path / "bench.json").read_bytes())
     modes = {row["mode"] for row in report["rows"]}
-    assert modes == {"naive", "packed", "ws_copy", "ws_nocopy"}
+    assert modes == {"naive", "packed", "ws_copy", "ws_nocrc", "ws_nocopy"}
     assert all(row["to_all_ms"] > 0 and row["stall_ms"] >= 0 for row in report["rows"])
     assert report["ceiling"]["memcpy_gbps"] > 0 and report["ceiling"]["loopback_gbps"] > 0
     assert (tmp_path / "bench.png").stat().st_size > 10_000

@@ -183,3 +183,20 @@ def test_admission_names_each_reason_to_refuse() -> None:
     assert problem(msgspec.structs.replace(good, fingerprint=msgspec.structs.replace(mine, backend="nccl"))).kind \
         == "handshake"
     assert problem(good, taken=True).kind == "duplicate"
+
+
+def test_checksum_catches_flips_and_swaps_and_ignores_alignment() -> None:
+    data = torch.randint(0, 256, (1 << 16,), dtype=torch.uint8)
+    base = layout.checksum(data)
+    flipped = data.clone()
+    flipped[4097] ^= 1
+    words = data.clone().view(torch.int64)
+    stripe = words.numel() // layout.STRIPES
+    for i, j in ((0, 1), (0, stripe), (5, 5 + 3 * stripe + 1)):  # within a stripe, across, diagonal
+        swapped = words.clone()
+        swapped[i], swapped[j] = words[j].item(), words[i].item()
+        assert words[i] != words[j] and layout.checksum(swapped.view(torch.uint8)) != base
+    assert layout.checksum(flipped) != base
+    assert layout.checksum(data[:-3]) != layout.checksum(data[:-4])  # the tail counts
+    assert layout.checksum(data[3:1003]) == layout.checksum(data[3:1003].clone())  # unaligned slices agree
+    assert layout.checksum(data[:0]) == layout.checksum(torch.empty(0, dtype=torch.uint8))
