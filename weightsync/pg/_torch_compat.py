@@ -58,7 +58,7 @@ def nccl_version() -> str:
     return ".".join(str(part) for part in version) if isinstance(version, tuple) else str(version)
 
 
-_PROBE_TIMEOUT = 2.0
+_PROBE_TIMEOUT = 1.0
 _CONNECT_ATTEMPTS = 5
 
 
@@ -67,8 +67,9 @@ def _validated(make: Any, timeout: float) -> Any:
 
     Seen on torch 2.13 and 2.15 (about 1 connection in 20 on a 2-core machine): a fresh
     TCPStore connection whose handshake is never answered, and while it waits the server
-    answers nobody. Every connection is therefore made with a short handshake deadline
-    (which also bounds the server-wide stall), probed, and replaced when it stays silent.
+    answers nobody. Every connection is therefore made with a short handshake deadline (1 s:
+    it also bounds the server-wide stall, which liveness accounting discounts), probed, and
+    replaced when it stays silent.
     """
     last: BaseException | None = None
     for _ in range(_CONNECT_ATTEMPTS):

@@ -76,6 +76,7 @@ class Membership:
         self._joining: list[str] = []
         self._leaving: set[str] = set()
         self._beats: dict[str, tuple[int, float]] = {}  # member -> (counter, monotonic when it last moved)
+        self._last_sample = time.monotonic()
         self._strikes: dict[str, int] = {}
         self._versions: dict[str, int] = {}
         self._evicting: dict[str, str] = {}  # member -> why (slow)
@@ -115,25 +116,41 @@ class Membership:
                 self._evicting[member_id] = reason
 
     def sample_heartbeats(self, ctl: ControlPlane) -> set[str]:
-        """Read every watched member's beat counter; returns members that just went silent."""
+        """Read every watched member's beat counter; returns members that just went silent.
+
+        Silence counts only while the store answered promptly: when this sampling came late or
+        took long (the store stalled, or this process did), every member is credited with a
+        beat, since nobody could beat meanwhile. Seen on 2.15: one silent new connection
+        stalls the store server for everyone for the handshake deadline, which would
+        otherwise make every member look dead at once.
+        """
         was_alive = {m for m in self.members if self.is_alive(m)}
         with self._lock:
             watched = list(self.members) + list(self._joining)
-        now = time.monotonic()
+        start = time.monotonic()
+        stale = start - self._last_sample > 2 * self.heartbeat_interval
+        counts = {}
         for member in watched:
             try:
-                count = ctl.add(ctl.heartbeat_key(member), 0)
+                counts[member] = ctl.add(ctl.heartbeat_key(member), 0)
             except (StoreTimeout, StoreUnreachable):
                 return set()
-            with self._lock:
-                last, since = self._beats.get(member, (-1, now))
-                if count != last:
+        now = time.monotonic()
+        stale = stale or now - start > self.heartbeat_interval
+        self._last_sample = now
+        with self._lock:
+            for member, count in counts.items():
+                last, _since = self._beats.get(member, (-1, now))
+                if count != last or stale:
                     self._beats[member] = (count, now)
         return {m for m in was_alive if not self.is_alive(m)}
 
     def is_alive(self, member: str) -> bool:
-        _, since = self._beats.get(member, (-1, time.monotonic()))
-        return time.monotonic() - since < max(DEAD_AFTER_BEATS * self.heartbeat_interval, DEAD_AFTER_SECONDS)
+        now = time.monotonic()
+        if now - self._last_sample > 2 * self.heartbeat_interval:
+            return True  # our view is stale (the sampling is stuck on a stalled store): no verdicts
+        _, since = self._beats.get(member, (-1, now))
+        return now - since < max(DEAD_AFTER_BEATS * self.heartbeat_interval, DEAD_AFTER_SECONDS)
 
     def has_dead_members(self) -> bool:
         return any(not self.is_alive(m) for m in self.members)

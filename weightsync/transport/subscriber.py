@@ -378,16 +378,22 @@ class Subscriber(ReceiverLoop):
     def _heartbeat_main(self, ctl: ControlPlane) -> None:
         interval = self.options.heartbeat_interval
         last_seen, since = -1, time.monotonic()
+        last_beat = since
         while not self._closing.is_set() and self._terminal is None:
             # a subscriber whose receiver stopped (evicted, failed) stops beating, so the
             # publisher drops it in a few beats instead of waiting for it
+            t0 = time.monotonic()
             try:
                 ctl.add(ctl.heartbeat_key(self.member_id), 1)
                 publisher_beats = ctl.add(ctl.heartbeat_key("publisher"), 0)
             except (StoreTimeout, StoreUnreachable) as err:
                 self._publisher_gone(ctl, f"publisher's store stopped answering: {err}")
                 return
-            if publisher_beats != last_seen:
+            # a store that answered late stalled for everyone: the publisher could not beat
+            # either (see Membership.sample_heartbeats), so the silence restarts from now
+            stalled = time.monotonic() - t0 > interval or t0 - last_beat > 2 * interval + 0.1
+            last_beat = time.monotonic()
+            if publisher_beats != last_seen or stalled:
                 last_seen, since = publisher_beats, time.monotonic()
             elif time.monotonic() - since > max(3 * interval, self.options.timeout / 2):
                 self._publisher_gone(ctl, f"publisher silent for {time.monotonic() - since:.1f}s")
