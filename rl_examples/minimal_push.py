@@ -1,6 +1,6 @@
-"""The minimal demo: one trainer pushes a few versions to two generator processes on CPU.
+"""The minimal example: one trainer pushes a few versions to two generator processes on CPU.
 
-Run it with ``weightsync demo`` (or ``python -m rl_examples.minimal_push``). The trainer
+Run it with ``python -m rl_examples.minimal_push``. The trainer
 hosts the channel, starts two generator processes, "trains" (changes its weights) and pushes
 after every step without waiting for the transfer; each generator reads the newest version
 it has and reports what it saw. Everything runs on this machine, no servers to start.

@@ -49,7 +49,15 @@ def test_gpu_snapshot_says_so_without_cuda() -> None:
     assert "no CUDA" in out.stdout or "GB bf16" in out.stdout
 
 
-def test_the_readme_demo_runs_and_ends_bit_exact() -> None:
-    out = run("-m", "weightsync.cli", "demo", "--steps", "3", "--generators", "2")
+def test_generations_benchmark_runs(tmp_path: Path) -> None:
+    out = run("-m", "benchmarks.generations", "--cycles", "2", "--members", "1", "--out", str(tmp_path))
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    report = msgspec.json.decode((tmp_path / "generations.json").read_bytes())
+    assert all(r["join_ms"] > 0 and r["leave_ms"] > 0 and len(r["joins"]) == 2 for r in report["results"])
+    assert (tmp_path / "generations.png").stat().st_size > 10_000
+
+
+def test_the_minimal_push_example_ends_bit_exact() -> None:
+    out = run("-m", "rl_examples.minimal_push", "--steps", "3", "--generators", "2")
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert "every generator ended on the trainer's latest weights" in out.stdout

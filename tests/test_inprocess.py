@@ -223,3 +223,45 @@ async def test_listening_on_every_interface_advertises_a_reachable_address() -> 
             await pub.wait_subscribers(1, timeout=10)
             await (await pub.put({"w": torch.ones(4)}, version=5)).delivered(timeout=10)
             assert (await sub.get(min_version=5, timeout=5)).version == 5
+
+
+class ToyEngine:
+    """An inference engine's weight loader, shaped like vLLM's ``model.load_weights``: it takes an
+    iterable of (name, tensor) and copies each into its own parameters as it goes."""
+
+    def __init__(self, shapes: dict[str, tuple[torch.Size, torch.dtype]]) -> None:
+        self.params = {name: torch.zeros(shape, dtype=dtype) for name, (shape, dtype) in shapes.items()}
+        self.storages: set[int] = set()
+        self.loaded: list[str] = []
+
+    def load_weights(self, weights) -> set[str]:
+        for name, tensor in weights:
+            self.storages.add(tensor.untyped_storage().data_ptr())
+            self.params[name].copy_(tensor)
+            self.loaded.append(name)
+        return set(self.loaded)
+
+
+async def test_stream_and_load_feed_an_engine_without_a_copy() -> None:
+    pub, (sub,) = await channel(1, "stream")
+    try:
+        sd = mixed_state_dict(1, seed=3)
+        await (await pub.put(sd, version=1)).delivered(timeout=10)
+        engine = ToyEngine({k: (v.shape, v.dtype) for k, v in sd.items()})
+        version = await sub.load(engine.load_weights, min_version=1, timeout=10)
+        assert version == 1 and engine.loaded == list(sd)  # every tensor, in wire order
+        assert digests(engine.params) == digests(sd)
+        assert len(engine.storages) == 1  # views of the one received buffer: no copy of the version
+        # inside a stream block the version stays put while the next one arrives in the other slot
+        async with sub.stream(min_version=1, timeout=10) as weights:
+            assert weights.version == 1 and len(weights) == len(sd)
+            await (await pub.put(mixed_state_dict(2, seed=4), version=2)).delivered(timeout=10)
+            assert digests(dict(weights)) == digests(sd)
+        with pytest.raises(RuntimeError, match="ended"):
+            next(iter(weights))
+        assert (await sub.load(engine.load_weights, min_version=2, timeout=10)) == 2
+        assert digests(engine.params) == digests(mixed_state_dict(2, seed=4))
+        with pytest.raises(TypeError, match="callable"):
+            await sub.load("not a loader")  # type: ignore[arg-type]
+    finally:
+        await close(pub, [sub])

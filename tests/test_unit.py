@@ -22,7 +22,7 @@ def test_public_names_are_pinned() -> None:
         "AdmissionDenied", "Closed", "DeliveryReport", "Evicted", "FlightRecorder", "HandshakeMismatch",
         "LocalProcessOrchestrator", "ManifestMismatch", "MemberInfo", "Orchestrator", "Publisher", "PublisherGone",
         "PutHandle", "StragglerPolicy", "Subscriber", "SyncTimeout", "WeightStream", "Weights", "WeightSyncError",
-        "__version__"])
+        "__version__", "connect_store"])
     for name in ws.__all__:
         assert hasattr(ws, name)
 

@@ -18,6 +18,7 @@ from weightsync.orchestrator import LocalProcessOrchestrator, MemberInfo, Orches
 from weightsync.pg.membership import StragglerPolicy
 from weightsync.pg.recorder import FlightRecorder
 from weightsync.transport import DeliveryReport, Publisher, PutHandle, Subscriber, Weights, WeightStream
+from weightsync.transport.options import connect_store
 
 __version__ = "0.1.0"
 
@@ -42,4 +43,5 @@ __all__ = [
     "Weights",
     "WeightSyncError",
     "__version__",
+    "connect_store",
 ]

@@ -1,6 +1,6 @@
 """``weightsync``: the command line.
 
-    weightsync demo                 one trainer and two generator processes on CPU (rl_examples)
+    weightsync demo [...]           an asynchronous RL loop that learns CartPole on CPU (rl_examples)
     weightsync doctor               what this machine's torch offers weightsync (backends, probes)
     weightsync bench [...]          weightsync against blocking broadcasts, side by side
     weightsync fr analyze DIR       merge all ranks' recorder dumps; name where a push stopped
@@ -66,15 +66,17 @@ def _fr(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["demo"]:  # its own options (see `weightsync demo --help`): passed through
+        from rl_examples.cartpole import main as demo_main
+
+        return demo_main(argv[1:])
     if argv[:1] == ["bench"]:  # its own options: pass them through untouched
         from benchmarks.push_vs_broadcast import main as bench_main
 
         return bench_main(argv[1:])
     parser = argparse.ArgumentParser(prog="weightsync", description="asynchronous weight push for RL")
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="trainer + generator processes on CPU, end to end")
-    demo.add_argument("--steps", type=int, default=5)
-    demo.add_argument("--generators", type=int, default=2)
+    sub.add_parser("demo", help="1 trainer + 3 generators learn CartPole on CPU (see --help)", add_help=False)
     sub.add_parser("doctor", help="what this torch offers (backends, feature probes)")
     sub.add_parser("bench", help="weightsync against blocking broadcasts (see --help)", add_help=False)
     fr = sub.add_parser("fr", help="flight-recorder dumps: analyze, timeline")
@@ -88,10 +90,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "fr":
         return _fr(args)
-    if args.command == "demo":
-        from rl_examples.minimal_push import main as demo_main
-
-        return demo_main(["--steps", str(args.steps), "--generators", str(args.generators)])
     return _doctor()
 
 

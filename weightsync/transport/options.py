@@ -74,3 +74,19 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     if dev.type not in ("cpu", "cuda"):
         raise ValueError(f"device must be cpu or cuda, got {dev}")
     return dev
+
+
+def connect_store(address: str, timeout: float = 30.0) -> object:
+    """A new client connection to the store at ``address`` (a publisher's ``pub.address``).
+
+    For side channels an application runs beside a weightsync channel (rollouts flowing back
+    to the trainer, stop flags): ``queue_push``/``queue_pop``, ``set``/``check``. The
+    connection is made with a short handshake deadline and probed (see torch-versions.md);
+    ``timeout`` becomes its operation timeout. Keys under ``ws/`` belong to weightsync.
+    """
+    from weightsync.pg import _torch_compat as compat
+
+    host, port = parse_address(address)
+    if port == 0:
+        raise ValueError(f"connect to a listening store, not port 0: {address!r}")
+    return compat.new_store_client(host, port, timeout)
