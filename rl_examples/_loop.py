@@ -30,6 +30,7 @@ class RolloutQueue:
     def __init__(self, address: str, key: str, timeout: float = 30.0) -> None:
         self.key = key
         self.stop_key = f"{key}/stop"
+        self.credit_key = f"{key}/credits"
         self._store: Any = ws.connect_store(address, timeout)
 
     def push(self, payload: bytes) -> None:
@@ -45,6 +46,25 @@ class RolloutQueue:
         except Exception as err:  # noqa: BLE001 - the store raises its own error types
             if "timeout" in str(err).lower() or "timed out" in str(err).lower():
                 raise TimeoutError(f"no rollout within {timeout:.0f}s") from err
+            raise
+
+    # credits bound the backlog: a generator samples a batch only with a credit, and the trainer
+    # grants one per batch it consumed, so batches are never more than a few versions stale
+    def grant(self, n: int = 1) -> None:
+        for _ in range(n):
+            self._store.queue_push(self.credit_key, b"1")
+
+    def take_credit(self, timeout: float) -> bool:
+        """Wait at most ``timeout`` seconds for a credit; False when none came."""
+        import datetime as dt
+
+        self._store.set_timeout(dt.timedelta(seconds=timeout))
+        try:
+            self._store.queue_pop(self.credit_key, True)
+            return True
+        except Exception as err:  # noqa: BLE001 - the store raises its own error types
+            if "timeout" in str(err).lower() or "timed out" in str(err).lower() or "empty" in str(err).lower():
+                return False
             raise
 
     def request_stop(self) -> None:

@@ -131,6 +131,8 @@ async def generator(args: argparse.Namespace) -> int:
         version = await sub.get_into(policy.state_dict(), timeout=120)  # the first policy
         sampled = 0
         while not queue.stopping():
+            if not await asyncio.get_running_loop().run_in_executor(None, queue.take_credit, 1.0):
+                continue  # no credit yet: the trainer is behind; check the stop flag and wait again
             if sub.version is not None and sub.version > version:  # newest we have: never wait for one
                 version = await sub.get_into(policy.state_dict(), timeout=30)
             batch = sample_batch(policy, env, rng, args.member, version)
@@ -186,11 +188,14 @@ async def trainer(args: argparse.Namespace) -> int:
                 gens.start(pub.address, f"gen{i}", ["--episodes", str(args.episodes)])
             await pub.put(policy.state_dict(), version=0)
             await pub.wait_subscribers(args.generators, timeout=120)
+            queue.grant(2 * args.generators)  # at most two batches in flight per generator
             print(f"{'step':>5} {'time':>6} {'return':>7} {'stale':>5} {'push ms':>7}  from", flush=True)
             loop = asyncio.get_running_loop()
             start = time.monotonic()
             for step in range(1, args.steps + 1):
-                batch = msgspec.msgpack.decode(await loop.run_in_executor(None, queue.pop, 60.0), type=Batch)
+                raw = await loop.run_in_executor(None, queue.pop, 60.0)
+                queue.grant()  # one batch consumed: one more may be sampled
+                batch = msgspec.msgpack.decode(raw, type=Batch)
                 ppo_update(policy, optimizer, batch, args.epochs)
                 t0 = time.perf_counter()
                 await pub.put(policy.state_dict(), version=step)  # returns after the snapshot
