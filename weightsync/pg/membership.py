@@ -77,6 +77,7 @@ class Membership:
         self._leaving: set[str] = set()
         self._beats: dict[str, tuple[int, float]] = {}  # member -> (counter, monotonic when it last moved)
         self._last_sample = time.monotonic()
+        self._reported_dead: set[str] = set()
         self._strikes: dict[str, int] = {}
         self._versions: dict[str, int] = {}
         self._evicting: dict[str, str] = {}  # member -> why (slow)
@@ -89,6 +90,7 @@ class Membership:
         with self._lock:
             self._joining.append(member_id)
             self._beats[member_id] = (-1, time.monotonic())
+            self._reported_dead.discard(member_id)
 
     def request_leave(self, member_id: str) -> None:
         with self._lock:
@@ -124,7 +126,6 @@ class Membership:
         stalls the store server for everyone for the handshake deadline, which would
         otherwise make every member look dead at once.
         """
-        was_alive = {m for m in self.members if self.is_alive(m)}
         with self._lock:
             watched = list(self.members) + list(self._joining)
         start = time.monotonic()
@@ -143,7 +144,11 @@ class Membership:
                 last, _since = self._beats.get(member, (-1, now))
                 if count != last or stale:
                     self._beats[member] = (count, now)
-        return {m for m in was_alive if not self.is_alive(m)}
+                    self._reported_dead.discard(member)
+            # death is a matter of time, not of this sample: report each death once, whenever seen
+            newly_dead = {m for m in self.members if m not in self._reported_dead and not self.is_alive(m)}
+            self._reported_dead |= newly_dead
+        return newly_dead
 
     def is_alive(self, member: str) -> bool:
         now = time.monotonic()
