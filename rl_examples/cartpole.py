@@ -23,6 +23,7 @@ import asyncio
 import math
 import sys
 import time
+import zlib
 from pathlib import Path
 
 import msgspec
@@ -123,7 +124,7 @@ def sample_batch(policy: torch.nn.Module, env: CartPole, generator: torch.Genera
 async def generator(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
     policy = make_policy()
-    rng = torch.Generator().manual_seed(hash(args.member) % 2**31)
+    rng = torch.Generator().manual_seed(zlib.crc32(args.member.encode()))  # reproducible per member
     env = CartPole(args.episodes, rng)
     queue = RolloutQueue(args.address, f"rl/{CHANNEL}/batches")
     async with ws.Subscriber(CHANNEL, address=args.address, member_id=args.member, timeout=30,

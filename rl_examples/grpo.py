@@ -27,6 +27,7 @@ import itertools
 import subprocess
 import sys
 import time
+import zlib
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -130,7 +131,7 @@ def grpo_step(policy: Policy, optimizer: torch.optim.Optimizer, batch: Groups, e
 async def generator(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
     engine = Engine()
-    rng = torch.Generator().manual_seed(hash(args.member) % 2**31)
+    rng = torch.Generator().manual_seed(zlib.crc32(args.member.encode()))  # reproducible per member
     queue = RolloutQueue(args.address, f"rl/{CHANNEL}/groups")
     async with ws.Subscriber(CHANNEL, address=args.address, member_id=args.member, timeout=30,
                              heartbeat_interval=0.5) as sub:
