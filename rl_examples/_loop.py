@@ -8,15 +8,20 @@ server to start, and nothing crosses a process boundary as pickle.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+import zlib
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+import msgspec
+import torch
 
 import weightsync as ws
 from weightsync.pg.recorder import process_recorder
@@ -72,6 +77,63 @@ class RolloutQueue:
 
     def stopping(self) -> bool:
         return bool(self._store.check([self.stop_key]))
+
+
+T = TypeVar("T")
+
+
+def member_rng(member: str) -> torch.Generator:
+    """A generator's random stream: reproducible per member name."""
+    return torch.Generator().manual_seed(zlib.crc32(member.encode()))
+
+
+async def generate(args: argparse.Namespace, channel: str, queue_key: str,
+                   load: Callable[[ws.Subscriber], Awaitable[int]], sample: Callable[[int], msgspec.Struct]) -> int:
+    """A generator process: join, then sample with the newest policy it has, one batch per credit.
+
+    ``load(sub)`` loads the newest version into the generator's model and returns it;
+    ``sample(version)`` makes a batch tagged with that version.
+    """
+    torch.set_num_threads(1)
+    queue = RolloutQueue(args.address, queue_key)
+    loop = asyncio.get_running_loop()
+    async with ws.Subscriber(channel, address=args.address, member_id=args.member, timeout=30,
+                             heartbeat_interval=0.5) as sub:
+        version = await load(sub)  # the first policy (waits for it)
+        print(f"[{args.member}] joined with policy version {version}", flush=True)
+        sampled = 0
+        while not queue.stopping():
+            if not await loop.run_in_executor(None, queue.take_credit, 1.0):
+                continue  # no credit yet: the trainer is behind; check the stop flag and wait again
+            if sub.version is not None and sub.version > version:  # the newest we have: never wait
+                version = await load(sub)
+            queue.push(msgspec.msgpack.encode(sample(version)))
+            sampled += 1
+            await asyncio.sleep(0)  # let the subscriber's completions run between batches
+        print(f"[{args.member}] sampled {sampled} batches, last policy version {version}", flush=True)
+    dump_recorder(Path(args.out), reason="generator finished")
+    return 0
+
+
+async def next_batch(queue: RolloutQueue, kind: type[T], timeout: float = 60.0) -> T:
+    """The trainer's next batch (whichever generator sent it); grants one more credit."""
+    raw = await asyncio.get_running_loop().run_in_executor(None, queue.pop, timeout)
+    queue.grant()  # one batch consumed: one more may be sampled
+    return msgspec.msgpack.decode(raw, type=kind)
+
+
+def example_parser(prog: str, doc: str, steps: int, log_every: int) -> argparse.ArgumentParser:
+    """The options both RL examples share; the generator role is internal."""
+    parser = argparse.ArgumentParser(prog=prog, description=doc.splitlines()[0])
+    parser.add_argument("role", nargs="?", default="trainer", choices=("trainer", "generator"))
+    parser.add_argument("--steps", type=int, default=steps, help="optimizer steps (one batch each)")
+    parser.add_argument("--generators", type=int, default=3)
+    parser.add_argument("--log-every", type=int, default=log_every)
+    parser.add_argument("--no-check", action="store_true", help="exit 0 even if the policy did not improve")
+    parser.add_argument("--out", default=None, help="run directory (default runs/<example>-<time>)")
+    parser.add_argument("--address", help=argparse.SUPPRESS)
+    parser.add_argument("--member", help=argparse.SUPPRESS)
+    return parser
 
 
 class Generators:

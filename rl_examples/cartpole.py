@@ -23,14 +23,24 @@ import asyncio
 import math
 import sys
 import time
-import zlib
 from pathlib import Path
 
 import msgspec
 import torch
 
 import weightsync as ws
-from rl_examples._loop import Generators, RolloutQueue, analyze_summary, dump_recorder, mean, run_dir
+from rl_examples._loop import (
+    Generators,
+    RolloutQueue,
+    analyze_summary,
+    dump_recorder,
+    example_parser,
+    generate,
+    mean,
+    member_rng,
+    next_batch,
+    run_dir,
+)
 
 CHANNEL = "cartpole"
 MAX_STEPS = 500  # an episode's cap: the best return
@@ -122,27 +132,12 @@ def sample_batch(policy: torch.nn.Module, env: CartPole, generator: torch.Genera
 
 # generator process ---------------------------------------------------------------------------------------
 async def generator(args: argparse.Namespace) -> int:
-    torch.set_num_threads(1)
     policy = make_policy()
-    rng = torch.Generator().manual_seed(zlib.crc32(args.member.encode()))  # reproducible per member
+    rng = member_rng(args.member)
     env = CartPole(args.episodes, rng)
-    queue = RolloutQueue(args.address, f"rl/{CHANNEL}/batches")
-    async with ws.Subscriber(CHANNEL, address=args.address, member_id=args.member, timeout=30,
-                             heartbeat_interval=0.5) as sub:
-        version = await sub.get_into(policy.state_dict(), timeout=120)  # the first policy
-        sampled = 0
-        while not queue.stopping():
-            if not await asyncio.get_running_loop().run_in_executor(None, queue.take_credit, 1.0):
-                continue  # no credit yet: the trainer is behind; check the stop flag and wait again
-            if sub.version is not None and sub.version > version:  # newest we have: never wait for one
-                version = await sub.get_into(policy.state_dict(), timeout=30)
-            batch = sample_batch(policy, env, rng, args.member, version)
-            queue.push(msgspec.msgpack.encode(batch))
-            sampled += 1
-            await asyncio.sleep(0)  # let the subscriber's completions run between batches
-        print(f"[{args.member}] sampled {sampled} batches, last policy version {version}", flush=True)
-    dump_recorder(Path(args.out), reason="generator finished")
-    return 0
+    return await generate(args, CHANNEL, f"rl/{CHANNEL}/batches",
+                          load=lambda sub: sub.get_into(policy.state_dict(), timeout=120),
+                          sample=lambda version: sample_batch(policy, env, rng, args.member, version))
 
 
 # trainer -------------------------------------------------------------------------------------------------
@@ -191,12 +186,9 @@ async def trainer(args: argparse.Namespace) -> int:
             await pub.wait_subscribers(args.generators, timeout=120)
             queue.grant(2 * args.generators)  # at most two batches in flight per generator
             print(f"{'step':>5} {'time':>6} {'return':>7} {'stale':>5} {'push ms':>7}  from", flush=True)
-            loop = asyncio.get_running_loop()
             start = time.monotonic()
             for step in range(1, args.steps + 1):
-                raw = await loop.run_in_executor(None, queue.pop, 60.0)
-                queue.grant()  # one batch consumed: one more may be sampled
-                batch = msgspec.msgpack.decode(raw, type=Batch)
+                batch = await next_batch(queue, Batch)
                 ppo_update(policy, optimizer, batch, args.epochs)
                 t0 = time.perf_counter()
                 await pub.put(policy.state_dict(), version=step)  # returns after the snapshot
@@ -265,18 +257,10 @@ def plot(rows: list[StepRow], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="weightsync demo", description=__doc__.splitlines()[0])
-    parser.add_argument("role", nargs="?", default="trainer", choices=("trainer", "generator"))
-    parser.add_argument("--steps", type=int, default=150, help="optimizer steps (one batch each)")
-    parser.add_argument("--generators", type=int, default=3)
+    parser = example_parser("weightsync demo", __doc__, steps=150, log_every=10)
     parser.add_argument("--episodes", type=int, default=16, help="episodes per batch")
     parser.add_argument("--epochs", type=int, default=4, help="PPO epochs per batch")
     parser.add_argument("--lr", type=float, default=5e-4)
-    parser.add_argument("--log-every", type=int, default=10)
-    parser.add_argument("--no-check", action="store_true", help="exit 0 even if the policy did not improve")
-    parser.add_argument("--out", default=None, help="run directory (default runs/cartpole-<time>)")
-    parser.add_argument("--address", help=argparse.SUPPRESS)
-    parser.add_argument("--member", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.steps < 1 or args.generators < 1 or args.episodes < 1 or args.log_every < 1:
         parser.error("--steps, --generators, --episodes and --log-every must be >= 1")

@@ -27,7 +27,6 @@ import itertools
 import subprocess
 import sys
 import time
-import zlib
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -35,7 +34,19 @@ import msgspec
 import torch
 
 import weightsync as ws
-from rl_examples._loop import REPO, Generators, RolloutQueue, analyze_summary, dump_recorder, mean, run_dir
+from rl_examples._loop import (
+    REPO,
+    Generators,
+    RolloutQueue,
+    analyze_summary,
+    dump_recorder,
+    example_parser,
+    generate,
+    mean,
+    member_rng,
+    next_batch,
+    run_dir,
+)
 
 CHANNEL = "grpo"
 DIGITS, SEP, BOS = 10, 10, 11
@@ -129,27 +140,12 @@ def grpo_step(policy: Policy, optimizer: torch.optim.Optimizer, batch: Groups, e
 
 # generator process ---------------------------------------------------------------------------------------
 async def generator(args: argparse.Namespace) -> int:
-    torch.set_num_threads(1)
     engine = Engine()
-    rng = torch.Generator().manual_seed(zlib.crc32(args.member.encode()))  # reproducible per member
-    queue = RolloutQueue(args.address, f"rl/{CHANNEL}/groups")
-    async with ws.Subscriber(CHANNEL, address=args.address, member_id=args.member, timeout=30,
-                             heartbeat_interval=0.5) as sub:
-        version = await sub.load(engine.load_weights, timeout=120)
-        print(f"[{args.member}] joined with policy version {version}", flush=True)
-        sampled = 0
-        while not queue.stopping():
-            if not await asyncio.get_running_loop().run_in_executor(None, queue.take_credit, 1.0):
-                continue  # no credit yet: the trainer is behind; check the stop flag and wait again
-            if sub.version is not None and sub.version > version:  # the newest we have; never wait
-                version = await sub.load(engine.load_weights, timeout=30)
-            batch = sample_groups(engine.model, rng, args.member, version, args.prompts, args.group)
-            queue.push(msgspec.msgpack.encode(batch))
-            sampled += 1
-            await asyncio.sleep(0)
-        print(f"[{args.member}] sampled {sampled} batches, last policy version {version}", flush=True)
-    dump_recorder(Path(args.out), reason="generator finished")
-    return 0
+    rng = member_rng(args.member)
+    return await generate(args, CHANNEL, f"rl/{CHANNEL}/groups",
+                          load=lambda sub: sub.load(engine.load_weights, timeout=120),  # engine-style
+                          sample=lambda version: sample_groups(engine.model, rng, args.member, version,
+                                                               args.prompts, args.group))
 
 
 # trainer -------------------------------------------------------------------------------------------------
@@ -202,7 +198,6 @@ async def trainer(args: argparse.Namespace) -> int:
             await pub.wait_subscribers(args.generators, timeout=120)
             queue.grant(2 * args.generators)  # at most two batches in flight per generator
             print(f"{'step':>5} {'time':>6} {'reward':>7} {'stale':>5} {'push ms':>7}  members", flush=True)
-            loop = asyncio.get_running_loop()
             start = time.monotonic()
             members, dropped, replaced = set(pub.members), 0, False
             kill = 0 < args.kill_generator_at <= args.steps
@@ -216,9 +211,7 @@ async def trainer(args: argparse.Namespace) -> int:
                 if step == args.kill_generator_at:
                     gens.kill("gen0")
                     event(step, "killed generator gen0 (SIGKILL); training goes on")
-                raw = await loop.run_in_executor(None, queue.pop, 60.0)
-                queue.grant()  # one batch consumed: one more may be sampled
-                batch = msgspec.msgpack.decode(raw, type=Groups)
+                batch = await next_batch(queue, Groups)
                 grpo_step(policy, optimizer, batch)
                 t0 = time.perf_counter()
                 await pub.put(policy.state_dict(), version=step)
@@ -303,19 +296,11 @@ def plot(rows: list[StepRow], events: list[Event], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m rl_examples.grpo", description=__doc__.splitlines()[0])
-    parser.add_argument("role", nargs="?", default="trainer", choices=("trainer", "generator"))
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--generators", type=int, default=3)
+    parser = example_parser("python -m rl_examples.grpo", __doc__, steps=300, log_every=20)
     parser.add_argument("--prompts", type=int, default=32, help="prompts per batch")
     parser.add_argument("--group", type=int, default=8, help="completions per prompt (GRPO's group)")
     parser.add_argument("--lr", type=float, default=3e-4)
     parser.add_argument("--kill-generator-at", type=int, default=60, help="trainer step; 0: nobody dies")
-    parser.add_argument("--log-every", type=int, default=20)
-    parser.add_argument("--no-check", action="store_true", help="do not fail when the reward did not improve")
-    parser.add_argument("--out", default=None, help="run directory (default runs/grpo-<time>)")
-    parser.add_argument("--address", help=argparse.SUPPRESS)
-    parser.add_argument("--member", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if min(args.steps, args.generators, args.prompts, args.group, args.log_every) < 1 or args.group < 2:
         parser.error("--steps, --generators, --prompts, --log-every must be >= 1 and --group >= 2")

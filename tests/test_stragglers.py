@@ -68,6 +68,16 @@ def replacement_result(tmp: Path, n: int) -> dict:
     return msgspec.json.decode((tmp / f"repl-{n}.json").read_bytes())
 
 
+async def all_ended_on(final: int, procs: Procs, workers: list[int], tmp: Path, *, replacements: int,
+                       numel: int) -> None:
+    """Surviving workers and every replacement read only exact versions and ended on ``final``."""
+    results = [await procs.result(w, timeout=60) for w in workers]
+    results += [replacement_result(tmp, n) for n in range(1, replacements + 1)]
+    for result in results:
+        check_exact(result, numel)
+        assert result["order"][-1] == final, (result["member"], result["order"][-5:])
+
+
 async def wait_for(predicate, timeout: float, what: str) -> float:
     """Poll ``predicate`` (cheap, in-process state) until true; the seconds it took."""
     t0 = time.monotonic()
@@ -127,13 +137,7 @@ async def test_five_times_slower_member_is_evicted_and_replaced(procs: Procs, tm
             assert evicted_at is not None and evicted_at <= policy.window + 2  # flagged on 3 versions in a row
             final = version - 1
             await close_then_reap(pub, orch)
-    for w in workers[:2]:
-        result = await procs.result(w, timeout=60)
-        check_exact(result, numel)
-        assert result["order"][-1] == final
-    replacement = replacement_result(tmp_path, 1)
-    check_exact(replacement, numel)
-    assert replacement["order"][-1] == final
+    await all_ended_on(final, procs, workers[:2], tmp_path, replacements=1, numel=numel)
 
 
 async def test_killed_member_others_continue_and_replacement_catches_up(procs: Procs, tmp_path: Path) -> None:
@@ -169,13 +173,7 @@ async def test_killed_member_others_continue_and_replacement_catches_up(procs: P
             final = version
             assert [(m.member_id, m.reason) for m in pub.evicted] == [("gen3", "dead")]
             await close_then_reap(pub, orch)
-    for w in workers[:3]:
-        result = await procs.result(w, timeout=60)
-        check_exact(result, numel)
-        assert result["order"][-1] == final
-    replacement = replacement_result(tmp_path, 1)
-    check_exact(replacement, numel)
-    assert replacement["order"][-1] == final
+    await all_ended_on(final, procs, workers[:3], tmp_path, replacements=1, numel=numel)
 
 
 async def test_evicted_subscriber_keeps_its_version_raises_and_rejoins() -> None:
@@ -269,10 +267,4 @@ async def test_soak_200_versions_4_subscribers_one_killed_and_replaced_every_50(
     (files_early, rss_early), (files_late, rss_late) = samples[75], samples[199]
     assert files_late - files_early <= 4, samples  # nothing leaks per generation or per replacement
     assert rss_late - rss_early < 64, samples
-    survivor = await procs.result(workers[3], timeout=60)
-    check_exact(survivor, numel)
-    assert survivor["order"][-1] == 200
-    for n in (1, 2, 3):
-        replacement = replacement_result(tmp_path, n)
-        check_exact(replacement, numel)
-        assert replacement["order"][-1] == 200
+    await all_ended_on(200, procs, workers[3:], tmp_path, replacements=3, numel=numel)
