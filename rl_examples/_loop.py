@@ -205,5 +205,15 @@ def analyze_summary(fr_dir: Path) -> str:
     return f"flight recorder: {len(dumps)} dumps, {verdict} (weightsync fr analyze {fr_dir})"
 
 
+def can_plot() -> bool:
+    """matplotlib is an extra (``pip install weightsync[plot]``); without it, say so and go on."""
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is None:
+        print("matplotlib is not installed: no plot this time (pip install 'weightsync[plot]')")
+        return False
+    return True
+
+
 def mean(values: Sequence[float]) -> float:
     return sum(values) / len(values) if values else 0.0

@@ -33,6 +33,7 @@ from rl_examples._loop import (
     Generators,
     RolloutQueue,
     analyze_summary,
+    can_plot,
     dump_recorder,
     example_parser,
     generate,
@@ -212,7 +213,8 @@ async def trainer(args: argparse.Namespace) -> int:
 
 def report(rows: list[StepRow], out: Path, *, check: bool) -> int:
     (out / "cartpole.json").write_bytes(msgspec.json.format(msgspec.json.encode(rows)))
-    plot(rows, out / "cartpole.png")
+    if can_plot():
+        plot(rows, out / "cartpole.png")
     head = rows[: max(1, min(5, len(rows) // 4))]
     tail = rows[-max(1, min(10, len(rows) // 4)):]
     first, last = mean([r.mean_return for r in head]), mean([r.mean_return for r in tail])

@@ -39,6 +39,7 @@ from rl_examples._loop import (
     Generators,
     RolloutQueue,
     analyze_summary,
+    can_plot,
     dump_recorder,
     example_parser,
     generate,
@@ -249,7 +250,8 @@ async def trainer(args: argparse.Namespace) -> int:
 
 def report(rows: list[StepRow], events: list[Event], out: Path, args: argparse.Namespace) -> int:
     (out / "grpo.json").write_bytes(msgspec.json.format(msgspec.json.encode({"steps": rows, "events": events})))
-    plot(rows, events, out / "grpo.png")
+    if can_plot():
+        plot(rows, events, out / "grpo.png")
     gaps = [b.seconds - a.seconds for a, b in zip(rows, rows[1:], strict=False)]
     first = mean([r.reward for r in rows[:5]])
     last = mean([r.reward for r in rows[-10:]])
