@@ -265,6 +265,8 @@ async def test_soak_200_versions_4_subscribers_one_killed_and_replaced_every_50(
             assert sorted(m.reason for m in pub.evicted) == ["dead"] * 3 and len(orch.started) == 3
             await close_then_reap(pub, orch)
     (files_early, rss_early), (files_late, rss_late) = samples[75], samples[199]
+    print(f"publisher process: open files {files_early} -> {files_late}, RSS {rss_early:.0f} -> {rss_late:.0f} MiB "
+          f"(versions 75 -> 199)")
     assert files_late - files_early <= 4, samples  # nothing leaks per generation or per replacement
     assert rss_late - rss_early < 64, samples
     await all_ended_on(200, procs, workers[3:], tmp_path, replacements=3, numel=numel)
