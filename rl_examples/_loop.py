@@ -105,7 +105,11 @@ async def generate(args: argparse.Namespace, channel: str, queue_key: str,
         while not queue.stopping():
             if not await loop.run_in_executor(None, queue.take_credit, 1.0):
                 continue  # no credit yet: the trainer is behind; check the stop flag and wait again
-            if sub.version is not None and sub.version > version:  # the newest we have: never wait
+            if sub.evicted:  # dropped (too slow, say): join again and carry on with the newest version
+                print(f"[{args.member}] evicted; rejoining", flush=True)
+                await sub.rejoin(timeout=120)
+                version = await load(sub)
+            elif sub.version is not None and sub.version > version:  # the newest we have: never wait
                 version = await load(sub)
             queue.push(msgspec.msgpack.encode(sample(version)))
             sampled += 1

@@ -188,10 +188,13 @@ async def test_evicted_subscriber_keeps_its_version_raises_and_rejoins() -> None
             await pub.evict("s")
             with pytest.raises(ws.Evicted):
                 await sub.get(min_version=2, timeout=20)
+            assert sub.evicted
             kept = await sub.get(timeout=1)  # the last complete version stays readable
             assert kept.version == 1 and digests(kept) == digests(body(1, 100))
+            await wait_for(lambda: bool(pub.evicted), 10, "the publisher's record of the eviction")
             assert [(m.member_id, m.reason) for m in pub.evicted] == [("s", "operator")]
             await sub.rejoin(timeout=20)
+            assert not sub.evicted
             await pub.wait_subscribers(1, timeout=20)
             report = await (await pub.put(body(2, 100), version=2)).delivered(timeout=20)
             assert report.members == ("s",)

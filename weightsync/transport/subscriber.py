@@ -165,6 +165,11 @@ class Subscriber(ReceiverLoop):
         assert self._connect is not None
         return compat.new_store_client(self._connect[0], self._connect[1], self.options.timeout)
 
+    @property
+    def evicted(self) -> bool:
+        """True once the publisher dropped this subscriber: new waits raise Evicted; see rejoin()."""
+        return self._terminal is not None and self._terminal[0] is Evicted
+
     async def rejoin(self, timeout: float | None = None) -> None:
         """Join again after :class:`Evicted`; the last complete version stays readable meanwhile.
 
