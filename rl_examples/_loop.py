@@ -18,65 +18,57 @@ import time
 import zlib
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import msgspec
 import torch
 
 import weightsync as ws
+from weightsync.pg.control import ControlPlane, StoreTimeout
 from weightsync.pg.recorder import process_recorder
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 class RolloutQueue:
-    """A msgspec-encoded queue on the publisher's store; one connection per process side."""
+    """A msgspec queue on the publisher's store; one connection per process side.
+
+    It rides on weightsync's own ControlPlane (the same bounded, spurious-wake-up-proof waits
+    the channel uses), under keys of its own.
+    """
 
     def __init__(self, address: str, key: str, timeout: float = 30.0) -> None:
         self.key = key
         self.stop_key = f"{key}/stop"
         self.credit_key = f"{key}/credits"
-        self._store: Any = ws.connect_store(address, timeout)
+        self._ctl = ControlPlane(ws.connect_store(address, timeout), key)
 
-    def push(self, payload: bytes) -> None:
-        self._store.queue_push(self.key, payload)
+    def push(self, batch: msgspec.Struct) -> None:
+        self._ctl.push(self.key, batch)
 
     def pop(self, timeout: float) -> bytes:
-        """The next rollout; TimeoutError when none comes within ``timeout`` seconds."""
-        import datetime as dt
-
-        self._store.set_timeout(dt.timedelta(seconds=timeout))
-        try:
-            return bytes(self._store.queue_pop(self.key, True))
-        except Exception as err:  # noqa: BLE001 - the store raises its own error types
-            if "timeout" in str(err).lower() or "timed out" in str(err).lower():
-                raise TimeoutError(f"no rollout within {timeout:.0f}s") from err
-            raise
+        """The next batch; TimeoutError (StoreTimeout) when none comes within ``timeout`` seconds."""
+        return self._ctl.pop(self.key, timeout)
 
     # credits bound the backlog: a generator samples a batch only with a credit, and the trainer
     # grants one per batch it consumed, so batches are never more than a few versions stale
     def grant(self, n: int = 1) -> None:
         for _ in range(n):
-            self._store.queue_push(self.credit_key, b"1")
+            self._ctl.push(self.credit_key, b"1")
 
     def take_credit(self, timeout: float) -> bool:
         """Wait at most ``timeout`` seconds for a credit; False when none came."""
-        import datetime as dt
-
-        self._store.set_timeout(dt.timedelta(seconds=timeout))
         try:
-            self._store.queue_pop(self.credit_key, True)
-            return True
-        except Exception as err:  # noqa: BLE001 - the store raises its own error types
-            if "timeout" in str(err).lower() or "timed out" in str(err).lower() or "empty" in str(err).lower():
-                return False
-            raise
+            self._ctl.pop(self.credit_key, timeout)
+        except StoreTimeout:
+            return False
+        return True
 
     def request_stop(self) -> None:
-        self._store.set(self.stop_key, b"1")
+        self._ctl.store.set(self.stop_key, b"1")
 
     def stopping(self) -> bool:
-        return bool(self._store.check([self.stop_key]))
+        return bool(self._ctl.store.check([self.stop_key]))
 
 
 T = TypeVar("T")
@@ -111,7 +103,7 @@ async def generate(args: argparse.Namespace, channel: str, queue_key: str,
                 version = await load(sub)
             elif sub.version is not None and sub.version > version:  # the newest we have: never wait
                 version = await load(sub)
-            queue.push(msgspec.msgpack.encode(sample(version)))
+            queue.push(sample(version))
             sampled += 1
             await asyncio.sleep(0)  # let the subscriber's completions run between batches
         print(f"[{args.member}] sampled {sampled} batches, last policy version {version}", flush=True)

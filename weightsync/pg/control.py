@@ -34,10 +34,6 @@ def _is_timeout(err: BaseException) -> bool:
     return name == "DistStoreError" and "timeout" in text or "wait timeout" in text or "timed out" in text
 
 
-def _reraise(err: BaseException) -> None:
-    raise err
-
-
 class ControlPlane:
     """Keys of channel ``name`` on ``store``; see the layout in :mod:`weightsync._wire`."""
 
@@ -79,16 +75,15 @@ class ControlPlane:
         deadline = time.monotonic() + timeout
         while True:
             left = deadline - time.monotonic()
-            self._call(self.store.set_timeout, dt.timedelta(seconds=max(min(left, 86_400.0), 0.001)))
             try:
+                self.store.set_timeout(dt.timedelta(seconds=max(min(left, 86_400.0), 0.001)))
                 return bytes(self.store.queue_pop(queue, True))
             except StoreError as err:
                 # measured (2.13, under churn): a blocking pop can wake on an empty queue and
                 # fail with "queue is empty"; that is a spurious wake-up, not a dead store
-                if "queue is empty" not in str(err) or left <= 0:
-                    self._call(_reraise, err)
-            except Exception as err:  # noqa: BLE001 - classified by _call like every store error
-                self._call(_reraise, err)
+                if "queue is empty" in str(err) and left > 0:
+                    continue
+                raise self._classify(err) from err
 
     def delete(self, key: str) -> None:
         try:
@@ -100,7 +95,10 @@ class ControlPlane:
         try:
             return fn(*args)
         except StoreError as err:
-            if _is_timeout(err):
-                raise StoreTimeout(str(err)) from err
-            raise StoreUnreachable(f"store of channel {self.channel!r} unreachable: {err}") from err
+            raise self._classify(err) from err
+
+    def _classify(self, err: BaseException) -> StoreTimeout | StoreUnreachable:
+        if _is_timeout(err):
+            return StoreTimeout(str(err))
+        return StoreUnreachable(f"store of channel {self.channel!r} unreachable: {err}")
 
