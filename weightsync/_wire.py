@@ -107,7 +107,7 @@ class Announce(msgspec.Struct, frozen=True, tag="announce"):
 
 
 class Seal(msgspec.Struct, frozen=True, tag="seal"):
-    """Per-bucket CRC32s of version `version`, sent once its buckets left the publisher."""
+    """Per-bucket digests (``layout.checksum``) of version `version`, sent once its buckets left."""
 
     generation: int
     seq: int

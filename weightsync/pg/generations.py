@@ -20,6 +20,7 @@ import itertools
 import secrets
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -34,17 +35,17 @@ from weightsync.pg.recorder import FlightRecorder
 PUBLISHER = "publisher"
 
 
+@dataclass
 class MemberInfo:
     """Who a member was, for an orchestrator replacing it: id, host, pid and why it left."""
 
-    __slots__ = ("member_id", "host", "pid", "reason", "generation")
+    member_id: str
+    host: str = ""
+    pid: int = 0
+    reason: str = ""  # dead | failed | slow | operator
+    generation: int = -1  # the generation formed without it
 
-    def __init__(self, member_id: str, host: str = "", pid: int = 0, reason: str = "", generation: int = -1) -> None:
-        self.member_id, self.host, self.pid, self.reason, self.generation = member_id, host, pid, reason, generation
 
-    def __repr__(self) -> str:
-        return (f"MemberInfo({self.member_id!r}, host={self.host!r}, pid={self.pid}, reason={self.reason!r}, "
-                f"generation={self.generation})")
 DATA_ERRORS = (TimeoutError, RuntimeError, StoreTimeout, StoreUnreachable, ValueError)
 
 

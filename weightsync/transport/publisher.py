@@ -3,8 +3,9 @@
 Who calls what, in order:
 
 1. the trainer enters ``async with Publisher(name, address=...)``: the store is hosted (or
-   the given one used) and two threads start: the *inbox* thread (joins, leaves, heartbeat
-   sampling) and the *sender* thread (announce, broadcast, acknowledgements, generations);
+   the given one used) and three threads start: *inbox* (joins, leaves, admission),
+   *monitor* (heartbeats) and *sender* (generations, announce, broadcast, acknowledgements,
+   straggler scoring and replacements; in :mod:`weightsync.transport.sender`);
 2. subscribers join; the sender ends the current generation and builds the next one with
    them (the publisher is always rank 0);
 3. ``await pub.put(sd)`` snapshots into staging and returns a PutHandle; the sender picks
@@ -18,7 +19,6 @@ The event loop only ever waits on futures the threads resolve; it never touches 
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
 import threading
 import time
@@ -33,19 +33,18 @@ from weightsync.orchestrator import Orchestrator
 from weightsync.pg import _torch_compat as compat
 from weightsync.pg import handshake
 from weightsync.pg.control import ControlPlane, StoreTimeout, StoreUnreachable
-from weightsync.pg.generations import DATA_ERRORS, Generations, MemberInfo
+from weightsync.pg.generations import Generations, MemberInfo
 from weightsync.pg.group import drain_retired, resolve_backend
 from weightsync.pg.membership import Membership, StragglerPolicy
 from weightsync.pg.recorder import FlightRecorder, process_recorder
 from weightsync.transport import layout
-from weightsync.transport.handles import DeliveryReport, PutHandle, call_soon
+from weightsync.transport.handles import PutHandle, call_soon
 from weightsync.transport.options import ChannelOptions, MiB, advertised_host, parse_address, resolve_device
-from weightsync.transport.staging import BucketBuffers, Job, Staging, bucket_slices, cuda_snapshot, superseded_report
+from weightsync.transport.sender import SenderLoop
+from weightsync.transport.staging import BucketBuffers, Job, Staging, cuda_snapshot, superseded_report
 
-log = logging.getLogger("weightsync")
 
-
-class Publisher:
+class Publisher(SenderLoop):
     """Pushes versions of a set of tensors to every subscriber of channel ``name``.
 
     Example::
@@ -74,7 +73,7 @@ class Publisher:
         policy: what to do about slow and dead members (:class:`StragglerPolicy`).
         orchestrator: starts replacements for dropped members (an :class:`Orchestrator`, e.g.
             :class:`LocalProcessOrchestrator`); without one, dropped members are not replaced.
-        checksum: send per-bucket CRC32s; a subscriber never makes a version readable whose
+        checksum: send per-bucket digests; a subscriber never makes a version readable whose
             buckets do not match (default on: computed while the next bucket is on the wire).
     """
 
@@ -344,33 +343,6 @@ class Publisher:
         if self._loop is not None and self._members_changed is not None:
             call_soon(self._loop, self._members_changed.set)
 
-    def _on_evicted(self, member: MemberInfo) -> None:
-        """Sender thread: ``member`` was dropped; ask the orchestrator when the policy says so."""
-        self.evicted.append(member)
-        action = {"slow": self.policy.on_slow, "dead": self.policy.on_dead, "failed": self.policy.on_dead}.get(
-            member.reason, "evict")  # operator evictions and leaves are not replaced
-        if action != "replace" or self.orchestrator is None or self._loop is None or self._stop.is_set():
-            return
-        call_soon(self._loop, self._start_replacement, member)
-
-    def _start_replacement(self, member: MemberInfo) -> None:
-        """Event loop: run ``orchestrator.replace(member)`` as a task; failures are recorded."""
-        assert self.orchestrator is not None
-        entry = self._recorder.record("replace", channel=self.name, member=self._member,
-                                      peers=(member.member_id,), error=member.reason).start()
-
-        async def run() -> None:
-            assert self.orchestrator is not None
-            try:
-                await self.orchestrator.replace(member)
-            except Exception as err:  # noqa: BLE001 - a failed replacement must never reach put()
-                entry.fail(f"{type(err).__name__}: {err}")
-                log.warning("weightsync: replacing %s failed: %s", member.member_id, err)
-            else:
-                entry.complete()
-
-        self.replacements.append(asyncio.ensure_future(run()))
-
     # inbox thread: joins and leaves ---------------------------------------------------------
     def _inbox_main(self, ctl: ControlPlane) -> None:
         while not self._stop.is_set():
@@ -427,131 +399,3 @@ class Publisher:
                 with self._staging.lock:
                     self._staging.lock.notify_all()
                 ctl.push(ctl.replies, _wire.Wake(reason="member died"))
-
-    # sender thread --------------------------------------------------------------------------
-    def _sender_main(self, ctl: ControlPlane) -> None:
-        try:
-            self._sender_loop(ctl)
-        except Exception as err:  # noqa: BLE001 - recorded and surfaced by put() as Closed
-            self._fatal = err if isinstance(err, WeightSyncError) else WeightSyncError(
-                f"sender stopped: {type(err).__name__}: {err}", channel=self.name)
-            self._recorder.record("sender", channel=self.name, member=self._member).fail(self._fatal)
-            self._state = "failed"
-            in_flight = self._staging.in_flight
-            for job in [*self._staging.drain(), *([in_flight] if in_flight is not None else [])]:
-                job.handle.resolve_threadsafe(error=self._fatal)
-        finally:
-            self._gens.shutdown(ctl)
-
-    def _sender_loop(self, ctl: ControlPlane) -> None:
-        st = self._staging
-        while not self._stop.is_set():
-            with st.lock:
-                while not (st.pending or self.membership.has_requests() or self._draining or self._stop.is_set()
-                           or self.membership.has_dead_members()):
-                    st.lock.wait(self.options.heartbeat_interval)
-            if self._stop.is_set() or (self._draining and st.pending is None):
-                return
-            if self.membership.has_requests() or self.membership.has_dead_members():
-                self._gens.advance(ctl, reason="membership change")
-                retained = st.retained
-                if retained is not None and st.pending is None and self.membership.lacking(retained.version):
-                    self._send(ctl, retained)
-            job = st.take()
-            if job is not None:
-                self._send(ctl, job)
-
-    def _send(self, ctl: ControlPlane, job: Job) -> None:
-        for _attempt in range(3):
-            failed = self._send_once(ctl, job)
-            if failed is None:
-                return
-            # the group is broken: rebuild with the live members and re-send this version
-            self._gens.advance(ctl, reason=f"version {job.version} failed", failed=failed)
-            if job.flat is None and job.handle._released.done():
-                break  # copy=False tensors were released: nothing left to re-send from
-        self._finish(job, time.monotonic())
-
-    def _send_once(self, ctl: ControlPlane, job: Job) -> set[str] | None:
-        """Announce and broadcast ``job`` once; None on success, else the members that failed."""
-        if job.ready is not None:
-            torch.cuda.current_stream(self._slot_device if self._slot_device.type == "cuda" else None).wait_event(
-                job.ready)
-            if self._slot_device.type != "cuda":
-                job.ready.synchronize()  # gloo reads host memory: the device->host copy must be done
-        members = tuple(self.membership.members)
-        gen, seq, group = self.membership.generation, self._gens.next_seq(), self._gens.group
-        ranges = layout.bucket_ranges(job.manifest.total_bytes, self.options.bucket_bytes)
-        announce = _wire.Announce(generation=gen, seq=seq, version=job.version, manifest=job.manifest,
-                                  bucket_bytes=self.options.bucket_bytes, num_buckets=len(ranges),
-                                  checksum=self.checksum, resend=job.resends > 0)
-        job.resends += 1
-        job.started = job.started or time.monotonic()
-        t0 = time.monotonic()
-        entry = self._recorder.record("announce", channel=self.name, member=self._member, generation=gen,
-                                      version=job.version, nbytes=job.manifest.total_bytes, peers=members).start()
-        try:
-            self._gens.tell(ctl, members, announce)
-            entry.complete()
-            if members and group is not None:
-                slices, before = bucket_slices(job, ranges, self._bucket_buffers, self.options.bucket_bytes)
-                sums: list[int] = []
-                # each bucket's CRC is taken once it is on the wire, while the next one transfers
-                after = (lambda i: sums.append(layout.checksum(slices[i]))) if self.checksum else None
-                group.broadcast_buckets(slices, version=job.version, deadline=self.options.deadline,
-                                        op="bucket_send", before=before, after=after)
-                if self.checksum:
-                    self._push_seals(ctl, members, _wire.Seal(generation=gen, seq=seq, version=job.version,
-                                                              checksums=tuple(sums)))
-            if job.flat is None:
-                job.handle.release_threadsafe()
-            acked, failed = self._gens.collect_acks(ctl, gen, seq, members, job.version, self.options.timeout)
-        except DATA_ERRORS as err:
-            if entry.state != "completed":
-                entry.fail(err)
-            self._recorder.record("send", channel=self.name, member=self._member, generation=gen,
-                                  version=job.version).fail(err)
-            # receivers still waiting on this version give up now (their queue is no longer
-            # empty) and acknowledge the failure, so live members answer and silent ones stand out
-            self._gens.tell(ctl, members, _wire.Wake(reason=f"version {job.version} abandoned"))
-            if self.checksum:  # a receiver past its buckets waits on its seal queue, not its queue
-                self._push_seals(ctl, members, _wire.Seal(generation=gen, seq=seq, version=job.version,
-                                                          checksums=(), abandoned=True))
-            acked, failed = self._gens.collect_acks(ctl, gen, seq, members, job.version, self.options.timeout)
-            job.members_done |= acked
-            self._recorder.dump_on_trouble(f"version {job.version} failed: {err}")
-            return failed or set(members) - acked
-        job.members_done |= acked
-        self._score(acked, job.version)
-        if failed:
-            self._recorder.dump_on_trouble(f"version {job.version}: no acknowledgement from {sorted(failed)}")
-            return failed
-        self._finish(job, t0)
-        return None
-
-    def _push_seals(self, ctl: ControlPlane, members: tuple[str, ...], seal: _wire.Seal) -> None:
-        for member in members:
-            queue = self._gens.seal_queue(member)
-            if queue is not None:
-                ctl.push(queue, seal)
-
-    def _score(self, acked: set[str], version: int) -> None:
-        """Record receive times and act on members the policy finds slow."""
-        timings = self._gens.last_timings
-        own = {m: timings[m][1] for m in acked if m in timings}
-        self.membership.note_delivered(acked, version, {m: timings[m][0] for m in own}, own)
-        for member, ratio in self.membership.slow_members(self.policy, own).items():
-            self._recorder.record("slow", channel=self.name, member=self._member, version=version,
-                                  peers=(member,)).fail(f"{ratio:.1f}x the others' receive time")
-            if self.policy.on_slow != "keep":
-                log.warning("weightsync: %s is %.1fx slower than the others: evicting (%s)", member, ratio,
-                            self.policy.on_slow)
-                self.membership.request_evict(member, "slow")
-
-    def _finish(self, job: Job, t0: float) -> None:
-        members = tuple(m for m in self.membership.members if m in job.members_done)
-        report = DeliveryReport(version=job.version, members=members, nbytes=job.manifest.total_bytes,
-                                seconds=time.monotonic() - (job.started or t0))
-        self._staging.finish(job)
-        job.handle.resolve_threadsafe(report)
-

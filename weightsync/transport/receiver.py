@@ -294,7 +294,7 @@ class ReceiverLoop:
             pass
 
     def _verify(self, ctl: ControlPlane, announce: _wire.Announce, sums: list[int]) -> None:
-        """Compare our buckets' CRCs with the publisher's Seal; raises ChecksumMismatch."""
+        """Compare our buckets' digests with the publisher's Seal; raises ChecksumMismatch."""
         deadline = time.monotonic() + self.options.timeout
         while True:
             try:

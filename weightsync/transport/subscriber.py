@@ -176,7 +176,7 @@ class Subscriber(ReceiverLoop):
         Raises RuntimeError when this subscriber was not evicted, and what ``start`` raises
         when admission fails (the subscriber is then closed).
         """
-        if self._state != "running" or self._terminal is None or self._terminal[0] is not Evicted:
+        if self._state != "running" or not self.evicted:
             raise RuntimeError("rejoin() is for a running subscriber that was evicted")
         assert self._loop is not None
         deadline = time.monotonic() + self.options.timeout
@@ -303,7 +303,6 @@ class Subscriber(ReceiverLoop):
         """
         if not callable(into):
             raise TypeError(f"into must be callable, e.g. model.load_weights; got {type(into).__name__}")
-        assert self._loop is not None or self._state == "new"
         async with self.stream(min_version=min_version, timeout=timeout) as weights:
             if inspect.iscoroutinefunction(into):
                 await into(weights)
