@@ -2,7 +2,8 @@
 
 Messages are the msgspec Structs of :mod:`weightsync._wire`. A ``ControlPlane`` wraps one
 store *connection*; a torch Store client cannot serve two blocking waits at once, so each
-thread that waits clones its own (:meth:`ControlPlane.clone`).
+thread that waits clones its own (:meth:`ControlPlane.clone`). Store errors are translated here,
+once, into ``StoreTimeout`` and ``StoreUnreachable`` (see :mod:`weightsync._errors`).
 """
 
 from __future__ import annotations
@@ -15,17 +16,11 @@ from typing import Any
 import torch.distributed as dist
 
 from weightsync import _wire
+from weightsync._errors import StoreTimeout, StoreUnreachable
 from weightsync.pg import _torch_compat as compat
 
 StoreError = (RuntimeError, dist.DistError) if hasattr(dist, "DistError") else (RuntimeError,)
-
-
-class StoreTimeout(TimeoutError):
-    """A key did not appear within the deadline."""
-
-
-class StoreUnreachable(ConnectionError):
-    """The store's server stopped answering (its host process is gone)."""
+__all__ = ["ControlPlane", "StoreTimeout", "StoreUnreachable"]
 
 
 def _is_timeout(err: BaseException) -> bool:

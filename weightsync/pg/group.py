@@ -1,45 +1,41 @@
-"""DedicatedGroup: one generation of a channel's data-plane process group.
+"""The dedicated group: the default data plane (gloo/NCCL broadcast of each bucket from rank 0).
 
-Built standalone from a Store under a fresh prefix (``ws/<channel>/gen/<g>/pg``), never
-through ``init_process_group``: the user's default group is untouched and any number of
-channels can live in one process. Exactly one backend object, hence one communicator.
+Built standalone from a Store under a fresh prefix (``ws/<channel>/gen/<g>/pg``), never through
+``init_process_group``: the user's default group is untouched and any number of channels can
+live in one process. Exactly one backend object per group, hence one communicator.
 
-Lifecycle, and who calls what:
+:class:`GroupPlane` is what the Sender and Receiver drive (see
+:mod:`weightsync.transport.dataplane`); it owns, per end:
 
-1. every member (the publisher is rank 0) calls :meth:`DedicatedGroup.build` in a worker
-   thread; the backend's rendezvous runs there, bounded by ``timeout``;
-2. the publisher calls :meth:`broadcast_buckets` with its slices, each subscriber with its
-   receive slices, each bucket bounded by its own deadline;
-3. on a membership change or a failure every member calls :meth:`abort`; a new generation is
-   built under a new prefix. An aborted group is never used again.
+- one :class:`DedicatedGroup` per generation, built in ``enter`` (the rendezvous runs in the
+  calling thread, bounded) and aborted in ``leave``; an aborted group is never used again;
+- or, where torch can re-form a backend in place (2.14+, gloo), one :class:`Reconfigurable`
+  backend for the whole membership: ``offer`` is its handle, and ``enter`` re-forms it with the
+  uuid and every member's handle from the publisher's ``Go`` (tens of milliseconds, no new
+  sockets to the store). The generation's DedicatedGroup then only borrows it.
 
-Where torch can re-form a backend in place (2.14+, gloo), each member instead keeps one
-:class:`Reconfigurable` backend for its whole membership, and a generation is entered with
-:meth:`Reconfigurable.enter`: the publisher's ``Go`` carries a fresh uuid and every member's
-handle, and the same backend is re-formed with them (tens of milliseconds, no new sockets to
-the store). The generation's :class:`DedicatedGroup` then only borrows the backend.
+This module is one of the two places where torch backend errors are translated (see
+:mod:`weightsync._errors`): a failed or late collective is a ``PeerFailure``; a failing
+``before``/``after`` hook is this end's own ``LocalFailure``.
 """
 
 from __future__ import annotations
 
 import os
-import queue
-import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from weightsync._errors import Cancelled, LocalFailure, PeerFailure
 from weightsync.pg import _torch_compat as compat
+from weightsync.pg.reaper import retire
 from weightsync.pg.recorder import FlightRecorder
+from weightsync.transport.dataplane import GenerationSpec, Transfer
 
 ALIVE, ABORTED = "alive", "aborted"
 WAIT_SLICE = 0.25
-
-
-class Cancelled(RuntimeError):
-    """A data-plane wait was given up because the generation it belongs to has ended."""
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
@@ -57,34 +53,39 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     return backend
 
 
-def bucket_deadline(nbytes: int, floor: float, min_bandwidth: float) -> float:
-    """Seconds allowed for one bucket: a floor plus its bytes at the slowest acceptable rate."""
-    return floor + nbytes / min_bandwidth
+def reconfigure_enabled(backend: str) -> bool:
+    """True when generations re-form one backend in place (gloo on torch 2.14+).
+
+    ``WEIGHTSYNC_RECONFIGURE=0`` forces the rebuild path (a fresh group per generation).
+    NCCL always rebuilds: nccl2's in-place reconfigure is not verified on a GPU yet.
+    """
+    if os.environ.get("WEIGHTSYNC_RECONFIGURE", "1") == "0":
+        return False
+    return backend == "gloo" and compat.gloo_options_reconfigurable()
 
 
 class DedicatedGroup:
     """A standalone process group for one generation of one channel."""
 
     def __init__(self, pg: Any, *, channel: str, member: str, generation: int, rank: int, size: int,
-                 backend: str, device: torch.device, recorder: FlightRecorder) -> None:
+                 recorder: FlightRecorder, store: Any = None, borrowed: bool = False) -> None:
         self._pg = pg
-        self.channel, self.member, self.generation = channel, member, generation
-        self.rank, self.size, self.backend, self.device = rank, size, backend, device
+        self.channel, self.member, self.generation, self.rank, self.size = channel, member, generation, rank, size
         self._recorder = recorder
-        self._store: Any = None
-        self._borrowed = False  # the backend belongs to a Reconfigurable: never torn down here
+        self._store = store
+        self._borrowed = borrowed  # the backend belongs to a Reconfigurable: never torn down here
         self.state = ALIVE
 
     @classmethod
-    def build(cls, store: Any, *, channel: str, member: str, generation: int, rank: int, size: int,
-              backend: str, device: torch.device, timeout: float, recorder: FlightRecorder,
-              peers: Sequence[str] = (), max_ctas: int = 4) -> DedicatedGroup:
-        """Rendezvous with the other ``size - 1`` members; blocks at most ``timeout`` seconds.
+    def build(cls, store: Any, *, channel: str, member: str, spec: GenerationSpec, backend: str,
+              device: torch.device, recorder: FlightRecorder, max_ctas: int = 4) -> DedicatedGroup:
+        """Rendezvous with the other members; blocks at most ``spec.timeout`` seconds.
 
         ``store`` is a connection owned by the calling thread; it is cloned, never shared.
         """
-        entry = recorder.record("rebuild", channel=channel, member=member, generation=generation,
-                                peers=tuple(peers)).start()
+        size = len(spec.members) + 1
+        entry = recorder.record("rebuild", channel=channel, member=member, generation=spec.generation,
+                                peers=spec.members).start()
         own = None
         try:
             if size == 1 and backend == "gloo":
@@ -92,89 +93,82 @@ class DedicatedGroup:
             else:
                 # the backend keeps using its store (rendezvous, lazily connected pairs) from
                 # its own threads: it gets a connection of its own, never one we wait on
-                own = compat.clone_store(store, timeout)
-                prefixed = compat.prefix_store(f"ws/{channel}/gen/{generation}/pg", own)
+                own = compat.clone_store(store, spec.timeout)
+                prefixed = compat.prefix_store(f"ws/{channel}/gen/{spec.generation}/pg", own)
                 if backend == "nccl":
-                    pg = compat.make_nccl(prefixed, rank, size, timeout, device, max_ctas)
+                    pg = compat.make_nccl(prefixed, spec.rank, size, spec.timeout, device, max_ctas)
                 else:
-                    pg = compat.make_gloo(prefixed, rank, size, timeout)
+                    pg = compat.make_gloo(prefixed, spec.rank, size, spec.timeout)
         except Exception as err:
             entry.fail(err)
-            raise
+            raise PeerFailure(f"rendezvous of generation {spec.generation} failed: {err}") from err
         entry.complete()
-        group = cls(pg, channel=channel, member=member, generation=generation, rank=rank, size=size,
-                    backend=backend, device=device, recorder=recorder)
-        group._store = own
-        return group
+        return cls(pg, channel=channel, member=member, generation=spec.generation, rank=spec.rank, size=size,
+                   recorder=recorder, store=own)
 
-    def broadcast_buckets(self, slices: Sequence[torch.Tensor], *, version: int, deadline: Callable[[int], float],
-                          op: str, before: Callable[[int], None] | None = None,
-                          after: Callable[[int], None] | None = None, depth: int = 2,
-                          cancelled: Callable[[], bool] | None = None) -> float:
-        """Broadcast each slice from rank 0, keeping up to ``depth`` buckets in flight.
+    def broadcast(self, transfer: Transfer, *, op: str, depth: int = 2) -> float:
+        """Broadcast each bucket from rank 0, keeping up to ``depth`` buckets in flight.
 
-        ``before(i)`` runs before bucket i is issued (the publisher packs it there when it has
-        no snapshot), ``after(i)`` once it completed. Raises TimeoutError when a bucket misses
-        ``deadline(nbytes)``, RuntimeError when the backend fails; the group is then unusable.
-        With ``cancelled``, waits run in short slices and :class:`Cancelled` is raised as soon
-        as it returns True (a receiver whose publisher already moved to a new generation).
-        Returns the seconds spent waiting on the collective (the rest was this member's own).
+        Returns the seconds spent waiting on the collective. Raises PeerFailure when a bucket
+        misses its deadline or the backend fails (the group is then unusable), Cancelled when
+        ``transfer.cancelled()`` says so, LocalFailure when a hook fails.
         """
         if self.state != ALIVE:
-            raise RuntimeError(f"generation {self.generation} of {self.channel!r} was aborted")
+            raise Cancelled(f"generation {self.generation} of {self.channel!r} was aborted")
         if self._pg is None:
             return 0.0
         pending: list[tuple[int, Any, Any, float]] = []  # (bucket, work, recorder entry, deadline)
         waited = [0.0]
         try:
-            for i, tensor in enumerate(slices):
+            for i, tensor in enumerate(transfer.buckets):
                 if len(pending) >= depth:
-                    self._finish_oldest(pending, cancelled, after, waited)
-                if before is not None:
-                    before(i)
-                limit = deadline(tensor.numel())
+                    self._finish_oldest(pending, transfer, waited)
+                _hook(transfer.before, i, "preparing")
+                limit = transfer.deadline(tensor.numel())
                 entry = self._recorder.record(op, channel=self.channel, member=self.member,
-                                              generation=self.generation, version=version, bucket=i,
+                                              generation=self.generation, version=transfer.version, bucket=i,
                                               nbytes=tensor.numel()).start()
                 pending.append((i, None, entry, time.monotonic() + limit))
-                work = compat.broadcast(self._pg, tensor, 0, limit)
+                try:
+                    work = compat.broadcast(self._pg, tensor, 0, limit)
+                except RuntimeError as err:
+                    raise PeerFailure(f"bucket {i} could not be issued: {err}") from err
                 pending[-1] = (i, work, entry, time.monotonic() + limit)
             while pending:
-                self._finish_oldest(pending, cancelled, after, waited)
+                self._finish_oldest(pending, transfer, waited)
         except BaseException as err:
             for _, _, entry, _ in pending:  # buckets still in flight will never complete
                 entry.fail(f"abandoned: {err}", aborted=True)
             raise
         return waited[0]
 
-    def _finish_oldest(self, pending: list[tuple[int, Any, Any, float]], cancelled: Callable[[], bool] | None,
-                       after: Callable[[int], None] | None, waited: list[float]) -> None:
+    def _finish_oldest(self, pending: list[tuple[int, Any, Any, float]], transfer: Transfer,
+                       waited: list[float]) -> None:
         i, work, entry, limit = pending.pop(0)
         t0 = time.monotonic()
         try:
-            self._wait(work, limit, cancelled)
+            self._wait(work, limit, transfer.cancelled)
         except BaseException as err:
             entry.fail(err)
             raise
         finally:
             waited[0] += time.monotonic() - t0
         entry.complete()
-        if after is not None:
-            after(i)
+        _hook(transfer.after, i, "checking")
 
     @staticmethod
     def _wait(work: Any, limit: float, cancelled: Callable[[], bool] | None) -> None:
-        if cancelled is None:
-            compat.wait_work(work, max(limit - time.monotonic(), 0.001))
-            return
         while True:
             left = limit - time.monotonic()
+            step = left if cancelled is None else min(left, WAIT_SLICE)
             try:
-                compat.wait_work(work, max(min(left, WAIT_SLICE), 0.001))
+                compat.wait_work(work, max(step, 0.001))
                 return
-            except TimeoutError:
-                if left <= WAIT_SLICE:
-                    raise
+            except TimeoutError as err:
+                if left <= WAIT_SLICE or cancelled is None:
+                    raise PeerFailure(f"a bucket missed its deadline: {err}") from err
+            except RuntimeError as err:  # the backend failed: a peer reset or closed its connection
+                raise PeerFailure(str(err)) from err
             if cancelled():
                 raise Cancelled("the publisher moved on to a new generation")
 
@@ -189,18 +183,17 @@ class DedicatedGroup:
         if pg is None or self._borrowed:
             entry.complete()  # a borrowed backend is re-formed by the next reconfigure
         else:
-            _reaper.retire(pg, store, entry)
+            retire(pg, store, entry)
 
 
-def reconfigure_enabled(backend: str) -> bool:
-    """True when generations re-form one backend in place (gloo on torch 2.14+).
-
-    ``WEIGHTSYNC_RECONFIGURE=0`` forces the rebuild path (a fresh group per generation).
-    NCCL always rebuilds: nccl2's in-place reconfigure is not verified on a GPU yet.
-    """
-    if os.environ.get("WEIGHTSYNC_RECONFIGURE", "1") == "0":
-        return False
-    return backend == "gloo" and compat.gloo_options_reconfigurable()
+def _hook(fn: Callable[[int], None] | None, i: int, what: str) -> None:
+    """Run this end's own per-bucket hook; its failure is ours, never a peer's."""
+    if fn is None:
+        return
+    try:
+        fn(i)
+    except Exception as err:  # noqa: BLE001 - whatever our own hook raises is a local failure
+        raise LocalFailure(f"{what} bucket {i} failed: {type(err).__name__}: {err}") from err
 
 
 class Reconfigurable:
@@ -218,21 +211,18 @@ class Reconfigurable:
     def handle(self) -> str:
         return compat.reconfigure_handle(self._pg)
 
-    def enter(self, *, generation: int, uuid: int, handles: Sequence[str], rank: int, peers: Sequence[str],
-              timeout: float, device: torch.device) -> DedicatedGroup:
-        """Re-form the backend with ``handles`` (rank = position) as generation ``generation``."""
+    def enter(self, spec: GenerationSpec) -> DedicatedGroup:
+        """Re-form the backend with ``spec.offers`` (rank = position) as generation ``spec.generation``."""
         entry = self._recorder.record("reconfigure", channel=self.channel, member=self.member,
-                                      generation=generation, peers=tuple(peers)).start()
+                                      generation=spec.generation, peers=spec.members).start()
         try:
-            compat.reconfigure(self._pg, uuid, handles, timeout)
+            compat.reconfigure(self._pg, spec.uuid, spec.offers, spec.timeout)
         except Exception as err:
             entry.fail(err)
-            raise
+            raise PeerFailure(f"re-forming generation {spec.generation} failed: {err}") from err
         entry.complete()
-        group = DedicatedGroup(self._pg, channel=self.channel, member=self.member, generation=generation, rank=rank,
-                               size=len(handles), backend="gloo", device=device, recorder=self._recorder)
-        group._borrowed = True
-        return group
+        return DedicatedGroup(self._pg, channel=self.channel, member=self.member, generation=spec.generation,
+                              rank=spec.rank, size=len(spec.offers), recorder=self._recorder, borrowed=True)
 
     def close(self) -> None:
         """Tear the backend down (off this thread); the object is not used again."""
@@ -240,75 +230,70 @@ class Reconfigurable:
             return
         entry = self._recorder.record("abort", channel=self.channel, member=self.member, error="closed").start()
         pg, self._pg, store, self._store = self._pg, None, self._store, None
-        _reaper.retire(pg, store, entry)
+        retire(pg, store, entry)
 
 
-class _Reaper:
-    """Aborts retired backends off the caller's thread.
+class GroupPlane:
+    """The dedicated-group data plane of one channel end (see the module docstring).
 
-    Measured on torch 2.13: gloo's ``abort()`` of a group whose peer is frozen (SIGSTOP)
-    blocked 6.8 s, long enough for that member to miss the next generation's rendezvous.
-    Nothing is sent on a retired group again (the publisher abandoned it first), so tearing it
-    down can wait; the recorder entry completes when it is really gone.
+    Args:
+        store: a store connection owned by the calling thread (cloned for each backend).
+        channel, member: names for the recorder and the store prefixes.
+        backend, device: ``"gloo"``/``"nccl"`` and where buckets live.
+        in_place: re-form one backend per membership instead of building one per generation.
+        slot: with ``in_place``, this end's creation rank, unique in the channel.
+        timeout: bound of creating the in-place backend.
     """
 
-    IDLE_EXIT = 30.0
+    kind = "group"
 
-    def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[tuple[Any, Any, Any]] = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-        self._busy = False
-        self._idle = threading.Condition()
+    def __init__(self, store: Any, *, channel: str, member: str, backend: str, device: torch.device,
+                 recorder: FlightRecorder, in_place: bool = False, slot: int = 0, timeout: float = 30.0) -> None:
+        self._store, self.channel, self.member = store, channel, member
+        self.backend, self.device, self.in_place, self.slot = backend, device, in_place, slot
+        self._recorder = recorder
+        self._timeout = timeout
+        self._backend: Reconfigurable | None = None
+        self.group: DedicatedGroup | None = None
 
-    def retire(self, pg: Any, store: Any, entry: Any) -> None:
-        self._queue.put((pg, store, entry))
-        with self._lock:
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="ws-group-reaper", daemon=True)
-                self._thread.start()
-
-    def drain(self, timeout: float) -> bool:
-        """Wait (at most ``timeout`` s) until every retired backend is torn down.
-
-        Called by ``aclose``: a backend still being torn down when the interpreter exits
-        takes the process down with it (``terminate called without an active exception``).
-        """
-        deadline = time.monotonic() + timeout
-        while True:
-            with self._lock:
-                thread = self._thread
-                busy = thread is not None and (not self._queue.empty() or self._busy)
-            if not busy:
-                return True
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return False
-            with self._idle:
-                self._idle.wait(min(left, 0.5))
-
-    def _run(self) -> None:
-        while True:
+    def offer(self) -> str:
+        if not self.in_place:
+            return ""
+        if self._backend is None:
             try:
-                pg, store, entry = self._queue.get(timeout=self.IDLE_EXIT)
-            except queue.Empty:
-                with self._lock:
-                    if self._queue.empty():
-                        self._thread = None
-                        return
-                continue
-            self._busy = True
-            compat.abort(pg)
-            del pg, store  # the backend's destructor runs here, not on a weightsync thread
-            entry.complete()
-            with self._idle:
-                self._busy = self._queue.qsize() > 0
-                self._idle.notify_all()
+                self._backend = Reconfigurable(self._store, channel=self.channel, member=self.member, slot=self.slot,
+                                               timeout=self._timeout, recorder=self._recorder)
+            except RuntimeError as err:
+                raise PeerFailure(f"could not create the reconfigurable backend: {err}") from err
+        return self._backend.handle()
 
+    def enter(self, spec: GenerationSpec) -> None:
+        self.leave("entering the next generation")
+        if spec.offers:
+            if self._backend is None:
+                raise PeerFailure("asked to re-form in place without a backend (offer() was not called)")
+            self.group = self._backend.enter(spec)
+        elif self.in_place and not spec.members:
+            self.group = DedicatedGroup(None, channel=self.channel, member=self.member, generation=spec.generation,
+                                        rank=0, size=1, recorder=self._recorder)
+        else:
+            self.group = DedicatedGroup.build(self._store, channel=self.channel, member=self.member, spec=spec,
+                                              backend=self.backend, device=self.device, recorder=self._recorder)
 
-_reaper = _Reaper()
+    def move(self, transfer: Transfer) -> float:
+        if self.group is None:
+            raise Cancelled("no generation entered")
+        return self.group.broadcast(transfer, op="bucket_send" if self.group.rank == 0 else "bucket_recv")
 
+    def leave(self, reason: str, *, failed: bool = False) -> None:
+        if self.group is not None:
+            self.group.abort(reason)
+            self.group = None
+        if failed and self._backend is not None:
+            # works still hung on the old backend's threads would block a re-formed one
+            # (measured on 2.15): the next generation starts from a fresh backend
+            self._backend.close()
+            self._backend = None
 
-def drain_retired(timeout: float) -> bool:
-    """Wait until retired groups are torn down (see :class:`_Reaper`); False on timeout."""
-    return _reaper.drain(timeout)
+    def close(self) -> None:
+        self.leave("closed", failed=True)

@@ -1,0 +1,68 @@
+"""Internal errors: what went wrong inside, and whose fault it is.
+
+The public tree (:mod:`weightsync.errors`) is what callers see. Inside, every failure is
+classified once, where it happens, by who is to blame, so that only a peer's failure can ever
+cost a peer a strike or an eviction::
+
+    InternalError
+     ├── PeerFailure        a peer broke a data-plane step (silent, reset, late, corrupt bytes):
+     │    │                 the members that did not answer may be blamed
+     │    └── ChecksumMismatch   received buckets differ from the publisher's digests
+     ├── Cancelled          this side gave up on purpose (a new generation, an abort): no blame
+     ├── LocalFailure       this process's own input or code failed (packing a tensor, a bad
+     │                      view): the put fails with it; no member is blamed
+     ├── ProtocolError      a message that contradicts the protocol (bucket count, stale seal)
+     └── ControlFailure     the control store
+          ├── StoreTimeout       a key or queue item did not come in time
+          └── StoreUnreachable   the store's server stopped answering
+
+Torch backend errors (``RuntimeError``, ``DistError``) are translated into these in exactly
+two places: :mod:`weightsync.pg.group` (data plane) and :mod:`weightsync.pg.control` (store).
+Anything else that escapes a thread is a bug in weightsync: it stops that thread and surfaces
+to the caller as a :class:`~weightsync.errors.WeightSyncError`, never as a peer's fault.
+
+The alternative rejected: classifying by builtin type (every ``RuntimeError`` a peer failure),
+which turned a packing bug on the publisher into the eviction of healthy members.
+"""
+
+from __future__ import annotations
+
+
+class InternalError(Exception):
+    """Root of the errors weightsync raises and catches inside; never seen by callers."""
+
+
+class PeerFailure(InternalError):
+    """A data-plane step failed because of a peer (or the link to it)."""
+
+
+class ChecksumMismatch(PeerFailure):
+    """A received bucket does not match the publisher's digest: the version is dropped."""
+
+
+class Cancelled(InternalError):
+    """A wait was given up on purpose: its generation ended, or the end is aborting."""
+
+
+class LocalFailure(InternalError):
+    """This process's own input or code failed; the operation's owner gets the error."""
+
+
+class ProtocolError(InternalError):
+    """A message that contradicts the protocol; the version it concerns is dropped."""
+
+
+class ControlFailure(InternalError):
+    """The control store failed."""
+
+
+class StoreTimeout(ControlFailure, TimeoutError):
+    """A key or queue item did not appear within the deadline."""
+
+
+class StoreUnreachable(ControlFailure, ConnectionError):
+    """The store's server stopped answering (its host process is gone)."""
+
+
+#: what a data-plane step may fail with without anyone's code being wrong
+DATA_PLANE_FAILURES = (PeerFailure, Cancelled, ProtocolError, ControlFailure)

@@ -1,0 +1,88 @@
+"""Retired backends are torn down here, off the threads that retired them.
+
+Measured on torch 2.13: gloo's ``abort()`` of a group whose peer is frozen (SIGSTOP) blocked
+6.8 s, long enough for that member to miss the next generation's rendezvous. Nothing is sent on
+a retired group again (its owner abandoned it first), so tearing it down can wait; the
+recorder entry completes when it is really gone. ``aclose`` drains it (bounded): a backend
+still being torn down when the interpreter exits takes the process down with it
+("terminate called without an active exception").
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import Any
+
+from weightsync.pg import _torch_compat as compat
+
+
+class Reaper:
+    """One daemon thread, started on demand, that aborts retired backends in turn."""
+
+    IDLE_EXIT = 30.0
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[tuple[Any, Any, Any]] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._busy = False
+        self._idle = threading.Condition()
+
+    def retire(self, pg: Any, store: Any, entry: Any) -> None:
+        self._queue.put((pg, store, entry))
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="ws-group-reaper", daemon=True)
+                self._thread.start()
+
+    def drain(self, timeout: float) -> bool:
+        """Wait (at most ``timeout`` s) until every retired backend is torn down.
+
+        Called by ``aclose``: a backend still being torn down when the interpreter exits
+        takes the process down with it (``terminate called without an active exception``).
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._lock:
+                thread = self._thread
+                busy = thread is not None and (not self._queue.empty() or self._busy)
+            if not busy:
+                return True
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            with self._idle:
+                self._idle.wait(min(left, 0.5))
+
+    def _run(self) -> None:
+        while True:
+            try:
+                pg, store, entry = self._queue.get(timeout=self.IDLE_EXIT)
+            except queue.Empty:
+                with self._lock:
+                    if self._queue.empty():
+                        self._thread = None
+                        return
+                continue
+            self._busy = True
+            compat.abort(pg)
+            del pg, store  # the backend's destructor runs here, not on a weightsync thread
+            entry.complete()
+            with self._idle:
+                self._busy = self._queue.qsize() > 0
+                self._idle.notify_all()
+
+
+_reaper = Reaper()
+
+
+def drain_retired(timeout: float) -> bool:
+    """Wait until retired groups are torn down (see :class:`Reaper`); False on timeout."""
+    return _reaper.drain(timeout)
+
+
+def retire(pg: Any, store: Any, entry: Any) -> None:
+    """Hand ``pg`` (and the store connection it used) over for teardown; completes ``entry``."""
+    _reaper.retire(pg, store, entry)

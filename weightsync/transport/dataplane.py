@@ -1,0 +1,81 @@
+"""The data-plane interface: the one seam the Sender and Receiver drive to move bytes.
+
+A *data plane* moves the buckets of one version from the publisher's end to the members of a
+generation. The Sender and the Receiver know nothing else about it: not the backend, not how
+a generation is formed, not whether bytes cross a socket. Lifecycle, every call made by the
+owning thread (the publisher's sender thread, or a subscriber's receiver thread), in order:
+
+1. ``offer()``: what this end contributes to the next generation's rendezvous, sent to the
+   publisher in ``Ready`` (a reconfigure handle, a segment name; ``""`` when nothing);
+2. ``enter(spec)``: form generation ``spec.generation`` with ``spec.members``, bounded by
+   ``spec.timeout``; the publisher's ``Go`` carries what every member offered;
+3. ``move(transfer)``: rank 0 sends ``transfer.buckets``, everyone else receives into them,
+   each bucket bounded by ``transfer.deadline(nbytes)``; returns the seconds spent waiting on
+   peers (the rest was this end's own time, which straggler scoring uses);
+4. ``leave(reason, failed=...)``: end the generation (a hung operation must return); with
+   ``failed`` the next ``enter`` starts from fresh resources;
+5. ``close()``: for good. ``leave`` and ``close`` are idempotent and never raise.
+
+Failures are :mod:`weightsync._errors`: ``PeerFailure`` when a peer broke the step,
+``Cancelled`` when ``transfer.cancelled()`` said to stop, ``LocalFailure`` when this end's own
+``before``/``after`` hook failed (packing a ``copy=False`` tensor, say). Nothing else escapes.
+
+How the planned planes plug in (docs/architecture.md has the picture):
+
+- the dedicated group (:class:`weightsync.pg.group.GroupPlane`): gloo/NCCL broadcast of each
+  bucket from rank 0; ``offer`` is the reconfigure handle on torch 2.14+;
+- same host: a plane whose ``offer`` names a shared-memory segment (or CUDA IPC handle) and
+  whose ``move`` copies from it, so the sender keeps driving the same five calls;
+- sharded trainers: one plane per trainer rank ("lanes"), each its own group with one
+  communicator; a version is readable when every lane's ``move`` has returned and verified;
+- one-sided (``torch.distributed._transport``, torch 2.15): ``offer`` publishes a memory
+  registration, ``move`` on a member is a read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class GenerationSpec:
+    """What ``enter`` needs: who is in generation ``generation``, and this end's rank in it."""
+
+    generation: int
+    members: tuple[str, ...]  # rank i+1 is members[i]; rank 0 is the publisher
+    rank: int
+    timeout: float
+    uuid: int = 0  # with ``offers``: re-form in place under this uuid
+    offers: tuple[str, ...] = ()  # rank-ordered, what every end offered; empty: build anew
+
+
+@dataclass
+class Transfer:
+    """One version's buckets on their way, and the hooks around each one."""
+
+    version: int
+    buckets: Sequence[torch.Tensor]
+    deadline: Callable[[int], float]  # seconds allowed for a bucket of n bytes
+    before: Callable[[int], None] | None = None  # runs before bucket i is issued (packing)
+    after: Callable[[int], None] | None = None  # runs once bucket i completed (checksums)
+    cancelled: Callable[[], bool] | None = None  # polled while waiting: True gives up (Cancelled)
+
+
+class DataPlane(Protocol):
+    """See the module docstring for who calls what, and when."""
+
+    kind: str
+
+    def offer(self) -> str: ...
+
+    def enter(self, spec: GenerationSpec) -> None: ...
+
+    def move(self, transfer: Transfer) -> float: ...
+
+    def leave(self, reason: str, *, failed: bool = False) -> None: ...
+
+    def close(self) -> None: ...
