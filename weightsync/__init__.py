@@ -14,11 +14,13 @@ from weightsync.errors import (
     SyncTimeout,
     WeightSyncError,
 )
-from weightsync.orchestrator import LocalProcessOrchestrator, MemberInfo, Orchestrator
-from weightsync.pg.membership import StragglerPolicy
+from weightsync.orchestrator import LocalProcessOrchestrator, Orchestrator
+from weightsync.pg.membership import MemberInfo, StragglerPolicy
 from weightsync.pg.recorder import FlightRecorder
-from weightsync.transport import DeliveryReport, Publisher, PutHandle, Subscriber, Weights, WeightStream
+from weightsync.transport.handles import DeliveryReport, PutHandle, Weights, WeightStream
 from weightsync.transport.options import connect_store
+from weightsync.transport.publisher import Publisher
+from weightsync.transport.subscriber import Subscriber
 
 __version__ = "0.1.0"
 

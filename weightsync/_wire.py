@@ -22,7 +22,7 @@ from typing import Union
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: settings travel in Admit; checksums are xxh3 digests
 
 
 class TensorSpec(msgspec.Struct, frozen=True, array_like=True):
@@ -72,12 +72,28 @@ class Wake(msgspec.Struct, frozen=True, tag="wake"):
     reason: str = ""
 
 
+class ChannelSettings(msgspec.Struct, frozen=True):
+    """What the publisher tells every member at admission: the one source of these values.
+
+    A subscriber derives every data-plane deadline from these (see ``transport.options.Deadlines``)
+    and hard-codes none of them, so a publisher with 1 GiB buckets and its members agree.
+    """
+
+    protocol: int
+    bucket_bytes: int
+    timeout: float  # the floor of every data-plane deadline
+    min_bandwidth: float  # bytes/s: a bucket of n bytes may take timeout + n / min_bandwidth
+    heartbeat_interval: float  # members beat this often; the publisher judges silence by it
+    checksum: bool  # every version is followed by a Seal of per-bucket digests
+    in_place: bool  # generations re-form one long-lived backend (Ready carries its handle)
+
+
 class Admit(msgspec.Struct, frozen=True, tag="admit"):
     member_id: str
     generation: int
     members: tuple[str, ...]  # rank i+1 is members[i]; rank 0 is the publisher
+    settings: ChannelSettings
     slot: int = 0  # unique in this channel: the rank a reconfigurable backend is created with
-    in_place: bool = False  # generations re-form one long-lived backend (Ready carries its handle)
 
 
 class Deny(msgspec.Struct, frozen=True, tag="deny"):
@@ -102,7 +118,6 @@ class Announce(msgspec.Struct, frozen=True, tag="announce"):
     manifest: Manifest
     bucket_bytes: int
     num_buckets: int
-    checksum: bool = False  # a Seal with per-bucket checksums follows the buckets
     resend: bool = False
 
 

@@ -25,11 +25,12 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from weightsync.pg.generations import MemberInfo
+from weightsync.pg.membership import MemberInfo, StragglerPolicy
+from weightsync.pg.recorder import FlightRecorder
 
 log = logging.getLogger("weightsync")
 
-__all__ = ["LocalProcessOrchestrator", "MemberInfo", "Orchestrator"]
+__all__ = ["LocalProcessOrchestrator", "MemberInfo", "Orchestrator", "Replacements"]
 
 
 @runtime_checkable
@@ -37,6 +38,64 @@ class Orchestrator(Protocol):
     """Starts a new member in place of one the publisher dropped."""
 
     async def replace(self, member: MemberInfo) -> None: ...
+
+
+class Replacements:
+    """The publisher's side: asks the orchestrator for a replacement of each dropped member.
+
+    The Sender reports every dropped member (:meth:`member_dropped`, any thread); the policy
+    decides whether it is replaced; ``orchestrator.replace`` then runs as a task on the
+    publisher's event loop. Its failures are recorded and logged, never raised into ``put``.
+    ``policy`` and ``orchestrator`` are read when a member is dropped, so a publisher may set
+    its orchestrator after construction (once its address is known).
+    """
+
+    def __init__(self, channel: str, *, recorder: FlightRecorder, policy: Callable[[], StragglerPolicy],
+                 orchestrator: Callable[[], Orchestrator | None], stopped: Callable[[], bool]) -> None:
+        self.channel = channel
+        self._recorder, self._policy, self._orchestrator, self._stopped = recorder, policy, orchestrator, stopped
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.tasks: list[asyncio.Task[None]] = []
+
+    def bind(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+
+    def member_dropped(self, member: MemberInfo) -> None:
+        """Any thread: ``member`` was dropped; replace it when the policy says so."""
+        policy = self._policy()
+        action = {"slow": policy.on_slow, "dead": policy.on_dead, "failed": policy.on_dead}.get(
+            member.reason, "evict")  # operator evictions and leaves are not replaced
+        if action != "replace" or self._orchestrator() is None or self._loop is None or self._stopped():
+            return
+        try:
+            self._loop.call_soon_threadsafe(self._start, member)
+        except RuntimeError:  # the loop is closed: nobody to replace for
+            pass
+
+    def _start(self, member: MemberInfo) -> None:
+        orchestrator = self._orchestrator()
+        if orchestrator is None:
+            return
+        entry = self._recorder.record("replace", channel=self.channel, member="publisher",
+                                      peers=(member.member_id,), error=member.reason).start()
+
+        async def run() -> None:
+            try:
+                await orchestrator.replace(member)
+            except Exception as err:  # noqa: BLE001 - a failed replacement must never reach put()
+                entry.fail(f"{type(err).__name__}: {err}")
+                log.warning("weightsync: replacing %s failed: %s", member.member_id, err)
+            else:
+                entry.complete()
+
+        self.tasks.append(asyncio.ensure_future(run()))
+
+    async def finish(self, timeout: float) -> None:
+        """Replacements being started finish (bounded); none start after this."""
+        if self.tasks:
+            _done, late = await asyncio.wait(self.tasks, timeout=timeout)
+            for task in late:
+                task.cancel()
 
 
 class LocalProcessOrchestrator:
@@ -49,8 +108,10 @@ class LocalProcessOrchestrator:
         target: instead of a command, ``target(member)``; it may return an awaitable (awaited)
             or a process-like object with ``poll()``/``pid`` (tracked and stopped by ``aclose``).
         env: extra environment for commands.
-        stop_old: also SIGKILL the dropped member's process when it runs on this host (a slow
-            member would otherwise keep running beside its replacement). Default False.
+        stop_old: also SIGKILL the dropped member's process when this orchestrator started it
+            (a slow replacement would otherwise keep running beside its own replacement). Only
+            processes in its own child list are ever signalled: the pid a member reports is
+            never trusted on its own. Default False.
         cwd, stdout, stderr: passed to :class:`subprocess.Popen`.
 
     Use it as an async context manager, or call :meth:`aclose`, to stop every process it
@@ -97,12 +158,11 @@ class LocalProcessOrchestrator:
         self.started.append((member, result))
 
     def _stop_old(self, member: MemberInfo) -> None:
-        if member.pid <= 0 or member.pid == os.getpid() or member.host not in ("", socket.gethostname()):
+        if member.pid <= 0 or member.host not in ("", socket.gethostname()):
             return
-        try:
-            os.kill(member.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+        for proc in self.processes():  # only a process we started, and only while it runs
+            if proc.pid == member.pid and proc.poll() is None:
+                _signal(proc, signal.SIGKILL)
 
     def processes(self) -> list[Any]:
         return [p for _, p in self.started if p is not None and hasattr(p, "poll")]

@@ -1,6 +1,3 @@
-"""Dedicated process groups: generations, membership, flight recorder, torch compatibility."""
-
-from weightsync.pg.group import DedicatedGroup, resolve_backend
-from weightsync.pg.recorder import Entry, FlightRecorder, process_recorder
-
-__all__ = ["DedicatedGroup", "Entry", "FlightRecorder", "process_recorder", "resolve_backend"]
+"""The control plane, membership and generations, the dedicated-group data plane, the flight
+recorder and everything that touches torch.distributed. Private: public names are re-exported
+by :mod:`weightsync`."""

@@ -20,58 +20,52 @@ import itertools
 import secrets
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from weightsync import _wire
+from weightsync._errors import ControlFailure, PeerFailure, StoreTimeout
 from weightsync.errors import WeightSyncError
-from weightsync.pg.control import ControlPlane, StoreTimeout, StoreUnreachable
-from weightsync.pg.group import DedicatedGroup, Reconfigurable, reconfigure_enabled
-from weightsync.pg.membership import Membership
+from weightsync.pg.control import ControlPlane
+from weightsync.pg.membership import MemberInfo, Membership, Plan
 from weightsync.pg.recorder import FlightRecorder
+from weightsync.transport.dataplane import DataPlane, GenerationSpec
+from weightsync.transport.options import Deadlines
 
 PUBLISHER = "publisher"
 
 
-@dataclass
-class MemberInfo:
-    """Who a member was, for an orchestrator replacing it: id, host, pid and why it left."""
-
-    member_id: str
-    host: str = ""
-    pid: int = 0
-    reason: str = ""  # dead | failed | slow | operator
-    generation: int = -1  # the generation formed without it
-
-
-DATA_ERRORS = (TimeoutError, RuntimeError, StoreTimeout, StoreUnreachable, ValueError)
-
-
 class Generations:
-    """Owned and called by the publisher's sender thread (``register`` by its inbox thread)."""
+    """Owned and called by the publisher's sender thread only.
 
-    def __init__(self, channel: str, *, membership: Membership, recorder: FlightRecorder, backend: str,
-                 device: torch.device, rendezvous_timeout: float, stopped: Callable[[], bool],
-                 on_change: Callable[[], None], on_evicted: Callable[[MemberInfo], None] = lambda _m: None) -> None:
+    Args:
+        plane: the publisher's data plane (rank 0 of every generation).
+        settings: what every member is told at admission.
+        pump: applies membership requests that arrived meanwhile; called while waiting for
+            replies, so a leave or a death ends a wait on the member that went away.
+        stopped: True once the publisher aborts.
+        on_change: the member set changed (wakes ``wait_subscribers``).
+        on_evicted: a member was dropped (the orchestrator may replace it).
+    """
+
+    def __init__(self, channel: str, *, membership: Membership, recorder: FlightRecorder, plane: DataPlane,
+                 settings: _wire.ChannelSettings, stopped: Callable[[], bool], on_change: Callable[[], None],
+                 on_evicted: Callable[[MemberInfo], None] = lambda _m: None,
+                 pump: Callable[[], None] = lambda: None) -> None:
         self.channel = channel
         self.membership = membership
-        self.backend = backend
-        self.device = device
-        self.rendezvous_timeout = rendezvous_timeout
-        self.group: DedicatedGroup | None = None
+        self.plane = plane
+        self.settings = settings
+        self.deadlines = Deadlines(settings)
         self._recorder = recorder
         self._stopped = stopped
         self._on_change = on_change
         self._on_evicted = on_evicted
+        self._pump = pump
         self._reply_to: dict[str, str] = {}
         self._info: dict[str, MemberInfo] = {}
         self._slots: dict[str, int] = {}
         self._next_slot = itertools.count(1)  # 0 is the publisher's
         self._seq = itertools.count()
-        self.in_place = reconfigure_enabled(backend)
-        self._backend: Reconfigurable | None = None  # the publisher's, when in_place
         self.last_timings: dict[str, tuple[float, float]] = {}  # member -> (seconds, own seconds)
 
     def register(self, member_id: str, reply_to: str, host: str = "", pid: int = 0) -> None:
@@ -95,30 +89,29 @@ class Generations:
                 ctl.push(queue, message)
 
     def advance(self, ctl: ControlPlane, reason: str, failed: Iterable[str] = ()) -> None:
-        """End the current generation and build the next with the live members and joiners."""
+        """End the current generation and build the next with the live members and joiners.
+
+        ``failed``: members to blame for what ended it. A ``reason`` other than "membership
+        change" means an operation failed mid-flight: every end re-forms from fresh resources.
+        """
         for _attempt in range(4):
             plan = self.membership.plan_next(failed)
-            # after a failed operation, works may still hang on the old backend's threads and
-            # would block a re-formed one (measured on 2.15): every member starts a fresh one
+            for member in plan.dropped_joiners:
+                self.forget(member)
             fresh = reason != "membership change"
             self.tell(ctl, self.membership.members, _wire.Reconfigure(
                 next_generation=plan.generation, members=plan.members, reason=reason,
-                trouble=reason != "membership change" or bool(plan.evicted), fresh=fresh))
-            if fresh and self._backend is not None:
-                self._backend.close()
-                self._backend = None
+                trouble=fresh or bool(plan.evicted), fresh=fresh))
             for member_id in plan.admitted:
                 self.tell(ctl, [member_id], _wire.Admit(member_id=member_id, generation=plan.generation,
-                                                         members=plan.members, slot=self._slots[member_id],
-                                                         in_place=self.in_place))
-            if self.group is not None:
-                self.group.abort(reason)
-                self.group = None
+                                                         members=plan.members, settings=self.settings,
+                                                         slot=self._slots[member_id]))
+            self.plane.leave(reason, failed=fresh)
             self._seq = itertools.count()
             rendezvous = self._recorder.record("rendezvous", channel=self.channel, member=PUBLISHER,
                                                generation=plan.generation, peers=plan.members).start()
-            handles: dict[str, str] = {}
-            missing = self._await_ready(ctl, plan, handles)
+            offers: dict[str, str] = {}
+            missing = self._await_ready(ctl, plan, offers)
             if missing:
                 if all(self.membership.is_leaving(m) for m in missing):
                     rendezvous.complete()  # members left meanwhile: an ordinary replan, not a failure
@@ -129,51 +122,47 @@ class Generations:
                 continue
             rendezvous.complete()
             try:
-                self.group = self._form(ctl, plan, handles)
-            except DATA_ERRORS as err:
+                self._form(ctl, plan, offers)
+            except PeerFailure as err:
                 self.membership.commit(plan, ok=False)
                 failed, reason = self.membership.unresponsive(), f"rendezvous failed: {err}"
                 continue
             self.membership.commit(plan, ok=True)
             for member in plan.evicted:
-                self._reply_to.pop(member, None)
-                self._slots.pop(member, None)
-                info = self._info.pop(member, None) or MemberInfo(member)
+                info = self.forget(member) or MemberInfo(member)
                 info.reason, info.generation = plan.reasons.get(member, "evicted"), plan.generation
                 self._on_evicted(info)
             self._on_change()
             return
         raise WeightSyncError("could not form a generation after 4 attempts", channel=self.channel)
 
-    def _form(self, ctl: ControlPlane, plan: Any, handles: dict[str, str]) -> DedicatedGroup | None:
-        """Say Go and form the generation's group: re-form our backend in place, or build anew."""
-        if self.in_place:
-            if not plan.members:
-                self.tell(ctl, plan.members, _wire.Go(generation=plan.generation))
-                return None
-            if self._backend is None:
-                self._backend = Reconfigurable(ctl.store, channel=self.channel, member=PUBLISHER, slot=0,
-                                               timeout=self.rendezvous_timeout, recorder=self._recorder)
-            ordered = (self._backend.handle(), *(handles[m] for m in plan.members))
-            uuid = secrets.randbits(62)  # fresh per re-formation; unique across channels on one store
-            self.tell(ctl, plan.members, _wire.Go(generation=plan.generation, uuid=uuid, handles=ordered))
-            return self._backend.enter(generation=plan.generation, uuid=uuid, handles=ordered, rank=0,
-                                       peers=plan.members, timeout=self.rendezvous_timeout, device=self.device)
-        self.tell(ctl, plan.members, _wire.Go(generation=plan.generation))
-        return DedicatedGroup.build(
-            ctl.store, channel=self.channel, member=PUBLISHER, generation=plan.generation,
-            rank=0, size=len(plan.members) + 1, backend=self.backend, device=self.device,
-            timeout=self.rendezvous_timeout, recorder=self._recorder, peers=plan.members)
+    def forget(self, member: str) -> MemberInfo | None:
+        """Drop what is known of ``member`` (it left, was evicted, or died joining)."""
+        self._reply_to.pop(member, None)
+        self._slots.pop(member, None)
+        return self._info.pop(member, None)
 
-    def _await_ready(self, ctl: ControlPlane, plan: Any, handles: dict[str, str]) -> set[str]:
+    def _form(self, ctl: ControlPlane, plan: Plan, offers: dict[str, str]) -> None:
+        """Say Go and enter the generation: re-form in place with everyone's offers, or build anew."""
+        timeout = self.deadlines.rendezvous()
+        spec = GenerationSpec(plan.generation, plan.members, rank=0, timeout=timeout)
+        if self.settings.in_place and plan.members:
+            ordered = (self.plane.offer(), *(offers[m] for m in plan.members))
+            uuid = secrets.randbits(62)  # fresh per re-formation; unique across channels on one store
+            spec = GenerationSpec(plan.generation, plan.members, rank=0, timeout=timeout, uuid=uuid, offers=ordered)
+        self.tell(ctl, plan.members, _wire.Go(generation=plan.generation, uuid=spec.uuid, handles=spec.offers))
+        self.plane.enter(spec)
+
+    def _await_ready(self, ctl: ControlPlane, plan: Plan, offers: dict[str, str]) -> set[str]:
         """Wait until every planned member is on its way into the rendezvous.
 
         Returns the members that left, died or never came: gloo's own rendezvous cannot be
         interrupted, so nobody enters it until everyone is known to be coming.
         """
-        deadline = time.monotonic() + self.rendezvous_timeout
+        deadline = time.monotonic() + self.deadlines.rendezvous()
         waiting = set(plan.members)
         while waiting:
+            self._pump()
             gone = {m for m in waiting if self.membership.is_leaving(m) or not self.membership.is_alive(m)}
             if gone or self._stopped():
                 return gone or waiting
@@ -185,11 +174,11 @@ class Generations:
                 self._recorder.record("reply", channel=self.channel, member=PUBLISHER).fail(f"malformed: {err}")
                 continue
             if isinstance(message, _wire.Ready) and message.generation == plan.generation:
-                if self.in_place and not message.handle:
+                if self.settings.in_place and not message.handle:
                     self._recorder.record("rendezvous", channel=self.channel, member=PUBLISHER,
                                           peers=(message.member_id,)).fail("Ready without a reconfigure handle")
                     continue  # it will not come: it is counted missing when the deadline passes
-                handles[message.member_id] = message.handle
+                offers[message.member_id] = message.handle
                 waiting.discard(message.member_id)
         return set()
 
@@ -209,6 +198,7 @@ class Generations:
         deadline = time.monotonic() + timeout
         silent = set(members)
         while silent:
+            self._pump()
             if all(not self.membership.is_alive(m) for m in silent):
                 break
             try:
@@ -247,11 +237,7 @@ class Generations:
         try:
             self.tell(ctl, self.membership.members, _wire.Shutdown(reason="publisher closed"))
             self.tell(ctl, self.membership.joining(), _wire.Deny(reason="publisher closed", kind="closed"))
-        except (StoreTimeout, StoreUnreachable):
+        except ControlFailure:
             pass
-        if self.group is not None:
-            self.group.abort("publisher closed")
-        if self._backend is not None:
-            self._backend.close()
-            self._backend = None
+        self.plane.close()
         self._on_change()

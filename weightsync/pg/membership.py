@@ -1,9 +1,15 @@
 """Membership of one channel: generations, joins, leaves, liveness.
 
-The publisher owns it. The inbox thread records requests (join, leave) and samples heartbeat
-counters; the sender thread turns them into the next generation with :meth:`plan_next` and
-:meth:`commit`. A member is *dead* when its heartbeat counter has not moved for five
-intervals (and at least two seconds); a member that failed a version is kept while alive, and dropped after two failed
+The publisher's sender owns it. Who writes what:
+
+- the sender thread applies every request (join, leave, evict) and turns them into the next
+  generation with :meth:`plan_next` and :meth:`commit`;
+- the monitor thread only samples heartbeat counters (:meth:`sample_heartbeats`);
+- any thread may read (every method takes the lock).
+
+A member is *dead* when its heartbeat counter has not moved for ``dead_after`` seconds (see
+``Deadlines.member_silence``); a joiner that dies before it is planned is dropped from the
+joining set. A member that failed a version is kept while alive, and dropped after two failed
 versions in a row (a slow member cannot hold the others back forever).
 """
 
@@ -19,9 +25,18 @@ from dataclasses import dataclass, field
 from weightsync.pg.control import ControlPlane, StoreTimeout, StoreUnreachable
 from weightsync.pg.recorder import FlightRecorder
 
-DEAD_AFTER_BEATS = 5
-DEAD_AFTER_SECONDS = 2.0  # never sooner: a loaded machine delays beats, and eviction is costly
 MAX_STRIKES = 2
+
+
+@dataclass
+class MemberInfo:
+    """Who a member was, for an orchestrator replacing it: id, host, pid and why it left."""
+
+    member_id: str
+    host: str = ""
+    pid: int = 0
+    reason: str = ""  # dead | failed | slow | operator
+    generation: int = -1  # the generation formed without it
 
 
 ACTIONS = ("keep", "evict", "replace")
@@ -63,14 +78,17 @@ class Plan:
     evicted: tuple[str, ...]
     notify: bool
     reasons: dict[str, str] = field(default_factory=dict)  # evicted member -> dead | failed | slow
+    dropped_joiners: tuple[str, ...] = ()  # joiners that died before they were planned
 
 
 class Membership:
-    def __init__(self, channel: str, recorder: FlightRecorder, heartbeat_interval: float = 1.0) -> None:
+    def __init__(self, channel: str, recorder: FlightRecorder, heartbeat_interval: float = 1.0,
+                 dead_after: float = 2.0) -> None:
         self.channel = channel
         self.generation = 0
         self.members: list[str] = []
         self.heartbeat_interval = heartbeat_interval
+        self.dead_after = dead_after
         self._recorder = recorder
         self._lock = threading.Lock()
         self._joining: list[str] = []
@@ -86,11 +104,15 @@ class Membership:
         self._slow_streak: dict[str, int] = {}
 
     # requests (inbox thread) -------------------------------------------------------------
-    def request_join(self, member_id: str) -> None:
+    def request_join(self, member_id: str) -> bool:
+        """Add a joiner; False (nothing changed) when the id is already a member or joining."""
         with self._lock:
+            if member_id in self.members or member_id in self._joining:
+                return False
             self._joining.append(member_id)
             self._beats[member_id] = (-1, time.monotonic())
             self._reported_dead.discard(member_id)
+            return True
 
     def request_leave(self, member_id: str) -> None:
         with self._lock:
@@ -155,7 +177,7 @@ class Membership:
         if now - self._last_sample > 2 * self.heartbeat_interval:
             return True  # our view is stale (the sampling is stuck on a stalled store): no verdicts
         _, since = self._beats.get(member, (-1, now))
-        return now - since < max(DEAD_AFTER_BEATS * self.heartbeat_interval, DEAD_AFTER_SECONDS)
+        return now - since < self.dead_after
 
     def has_dead_members(self) -> bool:
         return any(not self.is_alive(m) for m in self.members)
@@ -188,10 +210,13 @@ class Membership:
                     evicted.append(member)
                 else:
                     keep.append(member)
-            admitted = tuple(m for m in self._joining if self.is_alive(m) and m not in failed)
+            dropped = [m for m in self._joining if not self.is_alive(m)]  # died before they were planned
+            self._joining = [m for m in self._joining if m not in dropped]
+            admitted = tuple(m for m in self._joining if m not in failed)
             return Plan(old_generation=self.generation, generation=self.generation + 1,
                         members=tuple(keep) + admitted, admitted=admitted,
-                        evicted=tuple(evicted), notify=bool(self.members), reasons=reasons)
+                        evicted=tuple(evicted), notify=bool(self.members), reasons=reasons,
+                        dropped_joiners=tuple(dropped))
 
     def commit(self, plan: Plan, ok: bool) -> None:
         """Adopt ``plan`` (``ok``) or record that its rendezvous failed."""

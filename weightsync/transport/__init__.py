@@ -1,7 +1,3 @@
-"""The asyncio API: Publisher, Subscriber, PutHandle, Weights, manifests, buckets, staging."""
-
-from weightsync.transport.handles import DeliveryReport, PutHandle, Weights, WeightStream
-from weightsync.transport.publisher import Publisher
-from weightsync.transport.subscriber import Subscriber
-
-__all__ = ["DeliveryReport", "Publisher", "PutHandle", "Subscriber", "WeightStream", "Weights"]
+"""The asyncio API (Publisher, Subscriber, handles) and the composed Sender and Receiver that
+drive a data plane through one interface (:mod:`weightsync.transport.dataplane`). Private:
+public names are re-exported by :mod:`weightsync`."""

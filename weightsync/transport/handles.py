@@ -1,14 +1,14 @@
 """Values the public API hands back: PutHandle, DeliveryReport, Weights.
 
 Threads never touch asyncio objects directly: they resolve handles through
-``loop.call_soon_threadsafe`` (:func:`call_soon`), so the event loop never blocks on the
+``loop.call_soon_threadsafe`` (``lifecycle.call_soon``), so the event loop never blocks on the
 wire and a closed loop is not an error for a background thread.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Generator, Iterator, Mapping
+from collections.abc import Generator, Iterator, Mapping
 from typing import Any, TypeVar
 
 import msgspec
@@ -17,6 +17,7 @@ import torch
 from weightsync._wire import Manifest
 from weightsync.errors import SyncTimeout
 from weightsync.transport import layout
+from weightsync.transport.lifecycle import call_soon
 
 T = TypeVar("T")
 
@@ -37,14 +38,6 @@ class DeliveryReport(msgspec.Struct, frozen=True):
     nbytes: int
     seconds: float
     superseded: bool = False
-
-
-def call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: Any) -> None:
-    """Schedule ``fn(*args)`` on ``loop`` from any thread; a closed loop is ignored."""
-    try:
-        loop.call_soon_threadsafe(fn, *args)
-    except RuntimeError:  # loop closed: nobody is waiting any more
-        pass
 
 
 def _settle(fut: asyncio.Future[Any], result: Any = None, error: BaseException | None = None) -> None:

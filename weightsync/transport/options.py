@@ -1,4 +1,10 @@
-"""Validated, keyword-only channel options shared by Publisher and Subscriber."""
+"""Channel options, and the one place every deadline is computed.
+
+The publisher's :class:`ChannelOptions` become a :class:`~weightsync._wire.ChannelSettings`
+that every member receives at admission; both ends then compute each deadline with
+:class:`Deadlines` from those settings. Nothing here is duplicated on the subscriber: it
+waits on nothing the publisher did not tell it (except its own join and liveness bounds).
+"""
 
 from __future__ import annotations
 
@@ -7,7 +13,13 @@ import socket
 import msgspec
 import torch
 
+from weightsync._wire import PROTOCOL_VERSION, ChannelSettings
+
 MiB = 1 << 20
+#: a member is dead after this many silent heartbeat intervals ...
+DEAD_AFTER_BEATS = 5
+#: ... and never sooner than this: a loaded machine delays beats, and an eviction is costly
+DEAD_AFTER_SECONDS = 2.0
 
 
 class ChannelOptions(msgspec.Struct, frozen=True, kw_only=True):
@@ -36,8 +48,57 @@ class ChannelOptions(msgspec.Struct, frozen=True, kw_only=True):
         if not 0 < self.heartbeat_interval <= self.timeout:
             raise ValueError(f"heartbeat_interval must be in (0, timeout], got {self.heartbeat_interval}")
 
-    def deadline(self, nbytes: int) -> float:
-        return self.timeout + nbytes / self.min_bandwidth
+    def settings(self, *, checksum: bool, in_place: bool) -> ChannelSettings:
+        """What members are told at admission."""
+        return ChannelSettings(protocol=PROTOCOL_VERSION, bucket_bytes=self.bucket_bytes, timeout=self.timeout,
+                               min_bandwidth=self.min_bandwidth, heartbeat_interval=self.heartbeat_interval,
+                               checksum=checksum, in_place=in_place)
+
+
+class Deadlines:
+    """Every deadline of one channel, in seconds, from the publisher's settings.
+
+    Both ends construct it from the same :class:`ChannelSettings` (the subscriber from its
+    ``Admit``), so they agree on every bound. Example::
+
+        d = Deadlines(opts.settings(checksum=True, in_place=False))
+        d.bucket(64 << 20)   # timeout + 64 MiB / min_bandwidth
+    """
+
+    def __init__(self, settings: ChannelSettings) -> None:
+        self.settings = settings
+
+    def bucket(self, nbytes: int) -> float:
+        """One bucket of ``nbytes`` on the wire: the floor plus its bytes at the slowest rate."""
+        return self.settings.timeout + nbytes / self.settings.min_bandwidth
+
+    def rendezvous(self) -> float:
+        """Forming a generation's group (gloo/NCCL rendezvous, or an in-place re-form)."""
+        return self.settings.timeout + self.bucket(self.settings.bucket_bytes)
+
+    def acknowledgements(self) -> float:
+        """From the last bucket (or the Seal) to every member's Ack."""
+        return self.settings.timeout
+
+    def seal(self) -> float:
+        """A receiver waiting for the Seal after its last bucket."""
+        return self.settings.timeout
+
+    def readers(self) -> float:
+        """A receiver waiting for readers to release the slot it must overwrite."""
+        return self.settings.timeout
+
+    def drain(self) -> float:
+        """A subscriber closing: the version in flight finishes (two of the largest buckets)."""
+        return 2 * self.bucket(self.settings.bucket_bytes)
+
+    def member_silence(self) -> float:
+        """The publisher declares a member dead after this long without a beat."""
+        return max(DEAD_AFTER_BEATS * self.settings.heartbeat_interval, DEAD_AFTER_SECONDS)
+
+    def publisher_silence(self, own_timeout: float) -> float:
+        """A subscriber declares the publisher gone after this long without its beat."""
+        return max(3 * self.settings.heartbeat_interval, own_timeout / 2)
 
 
 def parse_address(address: str) -> tuple[str, int]:

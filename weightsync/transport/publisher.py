@@ -3,9 +3,11 @@
 Who calls what, in order:
 
 1. the trainer enters ``async with Publisher(name, address=...)``: the store is hosted (or
-   the given one used) and three threads start: *inbox* (joins, leaves, admission),
-   *monitor* (heartbeats) and *sender* (generations, announce, broadcast, acknowledgements,
-   straggler scoring and replacements; in :mod:`weightsync.transport.sender`);
+   the given one used) and three components start their threads: the
+   :class:`~weightsync.transport.sender.Sender` (generations, announce, data plane,
+   acknowledgements, straggler scoring), the :class:`~weightsync.transport.watchers.Inbox`
+   (admission) and the :class:`~weightsync.transport.watchers.Monitor` (heartbeats); the
+   Publisher itself only holds them together and talks to the event loop;
 2. subscribers join; the sender ends the current generation and builds the next one with
    them (the publisher is always rank 0);
 3. ``await pub.put(sd)`` snapshots into staging and returns a PutHandle; the sender picks
@@ -28,23 +30,25 @@ from typing import Any
 import torch
 
 from weightsync import _wire
+from weightsync._errors import ControlFailure
 from weightsync.errors import Closed, SyncTimeout, WeightSyncError
-from weightsync.orchestrator import Orchestrator
+from weightsync.orchestrator import Orchestrator, Replacements
 from weightsync.pg import _torch_compat as compat
 from weightsync.pg import handshake
-from weightsync.pg.control import ControlPlane, StoreTimeout, StoreUnreachable
-from weightsync.pg.generations import Generations, MemberInfo
-from weightsync.pg.group import drain_retired, resolve_backend
-from weightsync.pg.membership import Membership, StragglerPolicy
+from weightsync.pg.control import ControlPlane
+from weightsync.pg.group import GroupPlane, reconfigure_enabled, resolve_backend
+from weightsync.pg.membership import MemberInfo, Membership, StragglerPolicy
 from weightsync.pg.recorder import FlightRecorder, process_recorder
-from weightsync.transport import layout
-from weightsync.transport.handles import PutHandle, call_soon
-from weightsync.transport.options import ChannelOptions, MiB, advertised_host, parse_address, resolve_device
-from weightsync.transport.sender import SenderLoop
-from weightsync.transport.staging import BucketBuffers, Job, Staging, cuda_snapshot, superseded_report
+from weightsync.transport import layout, lifecycle
+from weightsync.transport.handles import PutHandle
+from weightsync.transport.lifecycle import EndState, call_soon
+from weightsync.transport.options import ChannelOptions, Deadlines, MiB, advertised_host, parse_address, resolve_device
+from weightsync.transport.sender import Abort, Drain, Evict, PutCommitted, Sender, SenderState
+from weightsync.transport.staging import Job, Staging, cuda_snapshot, superseded_report
+from weightsync.transport.watchers import Inbox, Monitor
 
 
-class Publisher(SenderLoop):
+class Publisher:
     """Pushes versions of a set of tensors to every subscriber of channel ``name``.
 
     Example::
@@ -83,10 +87,11 @@ class Publisher(SenderLoop):
                  max_snapshots: int = 2, recorder: FlightRecorder | None = None,
                  flight_recorder_dir: str | os.PathLike[str] | None = None, policy: StragglerPolicy | None = None,
                  orchestrator: Orchestrator | None = None, checksum: bool = True) -> None:
-        if not isinstance(name, str) or not name or "/" in name:
-            raise ValueError(f"channel name must be a non-empty string without '/', got {name!r}")
+        lifecycle.validate_name("channel name", name)
         if address is not None and store is not None:
             raise ValueError("pass either address= (host a store) or store= (use yours), not both")
+        if orchestrator is not None and not callable(getattr(orchestrator, "replace", None)):
+            raise TypeError("orchestrator must have an async replace(member) method (see weightsync.Orchestrator)")
         self.name = name
         self.options = ChannelOptions(timeout=timeout, min_bandwidth=min_bandwidth, bucket_bytes=bucket_bytes,
                                       heartbeat_interval=heartbeat_interval)
@@ -96,37 +101,38 @@ class Publisher(SenderLoop):
         self.backend = resolve_backend(backend, self.device)
         self._slot_device = self.device if self.backend == "nccl" else torch.device("cpu")
         self._secret = handshake.resolve_secret(secret)
-        self._staging = Staging(max_snapshots)
         self._recorder = recorder or process_recorder()
         self._recorder.configure(directory=flight_recorder_dir, label="publisher")
-        self._member = "publisher"
-        self._last_version: int | None = None
-        self._state = "new"
-        self._put_lock: asyncio.Lock | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._executor: ThreadPoolExecutor | None = None
-        self._stop = threading.Event()  # abort: stop at once
-        self._draining = False  # aclose: send what is pending, then stop
-        self._threads: list[threading.Thread] = []
-        self._members_changed: asyncio.Event | None = None
-        self._copy_stream: Any = None
-        self._bucket_buffers = BucketBuffers(self._slot_device)
-        self.membership = Membership(name, self._recorder, self.options.heartbeat_interval)
-        self._address: str | None = None
-        self._store: Any = None
-        self._fatal: WeightSyncError | None = None
-        if orchestrator is not None and not callable(getattr(orchestrator, "replace", None)):
-            raise TypeError("orchestrator must have an async replace(member) method (see weightsync.Orchestrator)")
         self.policy = policy or StragglerPolicy()
         self.orchestrator = orchestrator
         self.checksum = checksum
-        self.replacements: list[asyncio.Task[None]] = []
-        self.evicted: list[MemberInfo] = []  # every member dropped so far, with why
-        self._gens = Generations(name, membership=self.membership, recorder=self._recorder, backend=self.backend,
-                                 device=self._slot_device,
-                                 rendezvous_timeout=self.options.timeout + self.options.deadline(bucket_bytes),
-                                 stopped=self._stop.is_set, on_change=self._notify_members,
-                                 on_evicted=self._on_evicted)
+        self.settings = self.options.settings(checksum=checksum, in_place=reconfigure_enabled(self.backend))
+        self._staging = Staging(max_snapshots)
+        self.membership = Membership(name, self._recorder, self.options.heartbeat_interval,
+                                     dead_after=Deadlines(self.settings).member_silence())
+        self._state = EndState.NEW
+        self._stop = threading.Event()  # everything stops (after the sender drained, or at once)
+        self._replacements = Replacements(name, recorder=self._recorder, policy=lambda: self.policy,
+                                          orchestrator=lambda: self.orchestrator, stopped=self._stop.is_set)
+        self._sender = Sender(name, settings=self.settings, staging=self._staging, membership=self.membership,
+                              recorder=self._recorder, policy=self.policy, make_plane=self._make_plane,
+                              slot_device=self._slot_device, on_change=self._notify_members,
+                              on_evicted=self._replacements.member_dropped)
+        self._last_version: int | None = None
+        self._put_lock: asyncio.Lock | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._threads: list[threading.Thread] = []
+        self._members_changed: asyncio.Event | None = None
+        self._copy_stream: Any = None
+        self._address: str | None = None
+        self._store: Any = None
+
+    def _make_plane(self, ctl: ControlPlane) -> GroupPlane:
+        """The sender thread's data plane (rank 0 of every generation)."""
+        return GroupPlane(ctl.store, channel=self.name, member="publisher", backend=self.backend,
+                          device=self._slot_device, recorder=self._recorder, in_place=self.settings.in_place,
+                          slot=0, timeout=Deadlines(self.settings).rendezvous())
 
     # lifecycle ----------------------------------------------------------------------------
     async def __aenter__(self) -> Publisher:
@@ -138,29 +144,29 @@ class Publisher(SenderLoop):
 
     async def start(self) -> None:
         """Host or connect the store and start the background threads."""
-        if self._state != "new":
-            raise Closed("a Publisher starts once", channel=self.name) if self._state == "closed" else RuntimeError(
-                "Publisher already started")
+        if self._state is not EndState.NEW:
+            raise Closed("a Publisher starts once", channel=self.name)
         self._loop = asyncio.get_running_loop()
         self._put_lock = asyncio.Lock()
         self._members_changed = asyncio.Event()
+        self._replacements.bind(self._loop)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"ws-{self.name}-snapshot")
         try:
             self._store = await self._loop.run_in_executor(self._executor, self._open_store)
         except Exception as err:
             self._executor.shutdown(wait=False)
-            self._state = "closed"
+            self._state = EndState.CLOSED
             raise WeightSyncError(f"could not host/connect the store: {err}", channel=self.name) from err
         self._ctl = ControlPlane(self._store, self.name)
-        roles = ((self._inbox_main, "inbox"), (self._sender_main, "sender"), (self._monitor_main, "monitor"))
-        # one store connection per blocking thread, made serially before any thread runs
-        clones = await self._loop.run_in_executor(
-            self._executor, lambda: [self._ctl.clone(self.options.timeout) for _ in roles])
-        self._state = "running"
-        for (target, role), ctl in zip(roles, clones, strict=True):
-            thread = threading.Thread(target=target, args=(ctl,), name=f"ws-{self.name}-{role}", daemon=True)
-            thread.start()
-            self._threads.append(thread)
+        inbox = Inbox(self.name, sender=self._sender, secret=self._secret,
+                      mine=handshake.fingerprint(self.backend, self.device), recorder=self._recorder,
+                      stop=self._stop, closing=lambda: self._state is not EndState.RUNNING)
+        monitor = Monitor(self.name, sender=self._sender, membership=self.membership,
+                          interval=self.options.heartbeat_interval, recorder=self._recorder, stop=self._stop)
+        self._state = EndState.RUNNING
+        self._threads = await lifecycle.launch(
+            self._loop, self._executor, self._ctl, self.options.timeout,
+            ((self._sender.main, "sender"), (inbox.main, "inbox"), (monitor.main, "monitor")), f"ws-{self.name}")
 
     def _open_store(self) -> Any:
         if self._user_store is not None:
@@ -178,55 +184,42 @@ class Publisher(SenderLoop):
 
     async def aclose(self, timeout: float | None = None) -> None:
         """Send what is pending (bounded by its deadlines), tell subscribers, stop. Idempotent."""
-        if self._state in ("closed", "new", "closing"):
-            self._state = "closed"
+        if self._state is not EndState.RUNNING:
+            self._state = EndState.CLOSED if self._state is EndState.NEW else self._state
             return
-        self._state = "closing"
-        with self._staging.lock:
-            self._draining = True
-            self._staging.lock.notify_all()
-        await self._join_threads(timeout if timeout is not None else self.options.timeout * 4)
+        self._state = EndState.CLOSING
+        self._sender.submit(Drain())
+        await self._close(timeout if timeout is not None else self.options.timeout * 4)
 
     async def abort(self) -> None:
         """Stop at once (also during an aclose): pending puts fail with Closed. Idempotent."""
-        if self._state in ("closed", "new"):
-            self._state = "closed"
-            return
-        self._state = "closing"
+        self._sender.submit(Abort())
         self._stop.set()
-        with self._staging.lock:
-            self._staging.lock.notify_all()
-        await self._join_threads(self.options.timeout)
+        if self._state is not EndState.RUNNING:
+            self._state = EndState.CLOSED if self._state is EndState.NEW else self._state
+            return
+        self._state = EndState.CLOSING
+        await self._close(self.options.timeout)
 
-    async def _join_threads(self, timeout: float) -> None:
+    async def _close(self, timeout: float) -> None:
         assert self._loop is not None
         deadline = time.monotonic() + timeout
-        inbox, sender, monitor = self._threads
-        await self._loop.run_in_executor(None, sender.join, max(deadline - time.monotonic(), 0.01))
+        sender, *watchers = self._threads
+        await lifecycle.join(self._loop, [sender], deadline)
         self._stop.set()  # the sender has drained (or timed out): now everything may stop
-        with self._staging.lock:
-            self._staging.lock.notify_all()
+        self._sender.submit(Abort())
         try:
             self._ctl.push(self._ctl.inbox, _wire.Wake(reason="closing"))
             self._ctl.push(self._ctl.replies, _wire.Wake(reason="closing"))
-        except (StoreTimeout, StoreUnreachable):
+        except ControlFailure:
             pass
-        for thread in (sender, inbox, monitor):
-            await self._loop.run_in_executor(None, thread.join, max(deadline - time.monotonic(), 0.01))
+        await lifecycle.join(self._loop, [sender, *watchers], deadline)
         for job in self._staging.drain():
             job.handle.resolve_threadsafe(error=Closed("publisher closed before sending", channel=self.name,
                                                        version=job.version))
-        if self.replacements:  # replacements being started finish (bounded); none start after this
-            _done, late = await asyncio.wait(self.replacements, timeout=self.options.timeout)
-            for task in late:
-                task.cancel()
-        if self._executor is not None:
-            self._executor.shutdown(wait=False)
-        # retired groups finish tearing down before we return (bounded): see group._Reaper
-        await self._loop.run_in_executor(None, drain_retired, self.options.timeout * 3)
-        if self._recorder.last_dump_path is not None:  # trouble was dumped: leave the full story
-            self._recorder.dump_on_trouble("closed after trouble", force=True)
-        self._state = "closed"
+        await self._replacements.finish(self.options.timeout)
+        await lifecycle.finish_close(self._loop, self._executor, self._recorder, self.options.timeout * 3)
+        self._state = EndState.CLOSED
 
     # public surface -----------------------------------------------------------------------
     @property
@@ -271,14 +264,26 @@ class Publisher(SenderLoop):
             self._check_running()  # a sender that died ends the wait with Closed (from its error)
         return self.members
 
+    @property
+    def evicted(self) -> list[MemberInfo]:
+        """Every member dropped so far, with ``.reason`` (dead, failed, slow, operator)."""
+        return self._sender.evicted
+
+    @property
+    def replacements(self) -> list[asyncio.Task[None]]:
+        """The orchestrator's replacement tasks started so far."""
+        return self._replacements.tasks
+
     async def evict(self, member_id: str, reason: str = "operator") -> None:
         """Drop ``member_id`` at the next generation (it raises Evicted and may rejoin)."""
         self._check_running()
         if member_id not in self.membership.members:
             raise ValueError(f"{member_id!r} is not a member of {self.name!r} (members: {self.members})")
-        with self._staging.lock:
-            self.membership.request_evict(member_id, reason)
-            self._staging.lock.notify_all()
+        self._sender.submit(Evict(member_id, reason))
+        try:
+            await self._loop_run(lambda: self._ctl.push(self._ctl.replies, _wire.Wake(reason="evict")))
+        except ControlFailure:
+            pass
 
     async def put(self, tensors: layout.TensorsLike, *, version: int | None = None, copy: bool = True) -> PutHandle:
         """Queue a new version; returns once the snapshot is taken.
@@ -302,7 +307,7 @@ class Publisher(SenderLoop):
                 raise ValueError(f"versions must strictly increase: {version} after {self._last_version}")
             manifest = layout.build_manifest(items)
             handle = PutHandle(self.name, version, self._loop)
-            entry = self._recorder.record("put", channel=self.name, member=self._member, version=version,
+            entry = self._recorder.record("put", channel=self.name, member="publisher", version=version,
                                           nbytes=manifest.total_bytes).start()
             job = Job(version=version, manifest=manifest, handle=handle)
             displaced: Job | None = None
@@ -317,6 +322,7 @@ class Publisher(SenderLoop):
             else:
                 job.items = items
             displaced = self._staging.commit(job) or displaced
+            self._sender.submit(PutCommitted(version))
             self._last_version = version
             entry.complete()
             if displaced is not None:
@@ -336,66 +342,13 @@ class Publisher(SenderLoop):
         return flat, None
 
     def _check_running(self) -> None:
-        if self._state != "running":
-            raise Closed("publisher is not running", channel=self.name) from self._fatal
+        if self._state is not EndState.RUNNING or self._sender.state is SenderState.FAILED:
+            raise Closed("publisher is not running", channel=self.name) from self._sender.fatal.error
 
     def _notify_members(self) -> None:
-        if self._loop is not None and self._members_changed is not None:
+        if self._members_changed is not None:
             call_soon(self._loop, self._members_changed.set)
 
-    # inbox thread: joins and leaves ---------------------------------------------------------
-    def _inbox_main(self, ctl: ControlPlane) -> None:
-        while not self._stop.is_set():
-            try:
-                raw = ctl.pop(ctl.inbox, 3600.0)
-            except StoreTimeout:
-                continue
-            except StoreUnreachable:
-                return
-            self._handle_inbox(ctl, raw)
-
-    def _handle_inbox(self, ctl: ControlPlane, raw: bytes) -> None:
-        try:
-            message = _wire.inbox_decoder.decode(raw)
-        except Exception as err:  # noqa: BLE001 - malformed input must never stop the publisher
-            self._recorder.record("inbox", channel=self.name, member=self._member).fail(f"malformed message: {err}")
-            return
-        if isinstance(message, _wire.Wake):
-            return
-        if isinstance(message, _wire.Leave):
-            with self._staging.lock:
-                self.membership.request_leave(message.member_id)
-                self._staging.lock.notify_all()
-            ctl.push(ctl.replies, _wire.Wake(reason="leave"))  # a sender waiting on replies re-checks
-            return
-        deny = handshake.admission_problem(
-            message, channel=self.name, queue_prefix=self._ctl.prefix + "q/member/", secret=self._secret,
-            mine=handshake.fingerprint(self.backend, self.device), closing=self._draining or self._stop.is_set(),
-            taken=message.member_id == self._member or self.membership.is_member_or_joining(message.member_id))
-        if deny is not None:
-            if message.reply_to.startswith(self._ctl.prefix + "q/member/"):  # never write outside the channel
-                ctl.push(message.reply_to, deny)
-            self._recorder.record("admit", channel=self.name, member=self._member,
-                                  peers=(message.member_id,)).fail(deny.reason)
-            return
-        with self._staging.lock:
-            self._gens.register(message.member_id, message.reply_to, host=message.host, pid=message.pid)
-            self.membership.request_join(message.member_id)
-            self._staging.lock.notify_all()
-
-    # monitor thread: our heartbeat, theirs sampled ----------------------------------------------
-    def _monitor_main(self, ctl: ControlPlane) -> None:
-        interval = self.options.heartbeat_interval
-        while not self._stop.wait(interval / 2):
-            try:
-                ctl.add(ctl.heartbeat_key(self._member), 1)  # subscribers watch this
-                newly_dead = self.membership.sample_heartbeats(ctl)
-            except (StoreTimeout, StoreUnreachable):
-                continue
-            if newly_dead:
-                self._recorder.record("heartbeat", channel=self.name, member=self._member,
-                                      peers=tuple(sorted(newly_dead))).fail("heartbeats stopped")
-                self._recorder.dump_on_trouble(f"heartbeats stopped: {sorted(newly_dead)}")
-                with self._staging.lock:
-                    self._staging.lock.notify_all()
-                ctl.push(ctl.replies, _wire.Wake(reason="member died"))
+    async def _loop_run(self, fn: Any) -> Any:
+        assert self._loop is not None
+        return await self._loop.run_in_executor(self._executor, fn)

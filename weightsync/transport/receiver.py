@@ -1,29 +1,54 @@
-"""The subscriber's receiver thread: join, follow the publisher's commands, receive, acknowledge.
+"""The Receiver: a subscriber's two threads, its receive slots and its data plane.
 
-Runs on its own thread with its own store connection (a torch Store client cannot serve two
-blocking waits). In order:
+The *receiver* thread, with its own store connection, in order:
 
-1. ``_join``: push a Join (fingerprint, token) to the publisher's inbox, wait for Admit or Deny;
-2. ``_enter`` a generation: say Ready, wait for Go (or a Reconfigure that replaces the plan),
-   then build the dedicated group;
-3. ``_follow`` this subscriber's queue: Announce -> ``_receive`` (buckets straight into the
-   receiving slot, publish atomically, acknowledge); Reconfigure -> the next generation or
-   Evicted; Shutdown -> PublisherGone;
+1. ``_join``: push a Join (fingerprint, token) to the publisher's inbox; wait for Admit (which
+   carries the channel's settings: every deadline below derives from them) or Deny;
+2. ``_enter`` a generation: say Ready (with the data plane's offer), wait for Go (or a
+   Reconfigure that replaces the plan), then ``plane.enter``;
+3. ``_follow`` this member's queue: Announce -> ``_receive`` (buckets straight into the
+   receiving slot, checksums against the Seal, publish atomically, acknowledge); Reconfigure
+   -> the next generation or Evicted; Shutdown -> PublisherGone;
 4. on close, ``_leave``.
 
-:class:`Subscriber` inherits it; the state it shares is declared below.
+The *heartbeat* thread beats this member's counter and watches the publisher's; a silent
+publisher ends everything with PublisherGone.
+
+States (``Receiver.state``)::
+
+    NEW --start--> JOINING --Admit--> FOLLOWING --close--> CLOSED
+                      │                   ├── Reconfigure without us --> EVICTED
+                      │                   ├── Shutdown / silence ------> GONE
+                      └── Deny ──────────┴── anything unexpected ----> FAILED
+
+The terminal error (Evicted, PublisherGone, Closed, a denial) is kept in one :class:`Latch`,
+first error wins; readers raise it. A step that fails because of the wire (a peer, a cancelled
+generation, a timeout) is acknowledged as failed and the receiver goes on; anything else is a
+bug and ends the receiver (FAILED) instead of being blamed on the wire.
 """
 
 from __future__ import annotations
 
+import enum
 import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from weightsync import _wire
-from weightsync._faults import Faults
+from weightsync._errors import (
+    Cancelled,
+    ChecksumMismatch,
+    ControlFailure,
+    LocalFailure,
+    PeerFailure,
+    ProtocolError,
+    StoreTimeout,
+)
 from weightsync.errors import (
     AdmissionDenied,
     Closed,
@@ -34,84 +59,112 @@ from weightsync.errors import (
     WeightSyncError,
 )
 from weightsync.pg import handshake
-from weightsync.pg.control import ControlPlane, StoreTimeout, StoreUnreachable
-from weightsync.pg.group import DedicatedGroup, Reconfigurable
+from weightsync.pg.control import ControlPlane
+from weightsync.pg.group import GroupPlane
 from weightsync.pg.recorder import FlightRecorder
+from weightsync.testing import Hooks
 from weightsync.transport import layout
-from weightsync.transport.options import ChannelOptions
+from weightsync.transport.checksum import checksum
+from weightsync.transport.dataplane import GenerationSpec, Transfer
+from weightsync.transport.lifecycle import Latch
+from weightsync.transport.options import Deadlines
 from weightsync.transport.slots import SlotPair
 
-DATA_ERRORS = (TimeoutError, RuntimeError, StoreTimeout, ValueError)
+#: what a receive may fail with and still be acknowledged (as failed): the wire, not a bug
+RECEIVE_FAILURES = (PeerFailure, Cancelled, ProtocolError, ControlFailure, LocalFailure)
+PRE_ADMISSION_BEAT = 0.25  # seconds between beats until the publisher's interval is known
 
 
-class ChecksumMismatch(ValueError):
-    """A received bucket does not match the publisher's checksum: the version is dropped."""
+class ReceiverState(enum.Enum):
+    NEW = "new"
+    JOINING = "joining"
+    FOLLOWING = "following"
+    EVICTED = "evicted"
+    GONE = "gone"
+    FAILED = "failed"
+    CLOSED = "closed"
 
 
-class ReceiverLoop:
-    """The receiver thread's half of :class:`~weightsync.transport.subscriber.Subscriber`."""
+_TERMINAL_STATES = {Evicted: ReceiverState.EVICTED, PublisherGone: ReceiverState.GONE, Closed: ReceiverState.CLOSED}
 
-    name: str
-    member_id: str
-    backend: str
-    device: Any
-    options: ChannelOptions
-    generation: int
-    rank: int
-    _queue: str
-    _slots: SlotPair
-    _recorder: FlightRecorder
-    _secret: bytes | None
-    _closing: threading.Event
-    _abort: threading.Event
-    _joined: threading.Event
-    _join_error: BaseException | None
-    _terminal: tuple[type[WeightSyncError], str] | None
-    _clean_shutdown: bool
-    _faults: Faults | None
-    _backend: Reconfigurable | None  # the long-lived backend, when generations re-form in place
-    _slot: int  # its rank at creation: unique in the channel, part of its handle
 
-    def _wake(self) -> None:  # provided by Subscriber
-        raise NotImplementedError
+class Receiver:
+    """Owns a subscriber's receiver and heartbeat threads (see the module docstring).
 
-    def _set_terminal(self, cls: type[WeightSyncError], message: str) -> None:  # provided by Subscriber
-        raise NotImplementedError
+    Args:
+        channel, member_id: names.
+        queue: this incarnation's own command queue on the store.
+        backend, device: the data plane's backend and the device receive slots live on.
+        secret: the admission secret, or None.
+        own_timeout: this end's own bound for joining and for the publisher's silence.
+        recorder: the flight recorder.
+        slots: the two receive slots readers read from.
+        on_publish: called (receiver thread) after a version became readable.
+        hooks: test hooks (``weightsync.testing``); the default does nothing.
+    """
 
-    def _receiver_main(self, ctl: ControlPlane) -> None:
+    def __init__(self, channel: str, member_id: str, *, queue: str, backend: str, device: torch.device,
+                 secret: bytes | None, own_timeout: float, join_timeout: float, recorder: FlightRecorder,
+                 slots: SlotPair, on_publish: Callable[[], None], hooks: Hooks) -> None:
+        self.channel, self.member_id, self.queue = channel, member_id, queue
+        self.backend, self.device, self._secret = backend, device, secret
+        self.own_timeout, self.join_timeout = own_timeout, join_timeout
+        self.state = ReceiverState.NEW
+        self.terminal = Latch()
+        self.joined = threading.Event()
+        self.closing = threading.Event()  # finish the version in flight, then leave
+        self.aborting = threading.Event()  # walk away now
+        self.generation, self.rank = -1, -1
+        self.deadlines: Deadlines | None = None
+        self._recorder, self._slots, self._on_publish, self._hooks = recorder, slots, on_publish, hooks
+        self._plane: GroupPlane | None = None
+        self._clean_shutdown = False
+
+    # terminal state ------------------------------------------------------------------------
+    def end(self, error: WeightSyncError) -> None:
+        """Any thread: the receiver is over for ``error``'s reason (first one wins)."""
+        if self.terminal.set(error):
+            self.state = _TERMINAL_STATES.get(type(error), ReceiverState.FAILED)
+            if not isinstance(error, Closed) and not self._clean_shutdown:
+                self._recorder.dump_on_trouble(f"{type(error).__name__}: {error}")
+        self._on_publish()  # wake readers: they raise it
+
+    @property
+    def over(self) -> bool:
+        return self.terminal.error is not None
+
+    # the receiver thread ---------------------------------------------------------------------
+    def main(self, ctl: ControlPlane) -> None:
         try:
+            self.state = ReceiverState.JOINING
             generation, members = self._join(ctl)
-            self._joined.set()
+            self.state = ReceiverState.FOLLOWING
+            self.joined.set()
             self._follow(ctl, generation, members)
         except WeightSyncError as err:
-            if not self._joined.is_set():
-                self._join_error = err
-                self._joined.set()
-            self._set_terminal(type(err), str(err))
+            self.end(err)
         except Exception as err:  # noqa: BLE001 - the thread must end in a state callers can see
-            cls = PublisherGone if isinstance(err, (StoreUnreachable, StoreTimeout)) else WeightSyncError
-            failure = cls(f"receiver stopped: {type(err).__name__}: {err}", channel=self.name, member=self.member_id)
-            self._recorder.record("receiver", channel=self.name, member=self.member_id).fail(failure)
-            if not self._joined.is_set():
-                self._join_error = failure
-                self._joined.set()
-            self._set_terminal(cls, str(failure))
+            cls = PublisherGone if isinstance(err, ControlFailure) else WeightSyncError
+            failure = cls(f"receiver stopped: {type(err).__name__}: {err}", channel=self.channel,
+                          member=self.member_id)
+            self._recorder.record("receiver", channel=self.channel, member=self.member_id).fail(failure)
+            self.end(failure)
         finally:
-            if self._closing.is_set() and self._joined.is_set() and self._join_error is None:
+            self.joined.set()
+            if self.closing.is_set() and self.deadlines is not None:
                 self._leave(ctl)
+            if self._plane is not None:
+                self._plane.close()
 
-    def _abandon_rendezvous(self) -> bool:
-        return self._abort.is_set() or self._terminal is not None
-
-    def _next_message(self, ctl: ControlPlane, timeout: float, until: Any = None) -> Any:
-        """The next message for this subscriber; None when woken to stop (``until()`` says when)."""
-        stop = until or self._stopping
+    def _next_message(self, ctl: ControlPlane, timeout: float, until: Callable[[], bool] | None = None) -> Any:
+        """The next message for this member; None when woken to stop (``until()`` says when)."""
+        stop = until or (lambda: self.closing.is_set() or self.over)
         while True:
-            raw = ctl.pop(self._queue, timeout)
+            raw = ctl.pop(self.queue, timeout)
             try:
                 message = _wire.member_decoder.decode(raw)
             except Exception as err:  # noqa: BLE001 - never crash on a malformed message
-                self._recorder.record("command", channel=self.name, member=self.member_id).fail(f"malformed: {err}")
+                self._recorder.record("command", channel=self.channel, member=self.member_id).fail(f"malformed: {err}")
                 continue
             if isinstance(message, _wire.Wake):
                 if stop():
@@ -120,167 +173,139 @@ class ReceiverLoop:
             return message
 
     def _join(self, ctl: ControlPlane) -> tuple[int, tuple[str, ...]]:
-        """Join; on Admit, also create the long-lived backend when the publisher re-forms in place."""
-        entry = self._recorder.record("join", channel=self.name, member=self.member_id).start()
-        join = _wire.Join(member_id=self.member_id, reply_to=self._queue,
+        entry = self._recorder.record("join", channel=self.channel, member=self.member_id).start()
+        join = _wire.Join(member_id=self.member_id, reply_to=self.queue,
                           fingerprint=handshake.fingerprint(self.backend, self.device),
-                          token_mac=handshake.token_mac(self._secret, self.name, self.member_id),
+                          token_mac=handshake.token_mac(self._secret, self.channel, self.member_id),
                           pid=os.getpid(), host=socket.gethostname())
         try:
             ctl.push(ctl.inbox, join)
-            reply = self._next_message(ctl, 2 * self.options.timeout + self.options.deadline(64 << 20))
+            reply = self._next_message(ctl, self.join_timeout)
         except StoreTimeout as err:
             entry.fail(err)
-            raise SyncTimeout("the publisher did not answer the join", channel=self.name,
+            raise SyncTimeout("the publisher did not answer the join", channel=self.channel,
                               member=self.member_id) from err
         if reply is None:
             entry.fail("closed while joining")
-            raise Closed("closed while joining", channel=self.name, member=self.member_id)
+            raise Closed("closed while joining", channel=self.channel, member=self.member_id)
         if isinstance(reply, _wire.Deny):
             entry.fail(reply.reason)
-            cls: type[WeightSyncError] = HandshakeMismatch if reply.kind == "handshake" else AdmissionDenied
-            if reply.kind == "closed":
-                cls = PublisherGone
-            raise cls(f"join refused: {reply.reason}", channel=self.name, member=self.member_id)
+            kinds: dict[str, type[WeightSyncError]] = {"handshake": HandshakeMismatch, "closed": PublisherGone}
+            raise kinds.get(reply.kind, AdmissionDenied)(f"join refused: {reply.reason}", channel=self.channel,
+                                                         member=self.member_id)
         if not isinstance(reply, _wire.Admit):
             entry.fail(f"unexpected {type(reply).__name__}")
-            raise WeightSyncError(f"unexpected reply to join: {type(reply).__name__}", channel=self.name)
-        if reply.in_place:
-            self._slot = reply.slot
-            self._backend = self._new_backend(ctl)
+            raise WeightSyncError(f"unexpected reply to join: {type(reply).__name__}", channel=self.channel)
+        self.deadlines = Deadlines(reply.settings)
+        self._plane = GroupPlane(ctl.store, channel=self.channel, member=self.member_id, backend=self.backend,
+                                 device=self._slots.device, recorder=self._recorder,
+                                 in_place=reply.settings.in_place, slot=reply.slot,
+                                 timeout=self.deadlines.rendezvous())
         entry.complete()
         return reply.generation, reply.members
 
-    def _new_backend(self, ctl: ControlPlane) -> Reconfigurable:
-        return Reconfigurable(ctl.store, channel=self.name, member=self.member_id, slot=self._slot,
-                              timeout=self.options.timeout, recorder=self._recorder)
-
     def _enter(self, ctl: ControlPlane, generation: int, members: tuple[str, ...]) -> Any:
-        """Enter generation ``generation``: a DedicatedGroup, or the message that replaced it.
+        """Enter ``generation``: None once entered, or the message that replaced the plan.
 
         The publisher says Go once every member is ready; until then it may abandon the
         generation with a Reconfigure (someone left or died), which is returned instead.
         """
+        assert self._plane is not None and self.deadlines is not None
         self.generation, self.rank = generation, members.index(self.member_id) + 1
-        handle = self._backend.handle() if self._backend is not None else ""  # changes every reconfigure
-        ctl.push(ctl.replies, _wire.Ready(generation=generation, member_id=self.member_id, handle=handle))
+        ctl.push(ctl.replies, _wire.Ready(generation=generation, member_id=self.member_id,
+                                          handle=self._plane.offer()))
         while True:
             # bounded by the publisher's liveness (the heartbeat thread wakes us if it goes),
             # not by a guess at how long the other members take to get ready. Having said Ready,
             # a closing subscriber still goes through with the rendezvous (the publisher may
             # already be in it); only abort() walks away.
-            message = self._next_message(ctl, 3600.0, until=self._abandon_rendezvous)
+            message = self._next_message(ctl, 3600.0, until=lambda: self.aborting.is_set() or self.over)
             if message is None or not isinstance(message, _wire.Go):
                 return message
-            if message.generation == generation and message.handles:
-                if self._backend is None:
-                    raise WeightSyncError("the publisher re-forms groups in place but admitted us without a slot",
-                                          channel=self.name, member=self.member_id)
-                return self._backend.enter(generation=generation, uuid=message.uuid, handles=message.handles,
-                                           rank=self.rank, peers=members, device=self._slots.device,
-                                           timeout=self.options.timeout + self.options.deadline(64 << 20))
             if message.generation == generation:
-                return DedicatedGroup.build(
-                    ctl.store, channel=self.name, member=self.member_id, generation=generation, rank=self.rank,
-                    size=len(members) + 1, backend=self.backend, device=self._slots.device,
-                    recorder=self._recorder, peers=members,
-                    timeout=self.options.timeout + self.options.deadline(64 << 20))
+                self._plane.enter(GenerationSpec(generation, members, rank=self.rank,
+                                                 timeout=self.deadlines.rendezvous(), uuid=message.uuid,
+                                                 offers=message.handles))
+                return None
 
     def _follow(self, ctl: ControlPlane, generation: int, members: tuple[str, ...]) -> None:
-        group: DedicatedGroup | None = None
-        pending: Any = None
+        assert self._plane is not None
+        entered = False
         try:
-            entered = self._enter(ctl, generation, members)
-            if isinstance(entered, DedicatedGroup):
-                group = entered
-            else:
-                pending = entered
-            while not self._closing.is_set() or pending is not None:
+            pending = self._enter(ctl, generation, members)
+            entered = pending is None
+            while not self.closing.is_set() or pending is not None:
                 message = pending if pending is not None else self._next_message(ctl, 3600.0)
                 pending = None
                 if message is None:
                     return
                 if isinstance(message, _wire.Announce):
-                    if group is None or message.generation != generation:
-                        continue  # for a generation we are not in (stale)
-                    self._receive(ctl, group, message)
+                    if entered and message.generation == generation:
+                        self._receive(ctl, message)
                 elif isinstance(message, _wire.Reconfigure):
                     if message.trouble:
                         self._recorder.dump_on_trouble(f"generation {generation} ended: {message.reason}")
-                    if group is not None:
-                        group.abort(message.reason)
-                        group = None
+                    self._plane.leave(message.reason, failed=message.fresh)
+                    entered = False
                     if self.member_id not in message.members:
-                        self._recorder.record("evict", channel=self.name, member=self.member_id,
+                        self._recorder.record("evict", channel=self.channel, member=self.member_id,
                                               generation=message.next_generation).complete()
-                        raise Evicted(f"evicted from the channel ({message.reason})", channel=self.name,
+                        raise Evicted(f"evicted from the channel ({message.reason})", channel=self.channel,
                                       member=self.member_id, generation=generation)
-                    if message.fresh and self._backend is not None:  # see Generations.advance
-                        self._backend.close()
-                        self._backend = self._new_backend(ctl)
                     generation, members = message.next_generation, message.members
-                    entered = self._enter(ctl, generation, members)
-                    if isinstance(entered, DedicatedGroup):
-                        group = entered
-                    else:
-                        pending = entered
+                    pending = self._enter(ctl, generation, members)
+                    entered = pending is None
                 elif isinstance(message, _wire.Shutdown):
                     self._clean_shutdown = True  # an orderly end, not trouble: no dump
-                    raise PublisherGone(f"publisher shut down: {message.reason}", channel=self.name,
+                    raise PublisherGone(f"publisher shut down: {message.reason}", channel=self.channel,
                                         member=self.member_id)
         except StoreTimeout as err:
-            raise PublisherGone(f"no word from the publisher: {err}", channel=self.name, member=self.member_id) from err
-        except DATA_ERRORS as err:
-            if not self._closing.is_set():
-                raise PublisherGone(f"channel failed: {err}", channel=self.name, member=self.member_id) from err
+            raise PublisherGone(f"no word from the publisher: {err}", channel=self.channel,
+                                member=self.member_id) from err
+        except (PeerFailure, ControlFailure) as err:
+            if not self.closing.is_set():
+                raise PublisherGone(f"channel failed: {err}", channel=self.channel, member=self.member_id) from err
         finally:
-            if group is not None:
-                group.abort("subscriber stopped")
-            if self._backend is not None:
-                self._backend.close()
-                self._backend = None
+            self._plane.leave("subscriber stopped")
 
-    def _stopping(self) -> bool:
-        return self._closing.is_set() or self._terminal is not None
-
-    def _receive(self, ctl: ControlPlane, group: DedicatedGroup, announce: _wire.Announce) -> None:
+    def _receive(self, ctl: ControlPlane, announce: _wire.Announce) -> None:
+        assert self._plane is not None and self.deadlines is not None
         manifest = announce.manifest
         t0 = time.monotonic()
-        entry = self._recorder.record("receive", channel=self.name, member=self.member_id,
+        entry = self._recorder.record("receive", channel=self.channel, member=self.member_id,
                                       generation=announce.generation, version=announce.version,
                                       nbytes=manifest.total_bytes).start()
         ok, error, waited = False, "", 0.0
         try:
-            flat = self._slots.prepare(manifest, self.options.timeout)
+            flat = self._slots.prepare(manifest, self.deadlines.readers())
             ranges = layout.bucket_ranges(manifest.total_bytes, announce.bucket_bytes)
             if len(ranges) != announce.num_buckets:
-                raise ValueError(f"announced {announce.num_buckets} buckets, layout has {len(ranges)}")
+                raise ProtocolError(f"announced {announce.num_buckets} buckets, layout has {len(ranges)}")
             buckets = [flat[lo:hi] for lo, hi in ranges]
             sums: list[int] = []
             last = [time.monotonic()]
+            verify = self.deadlines.settings.checksum
 
             def after(i: int) -> None:  # bucket i is here; bucket i+1 is on the wire meanwhile
-                if self._faults is not None:
-                    self._faults.after_bucket(announce.version, i, buckets[i], time.monotonic() - last[0])
-                if announce.checksum:
-                    sums.append(layout.checksum(buckets[i]))
+                self._hooks.after_bucket(announce.version, i, buckets[i], time.monotonic() - last[0])
+                if verify:
+                    sums.append(checksum(buckets[i]))
                 last[0] = time.monotonic()
 
             # anything new in our queue mid-transfer means the publisher gave up on this version
-            waited = group.broadcast_buckets(buckets, version=announce.version, deadline=self.options.deadline,
-                                             op="bucket_recv", after=after,
-                                             cancelled=lambda: self._abort.is_set() or ctl.pending(self._queue) > 0)
-            if announce.checksum:
+            waited = self._plane.move(Transfer(announce.version, buckets, self.deadlines.bucket, after=after,
+                                               cancelled=lambda: self.aborting.is_set() or ctl.pending(self.queue) > 0))
+            if verify:
                 self._verify(ctl, announce, sums)
             if self._slots.version is None or announce.version > self._slots.version:
                 self._slots.publish(announce.version)
-                self._recorder.record("publish", channel=self.name, member=self.member_id,
+                self._recorder.record("publish", channel=self.channel, member=self.member_id,
                                       generation=announce.generation, version=announce.version,
                                       nbytes=manifest.total_bytes).complete()
-                self._wake()
+                self._on_publish()
             ok = True
             entry.complete()
-        except DATA_ERRORS as err:
+        except RECEIVE_FAILURES as err:
             error = str(err)
             entry.fail(err)
             self._recorder.dump_on_trouble(f"version {announce.version} not received: {err}")
@@ -290,17 +315,18 @@ class ReceiverLoop:
                         error=error[:300])
         try:
             ctl.push(ctl.replies, ack)
-        except StoreTimeout:
+        except ControlFailure:
             pass
 
     def _verify(self, ctl: ControlPlane, announce: _wire.Announce, sums: list[int]) -> None:
         """Compare our buckets' digests with the publisher's Seal; raises ChecksumMismatch."""
-        deadline = time.monotonic() + self.options.timeout
+        assert self.deadlines is not None
+        deadline = time.monotonic() + self.deadlines.seal()
         while True:
             try:
-                raw = ctl.pop(self._queue + "/seal", deadline - time.monotonic())
+                raw = ctl.pop(self.queue + "/seal", deadline - time.monotonic())
             except StoreTimeout as err:
-                raise TimeoutError(f"no checksums for version {announce.version} within {self.options.timeout}s") \
+                raise PeerFailure(f"no checksums for version {announce.version} within {self.deadlines.seal()}s") \
                     from err
             try:
                 seal = _wire.seal_decoder.decode(raw)
@@ -309,10 +335,10 @@ class ReceiverLoop:
             if isinstance(seal, _wire.Seal) and (seal.generation, seal.seq) == (announce.generation, announce.seq):
                 break  # older seals belong to versions given up on: skipped
         if seal.abandoned:
-            raise RuntimeError(f"the publisher gave up on version {announce.version}")
+            raise ProtocolError(f"the publisher gave up on version {announce.version}")
         bad = [i for i, (mine, theirs) in enumerate(zip(sums, seal.checksums, strict=False)) if mine != theirs]
         if bad or len(sums) != len(seal.checksums):
-            self._recorder.record("checksum", channel=self.name, member=self.member_id,
+            self._recorder.record("checksum", channel=self.channel, member=self.member_id,
                                   generation=announce.generation, version=announce.version,
                                   bucket=bad[0] if bad else -1).fail(f"buckets {bad} do not match")
             raise ChecksumMismatch(f"version {announce.version}: buckets {bad} arrived corrupted; not made readable")
@@ -320,6 +346,46 @@ class ReceiverLoop:
     def _leave(self, ctl: ControlPlane) -> None:
         try:
             ctl.push(ctl.inbox, _wire.Leave(member_id=self.member_id))
-            ctl.delete(self._queue)
-        except (StoreTimeout, StoreUnreachable):
+            ctl.delete(self.queue)
+        except ControlFailure:
             pass
+
+    # the heartbeat thread --------------------------------------------------------------------
+    def heartbeat_main(self, ctl: ControlPlane) -> None:
+        last_seen, since = -1, time.monotonic()
+        last_beat = since
+        while not self.closing.is_set() and not self.over:
+            # a member whose receiver stopped (evicted, failed) stops beating, so the
+            # publisher drops it in a few beats instead of waiting for it
+            interval = PRE_ADMISSION_BEAT if self.deadlines is None else self.deadlines.settings.heartbeat_interval
+            t0 = time.monotonic()
+            try:
+                ctl.add(ctl.heartbeat_key(self.member_id), 1)
+                publisher_beats = ctl.add(ctl.heartbeat_key("publisher"), 0)
+            except ControlFailure as err:
+                self._publisher_gone(ctl, f"publisher's store stopped answering: {err}")
+                return
+            # a store that answered late stalled for everyone: the publisher could not beat
+            # either (see Membership.sample_heartbeats), so the silence restarts from now
+            stalled = time.monotonic() - t0 > interval or t0 - last_beat > 2 * interval + 0.1
+            last_beat = time.monotonic()
+            silence = (self.own_timeout / 2 if self.deadlines is None
+                       else self.deadlines.publisher_silence(self.own_timeout))
+            if publisher_beats != last_seen or stalled:
+                last_seen, since = publisher_beats, time.monotonic()
+            elif time.monotonic() - since > silence:
+                self._publisher_gone(ctl, f"publisher silent for {time.monotonic() - since:.1f}s")
+                return
+            self.closing.wait(interval)
+        self._wake(ctl, "closing")
+
+    def _publisher_gone(self, ctl: ControlPlane, reason: str) -> None:
+        self.end(PublisherGone(reason, channel=self.channel, member=self.member_id))
+        self._wake(ctl, reason)
+
+    def _wake(self, ctl: ControlPlane, reason: str) -> None:
+        try:
+            ctl.push(self.queue, _wire.Wake(reason=reason))
+        except ControlFailure:
+            pass  # the receiver's own pop fails the same way and ends
+

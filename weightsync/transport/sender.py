@@ -1,218 +1,360 @@
-"""The publisher's sender thread: announce, broadcast, checksums, acknowledgements; and what
-it does about members: scoring slow ones and asking the orchestrator to replace dropped ones.
+"""The Sender: the publisher's thread that owns staging, membership, generations and the data plane.
 
-Runs on its own thread with its own store connection. In order, per version:
+Everything that reaches it arrives as an event on its one queue (:meth:`Sender.submit`):
 
-1. ``_sender_loop`` waits for a pending put or a membership change (a generation change comes
-   first: ``Generations.advance``; a newcomer then gets the newest snapshot);
-2. ``_send_once`` announces the version, broadcasts its buckets (checksumming each while the
-   next is on the wire), sends the ``Seal`` and collects acknowledgements; on a failure the
-   generation is rebuilt without the culprits and the version re-sent (``_send``);
-3. ``_score`` feeds each member's own receive time to the straggler policy;
-4. ``_finish`` resolves the PutHandle with a DeliveryReport.
+    PutCommitted   a snapshot is pending in staging            (Publisher.put, event loop)
+    Join / Leave   a member was admitted / left                 (inbox thread)
+    Evict          the operator or the policy drops a member    (Publisher.evict, scoring)
+    MemberDied     a member's heartbeats stopped                (monitor thread)
+    Drain          send what is pending, then stop              (Publisher.aclose)
+    Abort          stop now (also sets ``aborting``, seen mid-transfer)  (Publisher.abort)
 
-:class:`~weightsync.transport.publisher.Publisher` inherits it; the state it shares is declared
-below.
+Only this thread applies membership requests, so one place decides who is in. While it
+waits for replies (Ready, Ack) it keeps applying events (``_pump``), and producers push a
+``Wake`` into the replies queue so such a wait notices at once.
+
+States (``Sender.state``), and who moves them::
+
+    NEW --start--> RUNNING --Drain--> DRAINING --nothing pending--> STOPPED
+                      └──────────── Abort / end ──────────────────────┘
+    any --unexpected error in the thread--> FAILED   (Sender.fatal holds it; first error wins)
+
+Per version (``_send``): announce, move the buckets through the data plane (checksumming each
+while the next is on the wire), Seal, collect acknowledgements, score receive times, resolve
+the PutHandle. A peer's failure rebuilds the generation without the culprits and re-sends; a
+failure of our own (a ``copy=False`` tensor that cannot be packed) fails that put and blames
+nobody.
 """
 
 from __future__ import annotations
 
-import asyncio
+import enum
 import logging
+import queue
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from weightsync import _wire
+from weightsync._errors import ControlFailure, LocalFailure, PeerFailure
 from weightsync.errors import WeightSyncError
-from weightsync.orchestrator import Orchestrator
 from weightsync.pg.control import ControlPlane
-from weightsync.pg.generations import DATA_ERRORS, Generations, MemberInfo
-from weightsync.pg.membership import Membership, StragglerPolicy
+from weightsync.pg.generations import Generations
+from weightsync.pg.membership import MemberInfo, Membership, StragglerPolicy
 from weightsync.pg.recorder import FlightRecorder
 from weightsync.transport import layout
-from weightsync.transport.handles import DeliveryReport, call_soon
-from weightsync.transport.options import ChannelOptions
+from weightsync.transport.checksum import checksum
+from weightsync.transport.dataplane import DataPlane, Transfer
+from weightsync.transport.handles import DeliveryReport
+from weightsync.transport.lifecycle import Latch
+from weightsync.transport.options import Deadlines
 from weightsync.transport.staging import BucketBuffers, Job, Staging, bucket_slices
 
 log = logging.getLogger("weightsync")
+PUBLISHER = "publisher"
 
 
-class SenderLoop:
-    """The sender thread's half of :class:`~weightsync.transport.publisher.Publisher`."""
+class SenderState(enum.Enum):
+    NEW = "new"
+    RUNNING = "running"
+    DRAINING = "draining"
+    STOPPED = "stopped"
+    FAILED = "failed"
 
-    name: str
-    options: ChannelOptions
-    membership: Membership
-    policy: StragglerPolicy
-    orchestrator: Orchestrator | None
-    checksum: bool
-    evicted: list[MemberInfo]
-    replacements: list[asyncio.Task[None]]
-    _member: str
-    _state: str
-    _fatal: WeightSyncError | None
-    _recorder: FlightRecorder
-    _staging: Staging
-    _gens: Generations
-    _stop: threading.Event
-    _draining: bool
-    _slot_device: torch.device
-    _bucket_buffers: BucketBuffers
-    _loop: asyncio.AbstractEventLoop | None
 
-    # the sender thread --------------------------------------------------------------------------
-    def _sender_main(self, ctl: ControlPlane) -> None:
+@dataclass(frozen=True)
+class PutCommitted:
+    version: int
+
+
+@dataclass(frozen=True)
+class Join:
+    member_id: str
+    reply_to: str
+    host: str = ""
+    pid: int = 0
+
+
+@dataclass(frozen=True)
+class Leave:
+    member_id: str
+
+
+@dataclass(frozen=True)
+class Evict:
+    member_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class MemberDied:
+    members: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Drain:
+    pass
+
+
+@dataclass(frozen=True)
+class Abort:
+    pass
+
+
+Event = PutCommitted | Join | Leave | Evict | MemberDied | Drain | Abort
+
+
+class _PutFailed(Exception):
+    """The version could not be sent because of our own side (its put fails, nobody is blamed)."""
+
+
+class Sender:
+    """Owns the sender thread; see the module docstring for its events and states.
+
+    Args:
+        channel: the channel name.
+        settings: what members are told at admission (bucket size, deadlines, checksums).
+        staging: latest-wins snapshot buffers (``put`` writes them from the event loop).
+        membership: the member set; this thread is its only writer of requests.
+        recorder: the flight recorder.
+        policy: what to do about slow members.
+        make_plane: builds this end's data plane from the thread's own store connection.
+        slot_device: where bucket buffers for ``copy=False`` puts live.
+        on_change: called after every generation change (wakes ``wait_subscribers``).
+        on_evicted: called for every member dropped (the orchestrator may replace it).
+    """
+
+    def __init__(self, channel: str, *, settings: _wire.ChannelSettings, staging: Staging, membership: Membership,
+                 recorder: FlightRecorder, policy: StragglerPolicy, make_plane: Callable[[ControlPlane], DataPlane],
+                 slot_device: torch.device, on_change: Callable[[], None],
+                 on_evicted: Callable[[MemberInfo], None]) -> None:
+        self.channel = channel
+        self.settings = settings
+        self.deadlines = Deadlines(settings)
+        self.staging = staging
+        self.membership = membership
+        self.policy = policy
+        self.state = SenderState.NEW
+        self.fatal = Latch()
+        self.aborting = threading.Event()
+        self._recorder = recorder
+        self._make_plane = make_plane
+        self._on_change = on_change
+        self._on_evicted_cb = on_evicted
+        self._events: queue.SimpleQueue[Event] = queue.SimpleQueue()
+        self._buckets = BucketBuffers(slot_device)
+        self._evicted_lock = threading.Lock()
+        self._evicted: list[MemberInfo] = []
+        self._gens: Generations | None = None
+        self._ctl: ControlPlane | None = None
+
+    # any thread ---------------------------------------------------------------------------
+    def submit(self, event: Event) -> None:
+        """Hand ``event`` to the sender thread (see the module docstring)."""
+        if isinstance(event, Abort):
+            self.aborting.set()
+        self._events.put(event)
+
+    @property
+    def evicted(self) -> list[MemberInfo]:
+        """Every member dropped so far, with why (a copy)."""
+        with self._evicted_lock:
+            return list(self._evicted)
+
+    # the sender thread --------------------------------------------------------------------
+    def main(self, ctl: ControlPlane) -> None:
+        self.state = SenderState.RUNNING
+        self._ctl = ctl
+        self._gens = Generations(self.channel, membership=self.membership, recorder=self._recorder,
+                                 plane=self._make_plane(ctl), settings=self.settings, stopped=self.aborting.is_set,
+                                 on_change=self._on_change, on_evicted=self._record_evicted, pump=self._pump)
         try:
-            self._sender_loop(ctl)
-        except Exception as err:  # noqa: BLE001 - recorded and surfaced by put() as Closed
-            self._fatal = err if isinstance(err, WeightSyncError) else WeightSyncError(
-                f"sender stopped: {type(err).__name__}: {err}", channel=self.name)
-            self._recorder.record("sender", channel=self.name, member=self._member).fail(self._fatal)
-            self._state = "failed"
-            in_flight = self._staging.in_flight
-            for job in [*self._staging.drain(), *([in_flight] if in_flight is not None else [])]:
-                job.handle.resolve_threadsafe(error=self._fatal)
+            self._run(ctl, self._gens)
+            self.state = SenderState.STOPPED
+        except Exception as err:  # noqa: BLE001 - recorded and surfaced by put() (Closed from it)
+            fatal = err if isinstance(err, WeightSyncError) else WeightSyncError(
+                f"sender stopped: {type(err).__name__}: {err}", channel=self.channel)
+            self.fatal.set(fatal)
+            self._recorder.record("sender", channel=self.channel, member=PUBLISHER).fail(fatal)
+            self.state = SenderState.FAILED
+            in_flight = self.staging.in_flight
+            for job in [*self.staging.drain(), *([in_flight] if in_flight is not None else [])]:
+                job.handle.resolve_threadsafe(error=fatal)
         finally:
             self._gens.shutdown(ctl)
 
-    def _sender_loop(self, ctl: ControlPlane) -> None:
-        st = self._staging
-        while not self._stop.is_set():
-            with st.lock:
-                while not (st.pending or self.membership.has_requests() or self._draining or self._stop.is_set()
-                           or self.membership.has_dead_members()):
-                    st.lock.wait(self.options.heartbeat_interval)
-            if self._stop.is_set() or (self._draining and st.pending is None):
+    def _run(self, ctl: ControlPlane, gens: Generations) -> None:
+        st = self.staging
+        while True:
+            self._next_events(self.settings.heartbeat_interval)
+            if self.aborting.is_set() or (self.state is SenderState.DRAINING and st.pending is None):
                 return
             if self.membership.has_requests() or self.membership.has_dead_members():
-                self._gens.advance(ctl, reason="membership change")
+                gens.advance(ctl, reason="membership change")
                 retained = st.retained
                 if retained is not None and st.pending is None and self.membership.lacking(retained.version):
-                    self._send(ctl, retained)
+                    self._send(ctl, gens, retained)
             job = st.take()
             if job is not None:
-                self._send(ctl, job)
+                self._send(ctl, gens, job)
 
-    def _send(self, ctl: ControlPlane, job: Job) -> None:
+    def _next_events(self, timeout: float) -> None:
+        """Wait (at most ``timeout``) for an event unless work is already pending; apply all."""
+        if self.staging.pending is None and not self.membership.has_requests():
+            try:
+                self._apply(self._events.get(timeout=timeout))
+            except queue.Empty:
+                pass
+        self._pump()
+
+    def _pump(self) -> None:
+        """Apply every queued event now (also called while waiting for replies)."""
+        while True:
+            try:
+                event = self._events.get_nowait()
+            except queue.Empty:
+                return
+            self._apply(event)
+
+    def _apply(self, event: Event) -> None:
+        assert self._gens is not None and self._ctl is not None
+        if isinstance(event, Join):
+            if not self.membership.request_join(event.member_id):
+                self._ctl.push(event.reply_to, _wire.Deny(
+                    reason=f"member id {event.member_id!r} is already in the channel", kind="duplicate"))
+                self._recorder.record("admit", channel=self.channel, member=PUBLISHER,
+                                      peers=(event.member_id,)).fail("duplicate member id")
+                return
+            self._gens.register(event.member_id, event.reply_to, host=event.host, pid=event.pid)
+        elif isinstance(event, Leave):
+            self.membership.request_leave(event.member_id)
+        elif isinstance(event, Evict):
+            self.membership.request_evict(event.member_id, event.reason)
+        elif isinstance(event, Drain) and self.state is SenderState.RUNNING:
+            self.state = SenderState.DRAINING
+
+    def _record_evicted(self, member: MemberInfo) -> None:
+        with self._evicted_lock:
+            self._evicted.append(member)
+        self._on_evicted_cb(member)
+
+    # one version --------------------------------------------------------------------------
+    def _send(self, ctl: ControlPlane, gens: Generations, job: Job) -> None:
+        error: BaseException | None = None
         for _attempt in range(3):
-            failed = self._send_once(ctl, job)
+            try:
+                failed = self._send_once(ctl, gens, job)
+            except _PutFailed as err:
+                # our side failed mid-version: the generation is in an unknown state, so it is
+                # rebuilt, with nobody to blame; the put fails with what went wrong
+                gens.advance(ctl, reason=f"version {job.version} abandoned", failed=())
+                error = err.__cause__
+                break
             if failed is None:
                 return
             # the group is broken: rebuild with the live members and re-send this version
-            self._gens.advance(ctl, reason=f"version {job.version} failed", failed=failed)
-            if job.flat is None and job.handle._released.done():
+            gens.advance(ctl, reason=f"version {job.version} failed", failed=failed)
+            if job.flat is None and job.released.is_set():
                 break  # copy=False tensors were released: nothing left to re-send from
-        self._finish(job, time.monotonic())
+        self._finish(job, time.monotonic(), error)
 
-    def _send_once(self, ctl: ControlPlane, job: Job) -> set[str] | None:
-        """Announce and broadcast ``job`` once; None on success, else the members that failed."""
-        if job.ready is not None:
-            torch.cuda.current_stream(self._slot_device if self._slot_device.type == "cuda" else None).wait_event(
-                job.ready)
-            if self._slot_device.type != "cuda":
-                job.ready.synchronize()  # gloo reads host memory: the device->host copy must be done
+    def _send_once(self, ctl: ControlPlane, gens: Generations, job: Job) -> set[str] | None:
+        """Announce and move ``job`` once; None on success, else the members to blame."""
+        self._wait_snapshot(job)
         members = tuple(self.membership.members)
-        gen, seq, group = self.membership.generation, self._gens.next_seq(), self._gens.group
-        ranges = layout.bucket_ranges(job.manifest.total_bytes, self.options.bucket_bytes)
+        gen, seq = self.membership.generation, gens.next_seq()
+        ranges = layout.bucket_ranges(job.manifest.total_bytes, self.settings.bucket_bytes)
         announce = _wire.Announce(generation=gen, seq=seq, version=job.version, manifest=job.manifest,
-                                  bucket_bytes=self.options.bucket_bytes, num_buckets=len(ranges),
-                                  checksum=self.checksum, resend=job.resends > 0)
+                                  bucket_bytes=self.settings.bucket_bytes, num_buckets=len(ranges),
+                                  resend=job.resends > 0)
         job.resends += 1
         job.started = job.started or time.monotonic()
         t0 = time.monotonic()
-        entry = self._recorder.record("announce", channel=self.name, member=self._member, generation=gen,
+        entry = self._recorder.record("announce", channel=self.channel, member=PUBLISHER, generation=gen,
                                       version=job.version, nbytes=job.manifest.total_bytes, peers=members).start()
         try:
-            self._gens.tell(ctl, members, announce)
+            gens.tell(ctl, members, announce)
             entry.complete()
-            if members and group is not None:
-                slices, before = bucket_slices(job, ranges, self._bucket_buffers, self.options.bucket_bytes)
+            if members:
+                slices, before = bucket_slices(job, ranges, self._buckets, self.settings.bucket_bytes)
                 sums: list[int] = []
                 # each bucket's digest is taken once it is on the wire, while the next one transfers
-                after = (lambda i: sums.append(layout.checksum(slices[i]))) if self.checksum else None
-                group.broadcast_buckets(slices, version=job.version, deadline=self.options.deadline,
-                                        op="bucket_send", before=before, after=after)
-                if self.checksum:
-                    self._push_seals(ctl, members, _wire.Seal(generation=gen, seq=seq, version=job.version,
-                                                              checksums=tuple(sums)))
+                after = (lambda i: sums.append(checksum(slices[i]))) if self.settings.checksum else None
+                gens.plane.move(Transfer(job.version, slices, self.deadlines.bucket, before=before, after=after))
+                if self.settings.checksum:
+                    self._push_seals(ctl, gens, members, _wire.Seal(generation=gen, seq=seq, version=job.version,
+                                                                    checksums=tuple(sums)))
             if job.flat is None:
-                job.handle.release_threadsafe()
-            acked, failed = self._gens.collect_acks(ctl, gen, seq, members, job.version, self.options.timeout)
-        except DATA_ERRORS as err:
-            if entry.state != "completed":
-                entry.fail(err)
-            self._recorder.record("send", channel=self.name, member=self._member, generation=gen,
-                                  version=job.version).fail(err)
-            # receivers still waiting on this version give up now (their queue is no longer
-            # empty) and acknowledge the failure, so live members answer and silent ones stand out
-            self._gens.tell(ctl, members, _wire.Wake(reason=f"version {job.version} abandoned"))
-            if self.checksum:  # a receiver past its buckets waits on its seal queue, not its queue
-                self._push_seals(ctl, members, _wire.Seal(generation=gen, seq=seq, version=job.version,
-                                                          checksums=(), abandoned=True))
-            acked, failed = self._gens.collect_acks(ctl, gen, seq, members, job.version, self.options.timeout)
-            job.members_done |= acked
-            self._recorder.dump_on_trouble(f"version {job.version} failed: {err}")
-            return failed or set(members) - acked
+                job.release()
+            acked, failed = gens.collect_acks(ctl, gen, seq, members, job.version,
+                                              self.deadlines.acknowledgements())
+        except LocalFailure as err:
+            self._abandon(ctl, gens, job, gen, seq, members, err)
+            raise _PutFailed(str(err)) from err
+        except (PeerFailure, ControlFailure) as err:
+            return self._abandon(ctl, gens, job, gen, seq, members, err)
         job.members_done |= acked
-        self._score(acked, job.version)
+        self._score(gens, acked, job.version)
         if failed:
             self._recorder.dump_on_trouble(f"version {job.version}: no acknowledgement from {sorted(failed)}")
             return failed
         self._finish(job, t0)
         return None
 
-    def _push_seals(self, ctl: ControlPlane, members: tuple[str, ...], seal: _wire.Seal) -> None:
+    def _wait_snapshot(self, job: Job) -> None:
+        if job.ready is None:
+            return
+        device = self._buckets.device
+        torch.cuda.current_stream(device if device.type == "cuda" else None).wait_event(job.ready)
+        if device.type != "cuda":
+            job.ready.synchronize()  # gloo reads host memory: the device->host copy must be done
+
+    def _abandon(self, ctl: ControlPlane, gens: Generations, job: Job, gen: int, seq: int,
+                 members: tuple[str, ...], err: BaseException) -> set[str]:
+        """Tell members the version is given up; returns whom to blame (the silent, else the failed)."""
+        self._recorder.record("send", channel=self.channel, member=PUBLISHER, generation=gen,
+                              version=job.version).fail(err)
+        # receivers still waiting on this version give up now (their queue is no longer
+        # empty) and acknowledge the failure, so live members answer and silent ones stand out
+        gens.tell(ctl, members, _wire.Wake(reason=f"version {job.version} abandoned"))
+        if self.settings.checksum:  # a receiver past its buckets waits on its seal queue
+            self._push_seals(ctl, gens, members, _wire.Seal(generation=gen, seq=seq, version=job.version,
+                                                            checksums=(), abandoned=True))
+        acked, failed = gens.collect_acks(ctl, gen, seq, members, job.version, self.deadlines.acknowledgements())
+        job.members_done |= acked
+        self._recorder.dump_on_trouble(f"version {job.version} failed: {err}")
+        return failed or set(members) - acked
+
+    @staticmethod
+    def _push_seals(ctl: ControlPlane, gens: Generations, members: tuple[str, ...], seal: _wire.Seal) -> None:
         for member in members:
-            queue = self._gens.seal_queue(member)
-            if queue is not None:
-                ctl.push(queue, seal)
+            queue_name = gens.seal_queue(member)
+            if queue_name is not None:
+                ctl.push(queue_name, seal)
 
-    def _finish(self, job: Job, t0: float) -> None:
+    def _finish(self, job: Job, t0: float, error: BaseException | None = None) -> None:
+        self.staging.finish(job)
+        if error is not None:
+            job.handle.resolve_threadsafe(error=WeightSyncError(
+                f"version {job.version} could not be sent: {error}", channel=self.channel, version=job.version))
+            return
         members = tuple(m for m in self.membership.members if m in job.members_done)
-        report = DeliveryReport(version=job.version, members=members, nbytes=job.manifest.total_bytes,
-                                seconds=time.monotonic() - (job.started or t0))
-        self._staging.finish(job)
-        job.handle.resolve_threadsafe(report)
+        job.handle.resolve_threadsafe(DeliveryReport(version=job.version, members=members,
+                                                     nbytes=job.manifest.total_bytes,
+                                                     seconds=time.monotonic() - (job.started or t0)))
 
-    # members: scoring and replacement -------------------------------------------------------
-    def _score(self, acked: set[str], version: int) -> None:
+    def _score(self, gens: Generations, acked: set[str], version: int) -> None:
         """Record receive times and act on members the policy finds slow."""
-        timings = self._gens.last_timings
+        timings = gens.last_timings
         own = {m: timings[m][1] for m in acked if m in timings}
         self.membership.note_delivered(acked, version, {m: timings[m][0] for m in own}, own)
         for member, ratio in self.membership.slow_members(self.policy, own).items():
-            self._recorder.record("slow", channel=self.name, member=self._member, version=version,
+            self._recorder.record("slow", channel=self.channel, member=PUBLISHER, version=version,
                                   peers=(member,)).fail(f"{ratio:.1f}x the others' receive time")
             if self.policy.on_slow != "keep":
                 log.warning("weightsync: %s is %.1fx slower than the others: evicting (%s)", member, ratio,
                             self.policy.on_slow)
                 self.membership.request_evict(member, "slow")
-
-    def _on_evicted(self, member: MemberInfo) -> None:
-        """Sender thread: ``member`` was dropped; ask the orchestrator when the policy says so."""
-        self.evicted.append(member)
-        action = {"slow": self.policy.on_slow, "dead": self.policy.on_dead, "failed": self.policy.on_dead}.get(
-            member.reason, "evict")  # operator evictions and leaves are not replaced
-        if action != "replace" or self.orchestrator is None or self._loop is None or self._stop.is_set():
-            return
-        call_soon(self._loop, self._start_replacement, member)
-
-    def _start_replacement(self, member: MemberInfo) -> None:
-        """Event loop: run ``orchestrator.replace(member)`` as a task; failures are recorded."""
-        assert self.orchestrator is not None
-        entry = self._recorder.record("replace", channel=self.name, member=self._member,
-                                      peers=(member.member_id,), error=member.reason).start()
-
-        async def run() -> None:
-            assert self.orchestrator is not None
-            try:
-                await self.orchestrator.replace(member)
-            except Exception as err:  # noqa: BLE001 - a failed replacement must never reach put()
-                entry.fail(f"{type(err).__name__}: {err}")
-                log.warning("weightsync: replacing %s failed: %s", member.member_id, err)
-            else:
-                entry.complete()
-
-        self.replacements.append(asyncio.ensure_future(run()))

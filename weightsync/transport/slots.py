@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from weightsync._errors import LocalFailure
 from weightsync._wire import Manifest
 
 
@@ -43,7 +44,7 @@ class SlotPair:
             while slot.readers:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise TimeoutError("readers held the receive slot past the deadline")
+                    raise LocalFailure("readers held the receive slot past the deadline")
                 self.cond.wait(left)
             if slot.flat is None or slot.flat.numel() < manifest.total_bytes:
                 slot.flat = None  # free first: never three buffers at once

@@ -46,6 +46,14 @@ class Job:
     resends: int = 0
     started: float = 0.0  # monotonic time of the first send attempt
     members_done: set[str] = field(default_factory=set)
+    # copy=False: set by the sender thread once the caller's tensors are packed for the last
+    # time; the sender reads it (never the asyncio future) to decide whether it may re-send
+    released: threading.Event = field(default_factory=threading.Event)
+
+    def release(self) -> None:
+        """Sender thread: the caller may change its tensors again (resolves ``handle.released``)."""
+        self.released.set()
+        self.handle.release_threadsafe()
 
 
 class Staging:
@@ -174,7 +182,7 @@ def bucket_slices(job: Job, ranges: list[tuple[int, int]], buffers: BucketBuffer
         lo, hi = ranges[i]
         layout.pack_range(bufs[i % 2], lo, hi, job.manifest, items)
         if i == len(ranges) - 1:
-            job.handle.release_threadsafe()
+            job.release()
 
     return [bufs[i % 2][: hi - lo] for i, (lo, hi) in enumerate(ranges)], pack
 

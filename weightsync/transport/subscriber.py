@@ -2,9 +2,10 @@
 
 Who calls what, in order:
 
-1. ``async with Subscriber(name, address=...)`` connects to the store and starts two
-   threads: *heartbeat* (liveness beats; watches the publisher's) and *receiver*, which
-   sends a Join (fingerprint, token) and waits for Admit or Deny within ``timeout``;
+1. ``async with Subscriber(name, address=...)`` connects to the store and starts its
+   :class:`~weightsync.transport.receiver.Receiver`'s two threads: *heartbeat* (liveness beats;
+   watches the publisher's) and *receiver*, which sends a Join (fingerprint, token) and waits
+   for Admit (with the channel's settings) or Deny within ``timeout``;
 2. the receiver builds the dedicated group of its generation and follows the publisher's
    commands: Announce (receive the buckets straight into the receiving slot, acknowledge,
    publish atomically), Reconfigure (next generation, or Evicted), Shutdown;
@@ -20,7 +21,6 @@ import contextlib
 import inspect
 import os
 import socket
-import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
@@ -29,27 +29,23 @@ from typing import Any
 
 import torch
 
-from weightsync import _faults, _wire
-from weightsync.errors import (
-    Closed,
-    Evicted,
-    PublisherGone,
-    SyncTimeout,
-    WeightSyncError,
-)
+from weightsync import _wire
+from weightsync.errors import Closed, PublisherGone, SyncTimeout, WeightSyncError
 from weightsync.pg import _torch_compat as compat
 from weightsync.pg import handshake
-from weightsync.pg.control import ControlPlane, StoreTimeout, StoreUnreachable
-from weightsync.pg.group import drain_retired, resolve_backend
+from weightsync.pg.control import ControlPlane
+from weightsync.pg.group import resolve_backend
 from weightsync.pg.recorder import FlightRecorder, process_recorder
-from weightsync.transport import layout
-from weightsync.transport.handles import Weights, WeightStream, call_soon
-from weightsync.transport.options import ChannelOptions, parse_address, resolve_device
-from weightsync.transport.receiver import ReceiverLoop
+from weightsync.testing import Hooks
+from weightsync.transport import layout, lifecycle
+from weightsync.transport.handles import Weights, WeightStream
+from weightsync.transport.lifecycle import EndState, call_soon
+from weightsync.transport.options import parse_address, resolve_device
+from weightsync.transport.receiver import Receiver, ReceiverState
 from weightsync.transport.slots import Slot, SlotPair
 
 
-class Subscriber(ReceiverLoop):
+class Subscriber:
     """Receives every version of channel ``name`` in the background; reads never tear.
 
     Example::
@@ -60,13 +56,17 @@ class Subscriber(ReceiverLoop):
             async for w in sub.updates():                   # each newer version
                 ...
 
+    Bucket size, data-plane deadlines, heartbeat interval and checksums are the publisher's:
+    they arrive with the admission, so nothing here has to match the publisher by hand.
+
     Args:
         name: the channel.
         address: the publisher's ``"host:port"``; or ``store=`` an existing torch Store.
         backend: must match the publisher's (``"auto"`` picks the same way).
         device: where ``get`` returns tensors (and, on NCCL, where receive slots live).
         member_id: unique name in the channel (default: ``host-pid-random``).
-        timeout: seconds; floor of every deadline (join, buckets, publisher liveness).
+        timeout: seconds; this end's own bounds: joining (twice this), and how long the
+            publisher may stay silent (half of this, at least three of its heartbeats).
         secret: shared secret (default ``$WEIGHTSYNC_TOKEN``).
         flight_recorder_dir: where dumps go (default ``$WEIGHTSYNC_FR_DIR``, else the same
             per-run directory under the system temp dir as a publisher on this host).
@@ -74,44 +74,34 @@ class Subscriber(ReceiverLoop):
 
     def __init__(self, name: str, *, address: str | None = None, store: Any = None, backend: str = "auto",
                  device: str | torch.device | None = None, member_id: str | None = None, timeout: float = 30.0,
-                 min_bandwidth: float = 50e6, heartbeat_interval: float = 1.0, secret: str | bytes | None = None,
-                 recorder: FlightRecorder | None = None,
+                 secret: str | bytes | None = None, recorder: FlightRecorder | None = None,
                  flight_recorder_dir: str | os.PathLike[str] | None = None) -> None:
-        if not isinstance(name, str) or not name or "/" in name:
-            raise ValueError(f"channel name must be a non-empty string without '/', got {name!r}")
+        lifecycle.validate_name("channel name", name)
         if (address is None) == (store is None):
             raise ValueError("pass exactly one of address= (the publisher's 'host:port') or store=")
+        if not timeout > 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
         self.name = name
         self._connect = parse_address(address) if address is not None else None
         self._user_store = store
-        self.options = ChannelOptions(timeout=timeout, min_bandwidth=min_bandwidth,
-                                      heartbeat_interval=heartbeat_interval)
+        self.timeout = timeout
         self.device = resolve_device(device)
         self.backend = resolve_backend(backend, self.device)
-        self.member_id = member_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-        if "/" in self.member_id:
-            raise ValueError(f"member_id must not contain '/', got {self.member_id!r}")
+        self.member_id = lifecycle.validate_name(
+            "member_id", member_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}")
         self._secret = handshake.resolve_secret(secret)
         self._recorder = recorder or process_recorder()
         default_dir = f"{name}-{address.replace(':', '-')}" if address else f"{name}-pid{os.getpid()}"
         self._recorder.configure(directory=flight_recorder_dir, label=self.member_id, default_directory=default_dir)
         self._slots = SlotPair(self.device if self.backend == "nccl" else torch.device("cpu"))
-        self._state = "new"
-        self._terminal: tuple[type[WeightSyncError], str] | None = None
-        self._closing = threading.Event()
-        self._abort = threading.Event()
-        self._joined = threading.Event()
-        self._join_error: BaseException | None = None
+        self._state = EndState.NEW
+        self._started = False
+        self._hooks = Hooks()
+        self._receiver: Receiver | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._changed: asyncio.Event | None = None
         self._executor: ThreadPoolExecutor | None = None
-        self._threads: list[threading.Thread] = []
-        self.generation = -1
-        self.rank = -1
-        self._clean_shutdown = False
-        self._faults = _faults.from_env()
-        self._backend = None
-        self._slot = 0
+        self._threads: list[Any] = []
 
     # lifecycle ----------------------------------------------------------------------------
     async def __aenter__(self) -> Subscriber:
@@ -123,52 +113,57 @@ class Subscriber(ReceiverLoop):
 
     async def start(self, timeout: float | None = None) -> None:
         """Connect, join (handshake, token) and start receiving; raises if admission fails."""
-        if self._state != "new":
+        if self._state is not EndState.NEW:
             raise RuntimeError("a Subscriber starts once")
-        self._state = "running"
+        self._state, self._started = EndState.RUNNING, True
         self._loop = asyncio.get_running_loop()
         self._changed = asyncio.Event()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"ws-{self.name}-read")
-        limit = timeout if timeout is not None else 2 * self.options.timeout
         try:
             store = await self._loop.run_in_executor(self._executor, self._open_store)
         except Exception as err:
-            self._state = "closed"
+            self._state = EndState.CLOSED
             self._executor.shutdown(wait=False)
             raise PublisherGone(f"cannot reach the publisher's store: {err}", channel=self.name,
                                 member=self.member_id) from err
         self._ctl = ControlPlane(store, self.name)
-        await self._launch(limit)
+        await self._launch(timeout if timeout is not None else 2 * self.timeout)
 
     async def _launch(self, limit: float) -> None:
-        """Start the heartbeat and receiver threads on a fresh queue and wait for admission."""
-        assert self._loop is not None
-        self._queue = self._ctl.member_queue(self.member_id, uuid.uuid4().hex[:12])
-        roles = ((self._heartbeat_main, "heartbeat"), (self._receiver_main, "receiver"))
-        clones = await self._loop.run_in_executor(
-            self._executor, lambda: [self._ctl.clone(self.options.timeout) for _ in roles])
-        self._threads = []
-        for (target, role), ctl in zip(roles, clones, strict=True):
-            thread = threading.Thread(target=target, args=(ctl,), name=f"ws-{self.name}-{role}", daemon=True)
-            thread.start()
-            self._threads.append(thread)
-        joined = await self._loop.run_in_executor(None, self._joined.wait, limit)
-        if self._join_error is not None or not joined:
+        """Start a Receiver on a fresh queue and wait (at most ``limit``) for its admission."""
+        assert self._loop is not None and self._executor is not None
+        queue = self._ctl.member_queue(self.member_id, uuid.uuid4().hex[:12])
+        receiver = Receiver(self.name, self.member_id, queue=queue,
+                            backend=self.backend, device=self.device, secret=self._secret, own_timeout=self.timeout,
+                            join_timeout=limit, recorder=self._recorder, slots=self._slots, on_publish=self._wake,
+                            hooks=self._hooks)
+        self._receiver = receiver
+        self._threads = await lifecycle.launch(
+            self._loop, self._executor, self._ctl, self.timeout,
+            ((receiver.heartbeat_main, "heartbeat"), (receiver.main, "receiver")), f"ws-{self.name}")
+        joined = await self._loop.run_in_executor(None, receiver.joined.wait, limit)
+        if receiver.state is not ReceiverState.FOLLOWING:
+            error = receiver.terminal.error
             await self.abort()
-            if self._join_error is not None:
-                raise self._join_error
-            raise SyncTimeout(f"not admitted within {limit:.3g}s", channel=self.name, member=self.member_id)
+            if error is not None:
+                raise error
+            raise SyncTimeout(f"not admitted within {limit:.3g}s" if not joined else "admission failed",
+                              channel=self.name, member=self.member_id)
 
     def _open_store(self) -> Any:
         if self._user_store is not None:
             return self._user_store
         assert self._connect is not None
-        return compat.new_store_client(self._connect[0], self._connect[1], self.options.timeout)
+        return compat.new_store_client(self._connect[0], self._connect[1], self.timeout)
 
     @property
     def evicted(self) -> bool:
         """True once the publisher dropped this subscriber: new waits raise Evicted; see rejoin()."""
-        return self._terminal is not None and self._terminal[0] is Evicted
+        return self._receiver is not None and self._receiver.state is ReceiverState.EVICTED
+
+    @property
+    def generation(self) -> int:
+        return -1 if self._receiver is None else self._receiver.generation
 
     async def rejoin(self, timeout: float | None = None) -> None:
         """Join again after :class:`Evicted`; the last complete version stays readable meanwhile.
@@ -176,53 +171,44 @@ class Subscriber(ReceiverLoop):
         Raises RuntimeError when this subscriber was not evicted, and what ``start`` raises
         when admission fails (the subscriber is then closed).
         """
-        if self._state != "running" or not self.evicted:
+        if self._state is not EndState.RUNNING or not self.evicted:
             raise RuntimeError("rejoin() is for a running subscriber that was evicted")
         assert self._loop is not None
-        deadline = time.monotonic() + self.options.timeout
-        for thread in self._threads:  # both end on their own once evicted
-            await self._loop.run_in_executor(None, thread.join, max(deadline - time.monotonic(), 0.01))
-            if thread.is_alive():
-                raise SyncTimeout(f"{thread.name} did not stop within {self.options.timeout}s", channel=self.name,
-                                  member=self.member_id)
-        self._terminal, self._join_error = None, None
-        self._joined.clear()
-        await self._launch(timeout if timeout is not None else 2 * self.options.timeout)
+        if not await lifecycle.join(self._loop, self._threads, time.monotonic() + self.timeout):
+            raise SyncTimeout(f"the evicted receiver did not stop within {self.timeout}s", channel=self.name,
+                              member=self.member_id)
+        await self._launch(timeout if timeout is not None else 2 * self.timeout)
         self._recorder.record("rejoin", channel=self.name, member=self.member_id,
                               version=-1 if self.version is None else self.version).complete()
 
     async def aclose(self) -> None:
         """Finish the version in flight, leave the channel, stop. Idempotent."""
-        if self._state in ("new", "closed"):
-            self._state = "closed"
+        if self._state is not EndState.RUNNING:
+            self._state = EndState.CLOSED if self._state is EndState.NEW else self._state
             return
-        self._state = "closing"
-        self._closing.set()
-        await self._join_threads(self.options.deadline(64 << 20) * 2)
+        self._state = EndState.CLOSING
+        assert self._receiver is not None
+        self._receiver.closing.set()
+        deadlines = self._receiver.deadlines
+        await self._close(deadlines.drain() if deadlines is not None else self.timeout)
 
     async def abort(self) -> None:
         """Stop now, abandoning any version in flight. Idempotent."""
-        if self._state in ("new", "closed"):
-            self._state = "closed"
+        if self._state is not EndState.RUNNING:
+            self._state = EndState.CLOSED if self._state is EndState.NEW else self._state
             return
-        self._state = "closing"
-        self._abort.set()
-        self._closing.set()
-        await self._join_threads(self.options.timeout)
+        self._state = EndState.CLOSING
+        assert self._receiver is not None
+        self._receiver.aborting.set()
+        self._receiver.closing.set()
+        await self._close(self.timeout)
 
-    async def _join_threads(self, timeout: float) -> None:
-        assert self._loop is not None
-        deadline = time.monotonic() + timeout
-        for thread in self._threads:
-            await self._loop.run_in_executor(None, thread.join, max(deadline - time.monotonic(), 0.01))
-        self._set_terminal(Closed, "subscriber closed")
-        if self._executor is not None:
-            self._executor.shutdown(wait=False)
-        # retired groups finish tearing down before we return (bounded): see group._Reaper
-        await self._loop.run_in_executor(None, drain_retired, self.options.timeout * 3)
-        if self._recorder.last_dump_path is not None:  # trouble was dumped: leave the full story
-            self._recorder.dump_on_trouble("closed after trouble", force=True)
-        self._state = "closed"
+    async def _close(self, timeout: float) -> None:
+        assert self._loop is not None and self._receiver is not None
+        await lifecycle.join(self._loop, self._threads, time.monotonic() + timeout)
+        self._receiver.end(Closed("subscriber closed", channel=self.name, member=self.member_id))
+        await lifecycle.finish_close(self._loop, self._executor, self._recorder, self.timeout * 3)
+        self._state = EndState.CLOSED
 
     # reading ------------------------------------------------------------------------------
     @property
@@ -343,7 +329,7 @@ class Subscriber(ReceiverLoop):
             torch.cuda.synchronize()
 
     async def _wait_version(self, min_version: int | None, timeout: float | None) -> None:
-        if self._state == "new":
+        if self._state is EndState.NEW:
             raise RuntimeError("start the Subscriber first (async with Subscriber(...) as sub)")
         assert self._loop is not None and self._changed is not None
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -351,9 +337,9 @@ class Subscriber(ReceiverLoop):
             have = self._slots.version
             if have is not None and (min_version is None or have >= min_version):
                 return
-            if self._terminal is not None:
-                cls, message = self._terminal
-                raise cls(message, channel=self.name, member=self.member_id, version=have)
+            error = self._receiver.terminal.error if self._receiver is not None else None
+            if error is not None:
+                raise type(error)(_bare(error), channel=self.name, member=self.member_id, version=have)
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 self._recorder.record("get", channel=self.name, member=self.member_id,
@@ -368,49 +354,11 @@ class Subscriber(ReceiverLoop):
                 continue
 
     def _wake(self) -> None:
-        if self._loop is not None and self._changed is not None:
+        if self._changed is not None:
             call_soon(self._loop, self._changed.set)
 
-    def _set_terminal(self, cls: type[WeightSyncError], message: str) -> None:
-        if self._terminal is None:
-            self._terminal = (cls, message)
-            if cls is not Closed and not self._clean_shutdown:
-                self._recorder.dump_on_trouble(f"{cls.__name__}: {message}")
-        self._wake()
 
-    # heartbeat thread -------------------------------------------------------------------------
-    def _heartbeat_main(self, ctl: ControlPlane) -> None:
-        interval = self.options.heartbeat_interval
-        last_seen, since = -1, time.monotonic()
-        last_beat = since
-        while not self._closing.is_set() and self._terminal is None:
-            # a subscriber whose receiver stopped (evicted, failed) stops beating, so the
-            # publisher drops it in a few beats instead of waiting for it
-            t0 = time.monotonic()
-            try:
-                ctl.add(ctl.heartbeat_key(self.member_id), 1)
-                publisher_beats = ctl.add(ctl.heartbeat_key("publisher"), 0)
-            except (StoreTimeout, StoreUnreachable) as err:
-                self._publisher_gone(ctl, f"publisher's store stopped answering: {err}")
-                return
-            # a store that answered late stalled for everyone: the publisher could not beat
-            # either (see Membership.sample_heartbeats), so the silence restarts from now
-            stalled = time.monotonic() - t0 > interval or t0 - last_beat > 2 * interval + 0.1
-            last_beat = time.monotonic()
-            if publisher_beats != last_seen or stalled:
-                last_seen, since = publisher_beats, time.monotonic()
-            elif time.monotonic() - since > max(3 * interval, self.options.timeout / 2):
-                self._publisher_gone(ctl, f"publisher silent for {time.monotonic() - since:.1f}s")
-                return
-            self._closing.wait(interval)
-        self._wake_receiver(ctl, "closing")
-
-    def _publisher_gone(self, ctl: ControlPlane, reason: str) -> None:
-        self._set_terminal(PublisherGone, reason)
-        self._wake_receiver(ctl, reason)
-
-    def _wake_receiver(self, ctl: ControlPlane, reason: str) -> None:
-        try:
-            ctl.push(self._queue, _wire.Wake(reason=reason))
-        except (StoreTimeout, StoreUnreachable):
-            pass  # the receiver's own pop fails the same way and ends
+def _bare(error: WeightSyncError) -> str:
+    """``error``'s message without the context suffix its constructor added."""
+    text = str(error.args[0]) if error.args else str(error)
+    return text.rsplit(" [", 1)[0] if text.endswith("]") else text

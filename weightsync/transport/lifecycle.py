@@ -1,0 +1,109 @@
+"""What a Publisher and a Subscriber share about their lifecycle: states, threads, close.
+
+Both are async context managers over background threads. Their lifecycle::
+
+    NEW --start()--> RUNNING --aclose()/abort()--> CLOSING --threads joined--> CLOSED
+     └──────────────── aclose()/abort() before start ──────────────────────────┘
+
+``aclose()`` and ``abort()`` are idempotent and safe from error paths: a second call, or one
+on a NEW or CLOSED end, returns at once. A background thread that fails sets the end's
+:class:`Latch` (first error wins); public calls then raise from it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
+from typing import Any
+
+from weightsync.errors import WeightSyncError
+from weightsync.pg.control import ControlPlane
+from weightsync.pg.reaper import drain_retired
+from weightsync.pg.recorder import FlightRecorder
+
+
+class EndState(enum.Enum):
+    """The lifecycle of a Publisher or a Subscriber (see the module docstring)."""
+
+    NEW = "new"
+    RUNNING = "running"
+    CLOSING = "closing"
+    CLOSED = "closed"
+
+
+def validate_name(what: str, value: object) -> str:
+    """A channel name or member id: a non-empty string without '/'; ValueError otherwise."""
+    if not isinstance(value, str) or not value or "/" in value:
+        raise ValueError(f"{what} must be a non-empty string without '/', got {value!r}")
+    return value
+
+
+class Latch:
+    """The first error of an end's threads, kept once and readable from any thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._error: WeightSyncError | None = None
+
+    def set(self, error: WeightSyncError) -> bool:
+        """Keep ``error`` if it is the first; True when it was."""
+        with self._lock:
+            if self._error is not None:
+                return False
+            self._error = error
+            return True
+
+    @property
+    def error(self) -> WeightSyncError | None:
+        return self._error
+
+
+async def launch(loop: asyncio.AbstractEventLoop, executor: Executor, ctl: ControlPlane, timeout: float,
+                 roles: Sequence[tuple[Callable[[ControlPlane], None], str]], prefix: str) -> list[threading.Thread]:
+    """Start one daemon thread per ``(target, role)``, each with its own store connection.
+
+    A torch Store client cannot serve two blocking waits at once, so every thread that blocks
+    on the store gets a clone, made serially (cloning briefly changes the parent's timeout)
+    before any of them runs.
+    """
+    clones = await loop.run_in_executor(executor, lambda: [ctl.clone(timeout) for _ in roles])
+    threads = []
+    for (target, role), own in zip(roles, clones, strict=True):
+        thread = threading.Thread(target=target, args=(own,), name=f"{prefix}-{role}", daemon=True)
+        thread.start()
+        threads.append(thread)
+    return threads
+
+
+async def join(loop: asyncio.AbstractEventLoop, threads: Sequence[threading.Thread], deadline: float) -> bool:
+    """Join ``threads`` in order without blocking the loop, until ``deadline`` (monotonic).
+
+    True when every thread ended in time.
+    """
+    for thread in threads:
+        await loop.run_in_executor(None, thread.join, max(deadline - time.monotonic(), 0.01))
+    return not any(thread.is_alive() for thread in threads)
+
+
+async def finish_close(loop: asyncio.AbstractEventLoop, executor: Executor | None, recorder: FlightRecorder,
+                       teardown_timeout: float) -> None:
+    """The end of every close: retired groups torn down (bounded), the full story dumped after trouble."""
+    if executor is not None:
+        executor.shutdown(wait=False)
+    await loop.run_in_executor(None, drain_retired, teardown_timeout)
+    if recorder.last_dump_path is not None:  # trouble was dumped: leave the full story
+        recorder.dump_on_trouble("closed after trouble", force=True)
+
+
+def call_soon(loop: asyncio.AbstractEventLoop | None, fn: Callable[..., Any], *args: Any) -> None:
+    """Schedule ``fn(*args)`` on ``loop`` from any thread; a closed (or absent) loop is ignored."""
+    if loop is None:
+        return
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # loop closed: nobody is waiting any more
+        pass
