@@ -97,7 +97,7 @@ async def test_corrupted_bucket_is_never_readable_and_is_resent(procs: Procs, tm
     numel = 1 << 20  # 4 MiB in 1 MiB buckets
     rec = FlightRecorder(directory=tmp_path, label="publisher")
     async with ws.Publisher("crc", timeout=5, heartbeat_interval=0.25, bucket_bytes=1 << 20, recorder=rec) as pub:
-        workers = [procs.spawn("subscriber", env={"WEIGHTSYNC_FAULTS": "corrupt=2"} if i == 0 else None,
+        workers = [procs.spawn("subscriber", faults={"corrupt": [2]} if i == 0 else None,
                                channel="crc", address=pub.address, member=f"gen{i}", mode="follow", deadline=120)
                    for i in range(2)]
         await pub.wait_subscribers(2, timeout=60)
@@ -120,7 +120,7 @@ async def test_five_times_slower_member_is_evicted_and_replaced(procs: Procs, tm
         assert pub.address is not None
         async with orchestrator(tmp_path, "slow", pub.address) as orch:
             pub.orchestrator = orch
-            workers = [procs.spawn("subscriber", env={"WEIGHTSYNC_FAULTS": "slow=5"} if i == 2 else None,
+            workers = [procs.spawn("subscriber", faults={"slow": 5.0} if i == 2 else None,
                                    channel="slow", address=pub.address, member=f"gen{i}", mode="follow",
                                    deadline=180) for i in range(3)]
             await pub.wait_subscribers(3, timeout=60)
@@ -178,8 +178,7 @@ async def test_killed_member_others_continue_and_replacement_catches_up(procs: P
 
 async def test_evicted_subscriber_keeps_its_version_raises_and_rejoins() -> None:
     async with ws.Publisher("rejoin", timeout=5, heartbeat_interval=0.25) as pub:
-        async with ws.Subscriber("rejoin", address=pub.address, member_id="s", timeout=5,
-                                 heartbeat_interval=0.25) as sub:
+        async with ws.Subscriber("rejoin", address=pub.address, member_id="s", timeout=5) as sub:
             await pub.wait_subscribers(1, timeout=20)
             await (await pub.put(body(1, 100), version=1)).delivered(timeout=20)
             await sub.get(min_version=1, timeout=10)
@@ -207,7 +206,7 @@ async def test_generations_take_the_path_this_torch_offers(tmp_path: Path) -> No
     """2.14+ re-forms one gloo backend in place on joins and leaves; older torch rebuilds."""
     rec = FlightRecorder(directory=tmp_path, label="publisher")
     async with ws.Publisher("paths", timeout=5, heartbeat_interval=0.25, recorder=rec) as pub:
-        subs = [ws.Subscriber("paths", address=pub.address, member_id=f"s{i}", timeout=5, heartbeat_interval=0.25,
+        subs = [ws.Subscriber("paths", address=pub.address, member_id=f"s{i}", timeout=5,
                               recorder=FlightRecorder(directory=tmp_path, label=f"s{i}")) for i in range(2)]
         for i, sub in enumerate(subs):  # two joins: two generation changes
             await sub.start()

@@ -16,6 +16,8 @@ import torch
 
 import weightsync as ws
 from tests.statedicts import digests
+from weightsync.pg.recorder import process_recorder
+from weightsync.testing import Faults, inject
 
 
 async def subscriber(spec: dict) -> dict:
@@ -23,9 +25,11 @@ async def subscriber(spec: dict) -> dict:
     seen: dict[int, dict[str, str]] = {}
     order: list[int] = []
     mode = spec.get("mode", "get")
-    async with ws.Subscriber(spec["channel"], address=spec["address"], member_id=spec["member"],
-                             timeout=spec.get("timeout", 10.0), heartbeat_interval=0.25,
-                             flight_recorder_dir=spec.get("fr_dir")) as sub:
+    sub = ws.Subscriber(spec["channel"], address=spec["address"], member_id=spec["member"],
+                        timeout=spec.get("timeout", 10.0), flight_recorder_dir=spec.get("fr_dir"))
+    if spec.get("faults"):  # a fault plan for this worker (see weightsync.testing)
+        inject(sub, Faults(**spec["faults"]))
+    async with sub:
         if spec.get("ready_file"):
             open(spec["ready_file"], "w").close()
         deadline = time.monotonic() + spec.get("deadline", 60)
@@ -101,7 +105,7 @@ async def main(spec: dict) -> dict:
             return await subscriber(spec)
         finally:
             if spec.get("dump_at_end"):
-                ws.pg.process_recorder().dump(reason="worker finished")
+                process_recorder().dump(reason="worker finished")
     if spec["role"] == "coexist":
         return await coexist(spec)
     if spec["role"] == "publisher":

@@ -1,0 +1,63 @@
+"""Hooks for tests and fault drills; the library itself never reads them from the environment.
+
+A test (or a drill) installs a :class:`Faults` plan on a Subscriber before it starts::
+
+    import weightsync as ws
+    from weightsync.testing import Faults, inject
+
+    sub = ws.Subscriber("policy", address=addr)
+    inject(sub, Faults(corrupt={3}))         # flip a byte of version 3's first bucket, once
+    inject(sub, Faults(slow=5.0))            # take 5x as long as the wire over every bucket
+
+What each fault does, where a real failure would hit:
+
+- ``slow=F``: after each bucket, the receiver sleeps ``(F - 1)`` times as long as the bucket
+  took (at least 20 ms each), as a member on a busy host would;
+- ``corrupt={V, ...}``: one byte of bucket 0 is flipped the first time version V arrives, as a
+  bad link would; the checksum must catch it, and the re-send must deliver V intact.
+
+Without ``inject`` a Subscriber runs :class:`Hooks`, which does nothing.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+__all__ = ["Faults", "Hooks", "inject"]
+
+
+class Hooks:
+    """What a receiver calls at its fault points; the default does nothing."""
+
+    def after_bucket(self, version: int, index: int, bucket: torch.Tensor, seconds: float) -> None:
+        """Bucket ``index`` of ``version`` arrived (in ``bucket``) after ``seconds`` on the wire."""
+
+
+class Faults(Hooks):
+    """A fault plan (see the module docstring)."""
+
+    def __init__(self, *, slow: float = 1.0, corrupt: Iterable[int] = ()) -> None:
+        if slow < 1:
+            raise ValueError(f"slow must be >= 1 (a factor of the wire's time), got {slow}")
+        self.slow = float(slow)
+        self.corrupt = set(corrupt)
+
+    def after_bucket(self, version: int, index: int, bucket: torch.Tensor, seconds: float) -> None:
+        if index == 0 and version in self.corrupt and bucket.numel():
+            self.corrupt.discard(version)
+            bucket[0] ^= 0xFF
+        if self.slow > 1:
+            time.sleep((self.slow - 1) * max(seconds, 0.02))
+
+
+def inject(subscriber: Any, hooks: Hooks) -> None:
+    """Install ``hooks`` on ``subscriber`` (a :class:`weightsync.Subscriber` not started yet)."""
+    if not isinstance(hooks, Hooks):
+        raise TypeError(f"hooks must be a weightsync.testing.Hooks, got {type(hooks).__name__}")
+    if getattr(subscriber, "_started", True):
+        raise RuntimeError("inject() faults before the Subscriber starts")
+    subscriber._hooks = hooks
