@@ -13,6 +13,7 @@ import weightsync as ws
 from tests.statedicts import digests, mixed_state_dict
 from weightsync import _wire
 from weightsync.transport import layout
+from weightsync.transport.checksum import STRIPES, checksum
 from weightsync.transport.options import ChannelOptions, parse_address
 from weightsync.transport.staging import Job, Staging
 
@@ -187,16 +188,18 @@ def test_admission_names_each_reason_to_refuse() -> None:
 
 def test_checksum_catches_flips_and_swaps_and_ignores_alignment() -> None:
     data = torch.randint(0, 256, (1 << 16,), dtype=torch.uint8)
-    base = layout.checksum(data)
+    base = checksum(data)
     flipped = data.clone()
     flipped[4097] ^= 1
     words = data.clone().view(torch.int64)
-    stripe = words.numel() // layout.STRIPES
-    for i, j in ((0, 1), (0, stripe), (5, 5 + 3 * stripe + 1)):  # within a stripe, across, diagonal
+    stripe = words.numel() // STRIPES
+    for i, j in ((0, 1), (0, stripe), (5, 5 + 3 * stripe + 1)):  # adjacent, across stripes, far apart
         swapped = words.clone()
         swapped[i], swapped[j] = words[j].item(), words[i].item()
-        assert words[i] != words[j] and layout.checksum(swapped.view(torch.uint8)) != base
-    assert layout.checksum(flipped) != base
-    assert layout.checksum(data[:-3]) != layout.checksum(data[:-4])  # the tail counts
-    assert layout.checksum(data[3:1003]) == layout.checksum(data[3:1003].clone())  # unaligned slices agree
-    assert layout.checksum(data[:0]) == layout.checksum(torch.empty(0, dtype=torch.uint8))
+        assert words[i] != words[j] and checksum(swapped.view(torch.uint8)) != base
+    assert checksum(flipped) != base
+    assert checksum(data[:-3]) != checksum(data[:-4])  # the tail counts
+    assert checksum(data[3:1003]) == checksum(data[3:1003].clone())  # unaligned slices agree
+    assert checksum(data[:0]) == checksum(torch.empty(0, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="flat contiguous uint8"):
+        checksum(data.view(torch.int64))
