@@ -22,7 +22,7 @@ from typing import Union
 
 import msgspec
 
-PROTOCOL_VERSION = 2  # 2: settings travel in Admit; checksums are xxh3 digests
+PROTOCOL_VERSION = 2  # 2: settings travel in Admit; checksums are CRC32C
 
 
 class TensorSpec(msgspec.Struct, frozen=True, array_like=True):

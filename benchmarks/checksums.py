@@ -1,0 +1,97 @@
+"""Bucket digests side by side in one run: what protocol 1 used against what protocol 2 uses.
+
+    python -m benchmarks.checksums [--mib 64] [--reps 10] [--out benchmarks/results]
+
+Candidates, each over the same 64 MiB host bucket, one thread:
+
+- ``striped-crc32`` protocol 1's digest (16 stripes of 8-byte word sums with numpy, then CRC32);
+- ``zlib-crc32``    CRC32 of the bytes;
+- ``xxh64``         xxHash 64;
+- ``xxh3-64``       xxHash XXH3-64;
+- ``crc32c``        hardware CRC32C, what ``weightsync.transport.checksum`` uses now (protocol 2);
+
+and the memory-copy rate of the same bucket, measured beside them as the ceiling. Prints GB/s
+and each one's ratio to protocol 1, writes ``checksums.json`` and ``checksums.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+import zlib
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import torch
+import xxhash
+
+from weightsync.transport.checksum import _host_view, checksum
+
+
+def striped_crc32(buf: torch.Tensor) -> int:
+    grid = 16 * 8
+    n = buf.numel() // grid * grid
+    host = buf.numpy()
+    words = host[:n].view(np.uint64).reshape(16, -1)
+    digest = zlib.crc32(words.sum(axis=1).tobytes())
+    digest = zlib.crc32(words.sum(axis=0).tobytes(), digest)
+    return zlib.crc32(host[n:].tobytes(), digest)
+
+
+def rate(fn, buf: torch.Tensor, reps: int) -> float:
+    fn(buf)
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn(buf)
+        best = min(best, time.perf_counter() - t0)
+    return buf.numel() / best / 1e9
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.checksums", description=__doc__.splitlines()[0])
+    parser.add_argument("--mib", type=int, default=64)
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--out", default="benchmarks/results")
+    args = parser.parse_args(argv)
+    buf = torch.randint(0, 256, (args.mib << 20,), dtype=torch.uint8)
+    dst = torch.empty_like(buf)
+    torch.set_num_threads(1)
+    rows = {
+        "memcpy (ceiling)": rate(lambda b: dst.copy_(b), buf, args.reps),
+        "striped-crc32 (protocol 1)": rate(striped_crc32, buf, args.reps),
+        "zlib-crc32": rate(lambda b: zlib.crc32(_host_view(b)), buf, args.reps),
+        "xxh64": rate(lambda b: xxhash.xxh64_intdigest(_host_view(b)), buf, args.reps),
+        "xxh3-64": rate(lambda b: xxhash.xxh3_64_intdigest(_host_view(b)), buf, args.reps),
+        "crc32c (protocol 2)": rate(checksum, buf, args.reps),
+    }
+    base = rows["striped-crc32 (protocol 1)"]
+    print(f"{args.mib} MiB host bucket, one thread, best of {args.reps}")
+    print(f"{'digest':<28}{'GB/s':>8}{'x protocol 1':>14}")
+    for name, gbs in rows.items():
+        print(f"{name:<28}{gbs:>8.2f}{gbs / base:>14.2f}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "checksums.json").write_bytes(msgspec.json.format(msgspec.json.encode(
+        {"mib": args.mib, "reps": args.reps, "gb_per_s": rows})))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot (pip install 'weightsync[plot]')")
+        return 0
+    fig, ax = plt.subplots(figsize=(7, 3))
+    ax.barh(list(rows), list(rows.values()), color=["#999", "#c44", "#c84", "#48c", "#4ac", "#2a2"])
+    ax.set_xlabel("GB/s, one thread")
+    ax.invert_yaxis()
+    fig.tight_layout()
+    fig.savefig(out / "checksums.png", dpi=120)
+    print(f"wrote {out / 'checksums.json'} and {out / 'checksums.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
