@@ -22,7 +22,10 @@ $(STAMP): pyproject.toml requirements/torch-$(TORCH).txt
 	touch $@
 
 demo: $(STAMP)
-	$(VENV)/bin/weightsync demo
+	$(VENV)/bin/python -m rl_examples.cartpole
+
+bench: $(STAMP)
+	$(VENV)/bin/python -m benchmarks.push_vs_broadcast
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check weightsync tests rl_examples benchmarks

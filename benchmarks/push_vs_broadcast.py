@@ -1,6 +1,6 @@
-"""weightsync against blocking broadcasts, side by side in one run (``weightsync bench``).
+"""weightsync against blocking broadcasts, side by side in one run (``make bench``).
 
-    weightsync bench [--sizes 64,256,512] [--subscribers 1,2,4] [--reps 3] [--step-ms 300]
+    python -m benchmarks.push_vs_broadcast [--sizes 64,256,512] [--subscribers 1,2,4] [--reps 3] [--step-ms 300]
 
 Modes, each pushing the same LLM-shaped state dict from a trainer to N generator processes:
 
@@ -309,7 +309,7 @@ async def bench(sizes: list[int], subscribers: list[int], reps: int, step_ms: fl
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="weightsync bench", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.push_vs_broadcast", description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="64,256,512", help="MiB, comma-separated (CPU: up to 2048)")
     parser.add_argument("--subscribers", default="1,2,4", help="generator processes, comma-separated")
     parser.add_argument("--reps", type=int, default=3, help="measured pushes per point (plus one warm-up)")
@@ -325,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     if min(sizes) < 1 or min(subscribers) < 1 or args.reps < 1:
         parser.error("sizes, subscribers and reps must be >= 1")
     need = max(sizes) * (3 + 2 * max(subscribers) + 2) / 1024
-    print(f"weightsync bench: sizes {sizes} MiB x subscribers {subscribers}, {args.reps} reps "
+    print(f"bench: sizes {sizes} MiB x subscribers {subscribers}, {args.reps} reps "
           f"(peak memory about {need:.1f} GiB)", flush=True)
     import uvloop
 

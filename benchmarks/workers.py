@@ -1,4 +1,4 @@
-"""Generator-side processes for ``weightsync bench``: a blocking-broadcast receiver and a Subscriber.
+"""Generator-side processes for ``benchmarks.push_vs_broadcast``: a blocking-broadcast receiver and a Subscriber.
 
 Run as ``python -m benchmarks.workers '<json spec>'``; results come back as msgspec JSON in the
 file the spec names (never pickle).

@@ -89,8 +89,7 @@ async def generate(args: argparse.Namespace, channel: str, queue_key: str,
     torch.set_num_threads(1)
     queue = RolloutQueue(args.address, queue_key)
     loop = asyncio.get_running_loop()
-    async with ws.Subscriber(channel, address=args.address, member_id=args.member, timeout=30,
-                             heartbeat_interval=0.5) as sub:
+    async with ws.Subscriber(channel, address=args.address, member_id=args.member, timeout=30) as sub:
         version = await load(sub)  # the first policy (waits for it)
         print(f"[{args.member}] joined with policy version {version}", flush=True)
         sampled = 0
@@ -176,7 +175,7 @@ class Generators:
 
 
 def run_dir(name: str, out: str | None) -> Path:
-    path = Path(out) if out else REPO / "runs" / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    path = Path(out) if out else Path.cwd() / "runs" / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
     (path / "flight-recorder").mkdir(parents=True, exist_ok=True)
     return path
 

@@ -1,7 +1,7 @@
 """The demo: an asynchronous actor-learner loop that learns CartPole, on CPU, in about a minute.
 
-    weightsync demo                       # or: python -m rl_examples.cartpole
-    weightsync demo --steps 6 --no-check  # the short mode CI runs
+    make demo                                        # or: python -m rl_examples.cartpole
+    python -m rl_examples.cartpole --steps 6 --no-check  # the short mode CI runs
 
 One trainer process and three generator processes. The trainer hosts a weightsync channel,
 starts the generators, and after every optimizer step pushes the policy with ``await
@@ -174,7 +174,7 @@ async def trainer(args: argparse.Namespace) -> int:
     optimizer = torch.optim.Adam(policy.parameters(), lr=args.lr)
     rows: list[StepRow] = []
     gens = Generators("rl_examples.cartpole", out)
-    print(f"weightsync demo: CartPole, 1 trainer + {args.generators} generators, {args.steps} steps; "
+    print(f"demo: CartPole, 1 trainer + {args.generators} generators, {args.steps} steps; "
           f"output in {out}", flush=True)
     async with ws.Publisher(CHANNEL, address="127.0.0.1:0", timeout=30, heartbeat_interval=0.5,
                             flight_recorder_dir=out / "flight-recorder") as pub:
@@ -259,7 +259,7 @@ def plot(rows: list[StepRow], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = example_parser("weightsync demo", __doc__, steps=150, log_every=10)
+    parser = example_parser("python -m rl_examples.cartpole", __doc__, steps=150, log_every=10)
     parser.add_argument("--episodes", type=int, default=16, help="episodes per batch")
     parser.add_argument("--epochs", type=int, default=4, help="PPO epochs per batch")
     parser.add_argument("--lr", type=float, default=5e-4)

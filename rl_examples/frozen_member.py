@@ -29,7 +29,7 @@ from weightsync.pg.timeline import draw
 
 async def generator(address: str, member: str, last: int) -> None:
     """A generator process: follow every version until ``last`` (dumps go to $WEIGHTSYNC_FR_DIR)."""
-    async with ws.Subscriber("policy", address=address, member_id=member, timeout=30, heartbeat_interval=0.25) as sub:
+    async with ws.Subscriber("policy", address=address, member_id=member, timeout=30) as sub:
         async for weights in sub.updates(timeout=120):
             if weights.version >= last:
                 return

@@ -19,7 +19,7 @@ def run(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_bench_runs_every_mode_and_writes_json_and_plot(tmp_path: Path) -> None:
-    out = run("-m", "weightsync.cli", "bench", "--sizes", "8", "--subscribers", "1", "--reps", "1",
+    out = run("-m", "benchmarks.push_vs_broadcast", "--sizes", "8", "--subscribers", "1", "--reps", "1",
               "--out", str(tmp_path))
     assert out.returncode in (0, 1), out.stderr[-3000:]  # 1: a target missed at this toy size
     report = msgspec.json.decode((tmp_path / "bench.json").read_bytes())

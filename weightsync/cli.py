@@ -1,13 +1,14 @@
 """``weightsync``: the command line.
 
-    weightsync demo [...]           an asynchronous RL loop that learns CartPole on CPU (rl_examples)
     weightsync doctor               what this machine's torch offers weightsync (backends, probes)
-    weightsync bench [...]          weightsync against blocking broadcasts, side by side
     weightsync fr analyze DIR       merge all ranks' recorder dumps; name where a push stopped
     weightsync fr timeline DIR -o timeline.png|.html
 
 ``fr analyze`` exits 0 when it finds nothing wrong, 1 for a stall or failure, 2 for input it
-cannot read (with a message, never a traceback).
+cannot read (with a message, never a traceback). Everything here works from a plain install in
+any directory and writes only where it is told (``-o``). The demo and the benchmarks live in
+the repository (``make demo``, ``make bench``): they are programs about weightsync, not part
+of the library.
 """
 
 from __future__ import annotations
@@ -66,19 +67,9 @@ def _fr(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["demo"]:  # its own options (see `weightsync demo --help`): passed through
-        from rl_examples.cartpole import main as demo_main
-
-        return demo_main(argv[1:])
-    if argv[:1] == ["bench"]:  # its own options: pass them through untouched
-        from benchmarks.push_vs_broadcast import main as bench_main
-
-        return bench_main(argv[1:])
     parser = argparse.ArgumentParser(prog="weightsync", description="asynchronous weight push for RL")
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("demo", help="1 trainer + 3 generators learn CartPole on CPU (see --help)", add_help=False)
     sub.add_parser("doctor", help="what this torch offers (backends, feature probes)")
-    sub.add_parser("bench", help="weightsync against blocking broadcasts (see --help)", add_help=False)
     fr = sub.add_parser("fr", help="flight-recorder dumps: analyze, timeline")
     fr_sub = fr.add_subparsers(dest="fr_command", required=True)
     an = fr_sub.add_parser("analyze", help="merge all ranks' dumps and report where a push stopped")
