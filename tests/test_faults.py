@@ -53,8 +53,7 @@ async def test_wrong_token_is_denied_and_publisher_keeps_serving() -> None:
         with pytest.raises(ws.AdmissionDenied):
             async with ws.Subscriber("secure", address=pub.address, secret="wrong", timeout=15):
                 pass
-        async with ws.Subscriber("secure", address=pub.address, secret="s3cret", timeout=15,
-                                 heartbeat_interval=0.25) as sub:
+        async with ws.Subscriber("secure", address=pub.address, secret="s3cret", timeout=15) as sub:
             await pub.wait_subscribers(1, timeout=10)
             await (await pub.put({"x": torch.ones(3)}, version=1)).delivered(timeout=10)
             assert (await sub.get(timeout=5)).version == 1
@@ -62,7 +61,7 @@ async def test_wrong_token_is_denied_and_publisher_keeps_serving() -> None:
 
 async def test_duplicate_member_id_is_denied() -> None:
     async with ws.Publisher("dup", timeout=15, heartbeat_interval=0.25) as pub:
-        async with ws.Subscriber("dup", address=pub.address, member_id="same", timeout=15, heartbeat_interval=0.25):
+        async with ws.Subscriber("dup", address=pub.address, member_id="same", timeout=15):
             await pub.wait_subscribers(1, timeout=10)
             with pytest.raises(ws.AdmissionDenied, match="already"):
                 async with ws.Subscriber("dup", address=pub.address, member_id="same", timeout=15):
@@ -77,8 +76,7 @@ async def test_publisher_killed_subscribers_keep_last_version_and_raise_in_time(
         assert time.monotonic() < deadline, procs.log(pub_index)
         await asyncio.sleep(0.05)
     timeout = 4.0
-    async with ws.Subscriber("doomed", address=address_file.read_text(), timeout=timeout,
-                             heartbeat_interval=0.25) as sub:
+    async with ws.Subscriber("doomed", address=address_file.read_text(), timeout=timeout) as sub:
         before = await sub.get(min_version=2, timeout=30)
         procs.signal(pub_index, signal.SIGKILL)
         t0 = time.monotonic()
@@ -105,7 +103,7 @@ async def test_fingerprint_mismatch_is_denied_naming_the_difference() -> None:
         assert isinstance(reply, _wire.Deny) and reply.kind == "handshake"
         assert "protocol" in reply.reason and str(alien.protocol) in reply.reason
         ctl.push(ctl.inbox, b"\x00garbage")  # malformed: recorded, never fatal
-        async with ws.Subscriber("fp", address=pub.address, timeout=10, heartbeat_interval=0.25) as sub:
+        async with ws.Subscriber("fp", address=pub.address, timeout=10) as sub:
             await pub.wait_subscribers(1, timeout=10)  # the publisher kept serving
             await (await pub.put({"x": torch.ones(2)}, version=1)).delivered(timeout=10)
             assert (await sub.get(timeout=5)).version == 1

@@ -28,7 +28,8 @@ FAST = {"timeout": 5.0, "heartbeat_interval": 0.25}
 async def channel(n: int, name: str = "policy", **pub_kw):
     pub = ws.Publisher(name, **{**FAST, **pub_kw})
     await pub.start()
-    subs = [ws.Subscriber(name, address=pub.address, member_id=f"{name}-g{i}", **FAST) for i in range(n)]
+    subs = [ws.Subscriber(name, address=pub.address, member_id=f"{name}-g{i}", timeout=FAST["timeout"])
+            for i in range(n)]
     await asyncio.gather(*(s.start() for s in subs))
     await pub.wait_subscribers(n, timeout=10)
     return pub, subs
@@ -219,7 +220,7 @@ async def test_listening_on_every_interface_advertises_a_reachable_address() -> 
     async with ws.Publisher("anyaddr", address="0.0.0.0:0", **FAST) as pub:
         host, _, port = (pub.address or "").rpartition(":")
         assert host not in ("0.0.0.0", "") and int(port) > 0
-        async with ws.Subscriber("anyaddr", address=pub.address, **FAST) as sub:
+        async with ws.Subscriber("anyaddr", address=pub.address, timeout=FAST["timeout"]) as sub:
             await pub.wait_subscribers(1, timeout=10)
             await (await pub.put({"w": torch.ones(4)}, version=5)).delivered(timeout=10)
             assert (await sub.get(min_version=5, timeout=5)).version == 5
@@ -265,3 +266,40 @@ async def test_stream_and_load_feed_an_engine_without_a_copy() -> None:
             await sub.load("not a loader")  # type: ignore[arg-type]
     finally:
         await close(pub, [sub])
+
+
+async def test_a_packing_error_fails_the_put_and_evicts_nobody() -> None:
+    """copy=False borrows the caller's tensors; one that cannot be packed (a conjugate view) is
+    the put's own failure: the handle fails with it, nobody is blamed, the channel goes on."""
+    pub, subs = await channel(2, name="packerr", bucket_bytes=1 << 16)
+    try:
+        members = pub.members
+        bad = {"ok": torch.ones(1000), "conj": torch.randn(64, dtype=torch.complex64).conj()}
+        handle = await pub.put(bad, version=1, copy=False)
+        with pytest.raises(ws.WeightSyncError, match="could not be sent"):
+            await handle.delivered(timeout=30)
+        assert pub.evicted == [] and set(pub.members) == set(members)
+        good = mixed_state_dict(2, mib=0.5)
+        report = await (await pub.put(good, version=2)).delivered(timeout=30)
+        assert set(report.members) == set(members)
+        for sub in subs:
+            assert digests(await sub.get(min_version=2, timeout=10)) == digests(good)
+            assert sub.version == 2  # version 1 was never made readable anywhere
+    finally:
+        await close(pub, subs)
+
+
+async def test_subscribers_take_bucket_size_and_deadlines_from_the_publisher() -> None:
+    """A publisher with 1 GiB buckets and a slow minimum bandwidth: its subscribers (built with
+    defaults) compute every data-plane deadline from what it told them at admission."""
+    pub, subs = await channel(1, name="bigbuckets", bucket_bytes=1 << 30, min_bandwidth=2e6, timeout=7.0)
+    try:
+        receiver = subs[0]._receiver
+        assert receiver is not None and receiver.deadlines is not None
+        assert receiver.deadlines.settings == pub.settings
+        assert receiver.deadlines.rendezvous() == pytest.approx(7.0 + 7.0 + (1 << 30) / 2e6)
+        sd = mixed_state_dict(0, mib=2)
+        await (await pub.put(sd, version=0)).delivered(timeout=30)  # one bucket holds all of it
+        assert digests(await subs[0].get(timeout=10)) == digests(sd)
+    finally:
+        await close(pub, subs)

@@ -1,0 +1,228 @@
+"""Tier 1: membership, generations, acknowledgement blame, the released flag and the analyzer,
+against an in-memory control store and a fake data plane: no processes, no sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+import torch
+
+from tests.fakes import FakePlane, FakeStore
+from weightsync import _wire
+from weightsync._errors import PeerFailure
+from weightsync.pg.analyze import analyze
+from weightsync.pg.control import ControlPlane
+from weightsync.pg.generations import Generations
+from weightsync.pg.membership import Membership
+from weightsync.pg.recorder import Dump, Entry, FlightRecorder
+from weightsync.transport import layout
+from weightsync.transport.handles import PutHandle
+from weightsync.transport.options import ChannelOptions, Deadlines
+from weightsync.transport.staging import Job
+
+pytestmark = pytest.mark.timeout(60)
+SETTINGS = ChannelOptions(timeout=2.0, heartbeat_interval=1.0).settings(checksum=True, in_place=False)
+
+
+def setup(dead_after: float = 5.0) -> tuple[ControlPlane, Membership, FakePlane, Generations, FlightRecorder]:
+    ctl = ControlPlane(FakeStore(), "ch")
+    rec = FlightRecorder(capacity=500)
+    membership = Membership("ch", rec, heartbeat_interval=1.0, dead_after=dead_after)
+    plane = FakePlane()
+    gens = Generations("ch", membership=membership, recorder=rec, plane=plane, settings=SETTINGS,
+                       stopped=lambda: False, on_change=lambda: None)
+    return ctl, membership, plane, gens, rec
+
+
+def play_member(ctl: ControlPlane, member: str, seen: dict[str, list], ready: bool = True,
+                until: type = _wire.Go, count: int = 1) -> threading.Thread:
+    """A member on another thread: answers Admit/Reconfigure with Ready; ends after ``count`` ``until``s."""
+
+    count_left = [count]
+
+    def run() -> None:
+        own = ControlPlane(ctl.store.clone(), "ch")
+        queue = own.member_queue(member, "n")
+        while True:
+            try:
+                message = _wire.member_decoder.decode(own.pop(queue, 3.0))
+            except TimeoutError:
+                return
+            seen.setdefault(member, []).append(message)
+            if isinstance(message, until):
+                count_left[0] -= 1
+                if not count_left[0]:
+                    return
+            if isinstance(message, (_wire.Admit, _wire.Reconfigure)) and ready:
+                generation = message.generation if isinstance(message, _wire.Admit) else message.next_generation
+                own.push(own.replies, _wire.Ready(generation=generation, member_id=member))
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def join(gens: Generations, membership: Membership, ctl: ControlPlane, *members: str) -> None:
+    for member in members:
+        assert membership.request_join(member)
+        gens.register(member, ctl.member_queue(member, "n"))
+
+
+def test_joiners_get_the_publishers_settings_and_enter_together() -> None:
+    ctl, membership, plane, gens, _ = setup()
+    seen: dict[str, list] = {}
+    threads = [play_member(ctl, m, seen) for m in ("a", "b")]
+    join(gens, membership, ctl, "a", "b")
+    gens.advance(ctl, reason="membership change")
+    for t in threads:
+        t.join(5)
+    assert membership.members == ["a", "b"] and membership.generation == 1
+    assert [(s.generation, s.members, s.rank) for s in plane.entered] == [(1, ("a", "b"), 0)]
+    for member in ("a", "b"):
+        admit, go = seen[member][0], seen[member][1]
+        assert isinstance(admit, _wire.Admit) and admit.settings == SETTINGS  # settings agreed at admission
+        assert isinstance(go, _wire.Go) and go.generation == 1
+    assert not membership.request_join("a")  # a member's id is taken
+
+
+def test_a_member_that_leaves_is_dropped_without_blame_and_told_nothing_more() -> None:
+    ctl, membership, plane, gens, rec = setup()
+    seen: dict[str, list] = {}
+    threads = [play_member(ctl, "a", seen, count=2), play_member(ctl, "b", seen, until=_wire.Reconfigure)]
+    join(gens, membership, ctl, "a", "b")
+    gens.advance(ctl, reason="membership change")
+    membership.request_leave("b")
+    gens.advance(ctl, reason="membership change")
+    for t in threads:
+        t.join(5)
+    assert membership.members == ["a"] and membership.generation == 2
+    reconfigure = next(m for m in seen["b"] if isinstance(m, _wire.Reconfigure))
+    assert reconfigure.members == ("a",) and not reconfigure.fresh
+    assert not [e for e in rec.snapshot() if e.op == "evict"]  # a leave is not an eviction
+    assert plane.entered[-1].members == ("a",)
+
+
+def test_a_failed_rendezvous_blames_only_the_unresponsive() -> None:
+    ctl, membership, plane, gens, _ = setup()
+    seen: dict[str, list] = {}
+    threads = [play_member(ctl, "a", seen, until=_wire.Shutdown)]
+    join(gens, membership, ctl, "a")
+    plane.fail_enter = PeerFailure("rendezvous timed out")
+    with pytest.raises(Exception, match="4 attempts"):
+        gens.advance(ctl, reason="membership change")
+    assert [c for c in plane.calls if c[0] == "enter"] == [("enter", g) for g in (1, 2, 3, 4)]
+    gens.shutdown(ctl)
+    for t in threads:
+        t.join(5)
+
+
+def beat_and_sample(ctl: ControlPlane, membership: Membership, alive: tuple[str, ...], seconds: float) -> None:
+    """Members in ``alive`` beat; everyone else stays silent for ``seconds``; the monitor samples."""
+    membership.sample_heartbeats(ctl)
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        for member in alive:
+            ctl.add(ctl.heartbeat_key(member), 1)
+        membership.sample_heartbeats(ctl)
+        time.sleep(0.02)  # the test plays a heartbeat clock, not synchronisation
+
+
+def test_acknowledgements_blame_the_silent_not_their_victims() -> None:
+    ctl, membership, _plane, gens, rec = setup(dead_after=0.2)
+    membership.members = ["a", "b", "c"]
+    beat_and_sample(ctl, membership, alive=("a", "b"), seconds=0.4)
+    assert not membership.is_alive("c") and membership.is_alive("a")
+    ctl.push(ctl.replies, _wire.Ack(generation=0, seq=0, member_id="a", version=7, ok=True))
+    ctl.push(ctl.replies, _wire.Ack(generation=0, seq=0, member_id="b", version=7, ok=False, error="cancelled"))
+    acked, blamed = gens.collect_acks(ctl, 0, 0, ("a", "b", "c"), 7, timeout=2.0)
+    assert acked == {"a"} and blamed == {"c"}  # b failed waiting on c: a victim, not a culprit
+    assert {e.peers for e in rec.snapshot() if e.op == "ack_missing"} == {("c",)}
+
+
+def test_acknowledgements_blame_the_failed_when_nobody_is_silent() -> None:
+    ctl, _membership, _plane, gens, rec = setup()
+    _membership.members = ["a", "b"]
+    ctl.push(ctl.replies, _wire.Ack(generation=0, seq=3, member_id="a", version=1, ok=True))
+    ctl.push(ctl.replies, _wire.Ack(generation=0, seq=2, member_id="b", version=0, ok=True))  # stale: ignored
+    ctl.push(ctl.replies, _wire.Ack(generation=0, seq=3, member_id="b", version=1, ok=False, error="corrupt"))
+    acked, blamed = gens.collect_acks(ctl, 0, 3, ("a", "b"), 1, timeout=2.0)
+    assert acked == {"a"} and blamed == {"b"}
+    assert [e.error for e in rec.snapshot() if e.op == "nack"] == ["corrupt"]
+
+
+def test_a_joiner_that_dies_before_it_is_planned_frees_its_id() -> None:
+    ctl, membership, _plane, gens, _ = setup(dead_after=0.2)
+    join(gens, membership, ctl, "ghost")
+    beat_and_sample(ctl, membership, alive=(), seconds=0.4)
+    plan = membership.plan_next()
+    assert plan.dropped_joiners == ("ghost",) and "ghost" not in plan.members
+    assert membership.request_join("ghost")  # a new incarnation may use the id again
+
+
+def test_deadlines_come_from_the_publishers_settings() -> None:
+    big = ChannelOptions(timeout=7.0, min_bandwidth=1e6, bucket_bytes=1 << 30).settings(checksum=True, in_place=False)
+    d = Deadlines(big)
+    assert d.bucket(1 << 20) == pytest.approx(7.0 + (1 << 20) / 1e6)
+    assert d.rendezvous() == pytest.approx(7.0 + 7.0 + (1 << 30) / 1e6)  # a 1 GiB bucket, not 64 MiB
+    assert d.member_silence() == 5.0 * big.heartbeat_interval
+
+
+def test_released_is_known_to_the_sender_before_the_loop_runs() -> None:
+    """The sender decides whether it may re-send from ``job.released``: set at once on its thread,
+    while the handle's asyncio future is resolved only when the loop gets to it."""
+    loop = asyncio.new_event_loop()
+    try:
+        items = [("w", torch.ones(4))]
+        job = Job(version=1, manifest=layout.build_manifest(items), handle=PutHandle("ch", 1, loop), items=items)
+        sender = threading.Thread(target=job.release)
+        sender.start()
+        sender.join(5)
+        assert job.released.is_set()
+        assert not job.handle._released.done()  # the loop has not run: the old check saw "not released"
+        loop.run_until_complete(asyncio.wait_for(job.handle.released(), 5))
+    finally:
+        loop.close()
+
+
+def entry(seq: int, op: str, member: str, **kw: object) -> Entry:
+    e = Entry(seq=seq, op=op, channel="ch", member=member, t_scheduled=float(seq), **kw)
+    return e.start().complete() if kw.pop("ok", True) else e
+
+
+def dump(label: str, entries: list[Entry]) -> Dump:
+    return Dump(label=label, pid=1, host="h", time=0.0, reason="test", torch_version="x", capacity=100,
+                entries=entries)
+
+
+def test_analyzer_names_a_nacking_member_and_the_bucket_after_its_last() -> None:
+    pub = [entry(0, "announce", "publisher", version=3, generation=1, peers=("a", "b")),
+           entry(1, "bucket_send", "publisher", version=3, generation=1, bucket=0),
+           Entry(seq=2, op="ack", channel="ch", member="publisher", version=3, generation=1, peers=("a", "b"),
+                 t_scheduled=2.0).start().fail("failed: ['b']"),
+           Entry(seq=3, op="nack", channel="ch", member="publisher", version=3, generation=1, peers=("b",),
+                 t_scheduled=3.0).start().fail("buckets [1] arrived corrupted")]
+    a = [entry(0, "bucket_recv", "a", version=3, generation=1, bucket=0),
+         entry(1, "bucket_recv", "a", version=3, generation=1, bucket=1), entry(2, "publish", "a", version=3)]
+    b = [entry(0, "bucket_recv", "b", version=3, generation=1, bucket=0)]
+    result = analyze([dump("publisher", pub), dump("a", a), dump("b", b)])
+    assert not result.ok
+    assert [(c.member, c.version, c.bucket) for c in result.culprits] == [("b", 3, 1)]
+    assert result.first_divergence is not None and result.first_divergence.bucket == 1
+    assert result.first_divergence.not_finished == ["b"]
+
+
+def test_analyzer_blames_a_member_without_a_dump_at_the_stalled_bucket() -> None:
+    pub = [entry(0, "announce", "publisher", version=5, generation=2, peers=("a", "killed")),
+           entry(1, "bucket_send", "publisher", version=5, generation=2, bucket=0),
+           Entry(seq=2, op="bucket_send", channel="ch", member="publisher", version=5, generation=2, bucket=1,
+                 t_scheduled=2.0).start().fail("Connection reset by peer"),
+           Entry(seq=3, op="ack_missing", channel="ch", member="publisher", version=5, generation=2,
+                 peers=("killed",), t_scheduled=3.0).start().fail("no acknowledgement")]
+    a = [entry(0, "bucket_recv", "a", version=5, generation=2, bucket=0)]
+    result = analyze([dump("publisher", pub), dump("a", a)])
+    assert result.missing_dumps == ["killed"]
+    assert [(c.member, c.bucket) for c in result.culprits] == [("killed", 1)]
+    assert "dump is missing" in result.culprits[0].reason
