@@ -54,6 +54,7 @@ class Replacements:
                  orchestrator: Callable[[], Orchestrator | None], stopped: Callable[[], bool]) -> None:
         self.channel = channel
         self._recorder, self._policy, self._orchestrator, self._stopped = recorder, policy, orchestrator, stopped
+        self._rec = recorder.scope(channel, "publisher")
         self._loop: asyncio.AbstractEventLoop | None = None
         self.tasks: list[asyncio.Task[None]] = []
 
@@ -76,8 +77,8 @@ class Replacements:
         orchestrator = self._orchestrator()
         if orchestrator is None:
             return
-        entry = self._recorder.record("replace", channel=self.channel, member="publisher",
-                                      peers=(member.member_id,), error=member.reason).start()
+        entry = self._rec.record("replace",
+                                 peers=(member.member_id,), error=member.reason).start()
 
         async def run() -> None:
             try:

@@ -57,6 +57,7 @@ class Generations:
         self.settings = settings
         self.deadlines = Deadlines(settings)
         self._recorder = recorder
+        self._rec = recorder.scope(channel, PUBLISHER)
         self._stopped = stopped
         self._on_change = on_change
         self._on_evicted = on_evicted
@@ -108,8 +109,8 @@ class Generations:
                                                          slot=self._slots[member_id]))
             self.plane.leave(reason, failed=fresh)
             self._seq = itertools.count()
-            rendezvous = self._recorder.record("rendezvous", channel=self.channel, member=PUBLISHER,
-                                               generation=plan.generation, peers=plan.members).start()
+            rendezvous = self._rec.record("rendezvous",
+                                          generation=plan.generation, peers=plan.members).start()
             offers: dict[str, str] = {}
             missing = self._await_ready(ctl, plan, offers)
             if missing:
@@ -171,12 +172,12 @@ class Generations:
             except StoreTimeout:
                 return waiting
             except Exception as err:  # noqa: BLE001 - a malformed reply is dropped, never fatal
-                self._recorder.record("reply", channel=self.channel, member=PUBLISHER).fail(f"malformed: {err}")
+                self._rec.record("reply").fail(f"malformed: {err}")
                 continue
             if isinstance(message, _wire.Ready) and message.generation == plan.generation:
                 if self.settings.in_place and not message.handle:
-                    self._recorder.record("rendezvous", channel=self.channel, member=PUBLISHER,
-                                          peers=(message.member_id,)).fail("Ready without a reconfigure handle")
+                    self._rec.record("rendezvous",
+                                     peers=(message.member_id,)).fail("Ready without a reconfigure handle")
                     continue  # it will not come: it is counted missing when the deadline passes
                 offers[message.member_id] = message.handle
                 waiting.discard(message.member_id)
@@ -193,7 +194,7 @@ class Generations:
         acked: set[str] = set()
         nacked: dict[str, str] = {}
         self.last_timings = {}
-        entry = self._recorder.record("ack", channel=self.channel, member=PUBLISHER, generation=gen,
+        entry = self._rec.record("ack", generation=gen,
                                       version=version, peers=members).start()
         deadline = time.monotonic() + timeout
         silent = set(members)
@@ -206,7 +207,7 @@ class Generations:
             except StoreTimeout:
                 break
             except Exception as err:  # noqa: BLE001 - a malformed reply counts as no reply
-                self._recorder.record("reply", channel=self.channel, member=PUBLISHER).fail(f"malformed: {err}")
+                self._rec.record("reply").fail(f"malformed: {err}")
                 continue
             if not isinstance(message, _wire.Ack) or (message.generation, message.seq) != (gen, seq):
                 continue  # a stale ack or a wake-up
@@ -221,10 +222,10 @@ class Generations:
         if silent or nacked:
             entry.fail(f"silent: {sorted(silent)}; failed: {sorted(nacked)}")
             for member in sorted(silent):  # per member, so the analyzer can tell culprits from victims
-                self._recorder.record("ack_missing", channel=self.channel, member=PUBLISHER, generation=gen,
+                self._rec.record("ack_missing", generation=gen,
                                       version=version, peers=(member,)).fail("no acknowledgement")
             for member, error in sorted(nacked.items()):
-                self._recorder.record("nack", channel=self.channel, member=PUBLISHER, generation=gen,
+                self._rec.record("nack", generation=gen,
                                       version=version, peers=(member,)).fail(error)
         else:
             entry.complete()

@@ -72,6 +72,7 @@ class DedicatedGroup:
         self._pg = pg
         self.channel, self.member, self.generation, self.rank, self.size = channel, member, generation, rank, size
         self._recorder = recorder
+        self._rec = recorder.scope(channel, member)
         self._store = store
         self._borrowed = borrowed  # the backend belongs to a Reconfigurable: never torn down here
         self.state = ALIVE
@@ -125,8 +126,8 @@ class DedicatedGroup:
                     self._finish_oldest(pending, transfer, waited)
                 _hook(transfer.before, i, "preparing")
                 limit = transfer.deadline(tensor.numel())
-                entry = self._recorder.record(op, channel=self.channel, member=self.member,
-                                              generation=self.generation, version=transfer.version, bucket=i,
+                entry = self._rec.record(op,
+                                         generation=self.generation, version=transfer.version, bucket=i,
                                               nbytes=tensor.numel()).start()
                 pending.append((i, None, entry, time.monotonic() + limit))
                 try:
@@ -177,7 +178,7 @@ class DedicatedGroup:
         if self.state == ABORTED:
             return
         self.state = ABORTED
-        entry = self._recorder.record("abort", channel=self.channel, member=self.member, generation=self.generation,
+        entry = self._rec.record("abort", generation=self.generation,
                                       error=reason).start()
         pg, self._pg, store, self._store = self._pg, None, self._store, None
         if pg is None or self._borrowed:
@@ -203,6 +204,7 @@ class Reconfigurable:
                  recorder: FlightRecorder) -> None:
         self.channel, self.member, self.slot = channel, member, slot
         self._recorder = recorder
+        self._rec = recorder.scope(channel, member)
         self._store = compat.clone_store(store, timeout)
         # every member's backend shares this prefix: the rendezvous keys live under the uuid
         self._pg = compat.make_gloo_reconfigurable(compat.prefix_store(f"ws/{channel}/rc", self._store), slot,
@@ -213,8 +215,8 @@ class Reconfigurable:
 
     def enter(self, spec: GenerationSpec) -> DedicatedGroup:
         """Re-form the backend with ``spec.offers`` (rank = position) as generation ``spec.generation``."""
-        entry = self._recorder.record("reconfigure", channel=self.channel, member=self.member,
-                                      generation=spec.generation, peers=spec.members).start()
+        entry = self._rec.record("reconfigure",
+                                 generation=spec.generation, peers=spec.members).start()
         try:
             compat.reconfigure(self._pg, spec.uuid, spec.offers, spec.timeout)
         except Exception as err:
@@ -228,7 +230,7 @@ class Reconfigurable:
         """Tear the backend down (off this thread); the object is not used again."""
         if self._pg is None:
             return
-        entry = self._recorder.record("abort", channel=self.channel, member=self.member, error="closed").start()
+        entry = self._rec.record("abort", error="closed").start()
         pg, self._pg, store, self._store = self._pg, None, self._store, None
         retire(pg, store, entry)
 

@@ -90,6 +90,7 @@ class Membership:
         self.heartbeat_interval = heartbeat_interval
         self.dead_after = dead_after
         self._recorder = recorder
+        self._rec = recorder.scope(channel, "publisher")
         self._lock = threading.Lock()
         self._joining: list[str] = []
         self._leaving: set[str] = set()
@@ -237,10 +238,10 @@ class Membership:
                 self._slow_streak.pop(member, None)
                 self.receive_seconds.pop(member, None)
                 self._own.pop(member, None)
-                self._recorder.record("evict", channel=self.channel, member="publisher", generation=plan.generation,
+                self._rec.record("evict", generation=plan.generation,
                                       peers=(member,), error=plan.reasons.get(member, "")).complete()
             for member in admitted:
-                self._recorder.record("admit", channel=self.channel, member="publisher", generation=plan.generation,
+                self._rec.record("admit", generation=plan.generation,
                                       peers=(member,)).complete() if ok else None
 
     def note_delivered(self, acked: set[str], version: int, seconds: dict[str, float],

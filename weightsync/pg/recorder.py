@@ -127,6 +127,10 @@ class FlightRecorder:
             self._ring.append(entry)
         return entry
 
+    def scope(self, channel: str, member: str) -> RecorderScope:
+        """This recorder as seen by one channel end: ``scope.record(op, ...)`` fills in both."""
+        return RecorderScope(self, channel, member)
+
     def snapshot(self) -> list[Entry]:
         """A copy of the ring, oldest first (entries still in flight keep their state)."""
         with self._lock:
@@ -198,6 +202,16 @@ class FlightRecorder:
         with self._lock:
             self.capacity = capacity
             self._ring = deque(self._ring, maxlen=capacity or 1)
+
+
+class RecorderScope:
+    """A recorder bound to one channel and member (see :meth:`FlightRecorder.scope`)."""
+
+    def __init__(self, recorder: FlightRecorder, channel: str, member: str) -> None:
+        self.recorder, self.channel, self.member = recorder, channel, member
+
+    def record(self, op: str, **fields: Any) -> Entry:
+        return self.recorder.record(op, channel=self.channel, member=self.member, **fields)
 
 
 _process_recorder: FlightRecorder | None = None

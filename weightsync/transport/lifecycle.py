@@ -35,6 +35,17 @@ class EndState(enum.Enum):
     CLOSED = "closed"
 
 
+def begin_close(state: EndState) -> tuple[EndState, bool]:
+    """The state after an ``aclose()``/``abort()`` call, and whether this call does the closing.
+
+    Only a RUNNING end is closed (once); on a NEW one the call just marks it CLOSED, and a
+    second call during or after a close returns at once.
+    """
+    if state is EndState.RUNNING:
+        return EndState.CLOSING, True
+    return (EndState.CLOSED if state is EndState.NEW else state), False
+
+
 def validate_name(what: str, value: object) -> str:
     """A channel name or member id: a non-empty string without '/'; ValueError otherwise."""
     if not isinstance(value, str) or not value or "/" in value:

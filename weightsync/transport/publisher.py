@@ -103,6 +103,7 @@ class Publisher:
         self._secret = handshake.resolve_secret(secret)
         self._recorder = recorder or process_recorder()
         self._recorder.configure(directory=flight_recorder_dir, label="publisher")
+        self._rec = self._recorder.scope(name, "publisher")
         self.policy = policy or StragglerPolicy()
         self.orchestrator = orchestrator
         self.checksum = checksum
@@ -184,10 +185,9 @@ class Publisher:
 
     async def aclose(self, timeout: float | None = None) -> None:
         """Send what is pending (bounded by its deadlines), tell subscribers, stop. Idempotent."""
-        if self._state is not EndState.RUNNING:
-            self._state = EndState.CLOSED if self._state is EndState.NEW else self._state
+        self._state, closing = lifecycle.begin_close(self._state)
+        if not closing:
             return
-        self._state = EndState.CLOSING
         self._sender.submit(Drain())
         await self._close(timeout if timeout is not None else self.options.timeout * 4)
 
@@ -195,10 +195,9 @@ class Publisher:
         """Stop at once (also during an aclose): pending puts fail with Closed. Idempotent."""
         self._sender.submit(Abort())
         self._stop.set()
-        if self._state is not EndState.RUNNING:
-            self._state = EndState.CLOSED if self._state is EndState.NEW else self._state
+        self._state, closing = lifecycle.begin_close(self._state)
+        if not closing:
             return
-        self._state = EndState.CLOSING
         await self._close(self.options.timeout)
 
     async def _close(self, timeout: float) -> None:
@@ -307,7 +306,7 @@ class Publisher:
                 raise ValueError(f"versions must strictly increase: {version} after {self._last_version}")
             manifest = layout.build_manifest(items)
             handle = PutHandle(self.name, version, self._loop)
-            entry = self._recorder.record("put", channel=self.name, member="publisher", version=version,
+            entry = self._rec.record("put", version=version,
                                           nbytes=manifest.total_bytes).start()
             job = Job(version=version, manifest=manifest, handle=handle)
             displaced: Job | None = None

@@ -117,6 +117,7 @@ class Receiver:
         self.generation, self.rank = -1, -1
         self.deadlines: Deadlines | None = None
         self._recorder, self._slots, self._on_publish, self._hooks = recorder, slots, on_publish, hooks
+        self._rec = recorder.scope(channel, member_id)
         self._plane: GroupPlane | None = None
         self._clean_shutdown = False
 
@@ -147,7 +148,7 @@ class Receiver:
             cls = PublisherGone if isinstance(err, ControlFailure) else WeightSyncError
             failure = cls(f"receiver stopped: {type(err).__name__}: {err}", channel=self.channel,
                           member=self.member_id)
-            self._recorder.record("receiver", channel=self.channel, member=self.member_id).fail(failure)
+            self._rec.record("receiver").fail(failure)
             self.end(failure)
         finally:
             self.joined.set()
@@ -164,7 +165,7 @@ class Receiver:
             try:
                 message = _wire.member_decoder.decode(raw)
             except Exception as err:  # noqa: BLE001 - never crash on a malformed message
-                self._recorder.record("command", channel=self.channel, member=self.member_id).fail(f"malformed: {err}")
+                self._rec.record("command").fail(f"malformed: {err}")
                 continue
             if isinstance(message, _wire.Wake):
                 if stop():
@@ -173,7 +174,7 @@ class Receiver:
             return message
 
     def _join(self, ctl: ControlPlane) -> tuple[int, tuple[str, ...]]:
-        entry = self._recorder.record("join", channel=self.channel, member=self.member_id).start()
+        entry = self._rec.record("join").start()
         join = _wire.Join(member_id=self.member_id, reply_to=self.queue,
                           fingerprint=handshake.fingerprint(self.backend, self.device),
                           token_mac=handshake.token_mac(self._secret, self.channel, self.member_id),
@@ -248,8 +249,8 @@ class Receiver:
                     self._plane.leave(message.reason, failed=message.fresh)
                     entered = False
                     if self.member_id not in message.members:
-                        self._recorder.record("evict", channel=self.channel, member=self.member_id,
-                                              generation=message.next_generation).complete()
+                        self._rec.record("evict",
+                                         generation=message.next_generation).complete()
                         raise Evicted(f"evicted from the channel ({message.reason})", channel=self.channel,
                                       member=self.member_id, generation=generation)
                     generation, members = message.next_generation, message.members
@@ -272,8 +273,8 @@ class Receiver:
         assert self._plane is not None and self.deadlines is not None
         manifest = announce.manifest
         t0 = time.monotonic()
-        entry = self._recorder.record("receive", channel=self.channel, member=self.member_id,
-                                      generation=announce.generation, version=announce.version,
+        entry = self._rec.record("receive",
+                                 generation=announce.generation, version=announce.version,
                                       nbytes=manifest.total_bytes).start()
         ok, error, waited = False, "", 0.0
         try:
@@ -299,8 +300,8 @@ class Receiver:
                 self._verify(ctl, announce, sums)
             if self._slots.version is None or announce.version > self._slots.version:
                 self._slots.publish(announce.version)
-                self._recorder.record("publish", channel=self.channel, member=self.member_id,
-                                      generation=announce.generation, version=announce.version,
+                self._rec.record("publish",
+                                 generation=announce.generation, version=announce.version,
                                       nbytes=manifest.total_bytes).complete()
                 self._on_publish()
             ok = True
@@ -338,8 +339,8 @@ class Receiver:
             raise ProtocolError(f"the publisher gave up on version {announce.version}")
         bad = [i for i, (mine, theirs) in enumerate(zip(sums, seal.checksums, strict=False)) if mine != theirs]
         if bad or len(sums) != len(seal.checksums):
-            self._recorder.record("checksum", channel=self.channel, member=self.member_id,
-                                  generation=announce.generation, version=announce.version,
+            self._rec.record("checksum",
+                             generation=announce.generation, version=announce.version,
                                   bucket=bad[0] if bad else -1).fail(f"buckets {bad} do not match")
             raise ChecksumMismatch(f"version {announce.version}: buckets {bad} arrived corrupted; not made readable")
 

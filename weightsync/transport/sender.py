@@ -141,6 +141,7 @@ class Sender:
         self.fatal = Latch()
         self.aborting = threading.Event()
         self._recorder = recorder
+        self._rec = recorder.scope(channel, PUBLISHER)
         self._make_plane = make_plane
         self._on_change = on_change
         self._on_evicted_cb = on_evicted
@@ -178,7 +179,7 @@ class Sender:
             fatal = err if isinstance(err, WeightSyncError) else WeightSyncError(
                 f"sender stopped: {type(err).__name__}: {err}", channel=self.channel)
             self.fatal.set(fatal)
-            self._recorder.record("sender", channel=self.channel, member=PUBLISHER).fail(fatal)
+            self._rec.record("sender").fail(fatal)
             self.state = SenderState.FAILED
             in_flight = self.staging.in_flight
             for job in [*self.staging.drain(), *([in_flight] if in_flight is not None else [])]:
@@ -225,8 +226,8 @@ class Sender:
             if not self.membership.request_join(event.member_id):
                 self._ctl.push(event.reply_to, _wire.Deny(
                     reason=f"member id {event.member_id!r} is already in the channel", kind="duplicate"))
-                self._recorder.record("admit", channel=self.channel, member=PUBLISHER,
-                                      peers=(event.member_id,)).fail("duplicate member id")
+                self._rec.record("admit",
+                                 peers=(event.member_id,)).fail("duplicate member id")
                 return
             self._gens.register(event.member_id, event.reply_to, host=event.host, pid=event.pid)
         elif isinstance(event, Leave):
@@ -273,7 +274,7 @@ class Sender:
         job.resends += 1
         job.started = job.started or time.monotonic()
         t0 = time.monotonic()
-        entry = self._recorder.record("announce", channel=self.channel, member=PUBLISHER, generation=gen,
+        entry = self._rec.record("announce", generation=gen,
                                       version=job.version, nbytes=job.manifest.total_bytes, peers=members).start()
         try:
             gens.tell(ctl, members, announce)
@@ -315,7 +316,7 @@ class Sender:
     def _abandon(self, ctl: ControlPlane, gens: Generations, job: Job, gen: int, seq: int,
                  members: tuple[str, ...], err: BaseException) -> set[str]:
         """Tell members the version is given up; returns whom to blame (the silent, else the failed)."""
-        self._recorder.record("send", channel=self.channel, member=PUBLISHER, generation=gen,
+        self._rec.record("send", generation=gen,
                               version=job.version).fail(err)
         # receivers still waiting on this version give up now (their queue is no longer
         # empty) and acknowledge the failure, so live members answer and silent ones stand out
@@ -352,7 +353,7 @@ class Sender:
         own = {m: timings[m][1] for m in acked if m in timings}
         self.membership.note_delivered(acked, version, {m: timings[m][0] for m in own}, own)
         for member, ratio in self.membership.slow_members(self.policy, own).items():
-            self._recorder.record("slow", channel=self.channel, member=PUBLISHER, version=version,
+            self._rec.record("slow", version=version,
                                   peers=(member,)).fail(f"{ratio:.1f}x the others' receive time")
             if self.policy.on_slow != "keep":
                 log.warning("weightsync: %s is %.1fx slower than the others: evicting (%s)", member, ratio,

@@ -93,6 +93,7 @@ class Subscriber:
         self._recorder = recorder or process_recorder()
         default_dir = f"{name}-{address.replace(':', '-')}" if address else f"{name}-pid{os.getpid()}"
         self._recorder.configure(directory=flight_recorder_dir, label=self.member_id, default_directory=default_dir)
+        self._rec = self._recorder.scope(name, self.member_id)
         self._slots = SlotPair(self.device if self.backend == "nccl" else torch.device("cpu"))
         self._state = EndState.NEW
         self._started = False
@@ -178,15 +179,14 @@ class Subscriber:
             raise SyncTimeout(f"the evicted receiver did not stop within {self.timeout}s", channel=self.name,
                               member=self.member_id)
         await self._launch(timeout if timeout is not None else 2 * self.timeout)
-        self._recorder.record("rejoin", channel=self.name, member=self.member_id,
-                              version=-1 if self.version is None else self.version).complete()
+        self._rec.record("rejoin",
+                         version=-1 if self.version is None else self.version).complete()
 
     async def aclose(self) -> None:
         """Finish the version in flight, leave the channel, stop. Idempotent."""
-        if self._state is not EndState.RUNNING:
-            self._state = EndState.CLOSED if self._state is EndState.NEW else self._state
+        self._state, closing = lifecycle.begin_close(self._state)
+        if not closing:
             return
-        self._state = EndState.CLOSING
         assert self._receiver is not None
         self._receiver.closing.set()
         deadlines = self._receiver.deadlines
@@ -194,10 +194,9 @@ class Subscriber:
 
     async def abort(self) -> None:
         """Stop now, abandoning any version in flight. Idempotent."""
-        if self._state is not EndState.RUNNING:
-            self._state = EndState.CLOSED if self._state is EndState.NEW else self._state
+        self._state, closing = lifecycle.begin_close(self._state)
+        if not closing:
             return
-        self._state = EndState.CLOSING
         assert self._receiver is not None
         self._receiver.aborting.set()
         self._receiver.closing.set()
@@ -342,8 +341,8 @@ class Subscriber:
                 raise type(error)(_bare(error), channel=self.name, member=self.member_id, version=have)
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
-                self._recorder.record("get", channel=self.name, member=self.member_id,
-                                      version=-1 if min_version is None else min_version).fail("deadline expired")
+                self._rec.record("get",
+                                 version=-1 if min_version is None else min_version).fail("deadline expired")
                 self._recorder.dump_on_trouble("get deadline expired")
                 raise SyncTimeout(f"version >= {min_version} not received within {timeout:.3g}s (have {have})",
                                   channel=self.name, member=self.member_id)

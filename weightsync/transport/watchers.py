@@ -35,6 +35,7 @@ class Inbox:
         self.channel = channel
         self._sender, self._secret, self._mine = sender, secret, mine
         self._recorder, self._stop, self._closing = recorder, stop, closing
+        self._rec = recorder.scope(channel, PUBLISHER)
 
     def main(self, ctl: ControlPlane) -> None:
         while not self._stop.is_set():
@@ -50,7 +51,7 @@ class Inbox:
         try:
             message = _wire.inbox_decoder.decode(raw)
         except Exception as err:  # noqa: BLE001 - malformed input must never stop the publisher
-            self._recorder.record("inbox", channel=self.channel, member=PUBLISHER).fail(f"malformed message: {err}")
+            self._rec.record("inbox").fail(f"malformed message: {err}")
             return
         if isinstance(message, _wire.Wake):
             return
@@ -64,8 +65,8 @@ class Inbox:
         if deny is not None:
             if message.reply_to.startswith(ctl.prefix + "q/member/"):  # never write outside the channel
                 ctl.push(message.reply_to, deny)
-            self._recorder.record("admit", channel=self.channel, member=PUBLISHER,
-                                  peers=(message.member_id,)).fail(deny.reason)
+            self._rec.record("admit",
+                             peers=(message.member_id,)).fail(deny.reason)
             return
         self._sender.submit(events.Join(message.member_id, message.reply_to, host=message.host, pid=message.pid))
         ctl.push(ctl.replies, _wire.Wake(reason="join"))
@@ -79,6 +80,7 @@ class Monitor:
         self.channel = channel
         self._sender, self._membership, self._interval = sender, membership, interval
         self._recorder, self._stop = recorder, stop
+        self._rec = recorder.scope(channel, PUBLISHER)
 
     def main(self, ctl: ControlPlane) -> None:
         while not self._stop.wait(self._interval / 2):
@@ -91,8 +93,8 @@ class Monitor:
                 continue
 
     def _report(self, ctl: ControlPlane, dead: set[str]) -> None:
-        self._recorder.record("heartbeat", channel=self.channel, member=PUBLISHER,
-                              peers=tuple(sorted(dead))).fail("heartbeats stopped")
+        self._rec.record("heartbeat",
+                         peers=tuple(sorted(dead))).fail("heartbeats stopped")
         self._recorder.dump_on_trouble(f"heartbeats stopped: {sorted(dead)}")
         self._sender.submit(events.MemberDied(tuple(sorted(dead))))
         ctl.push(ctl.replies, _wire.Wake(reason="member died"))
