@@ -2,14 +2,15 @@
 progress lines, the run directory with its plot, JSON and flight-recorder dumps.
 
 Weights go trainer -> generators over weightsync. Rollouts are small and go the other way as
-msgspec messages on a queue of the publisher's own store (``ws.connect_store``): no second
-server to start, and nothing crosses a process boundary as pickle.
+msgspec messages on a queue of a torch ``TCPStore`` the trainer hosts for them (generators
+connect with ``ws.connect_store``); nothing crosses a process boundary as pickle.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime
 import os
 import signal
 import subprocess
@@ -18,57 +19,81 @@ import time
 import zlib
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import msgspec
 import torch
+import torch.distributed as dist
 
 import weightsync as ws
-from weightsync.pg.control import ControlPlane, StoreTimeout
 from weightsync.pg.recorder import process_recorder
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 class RolloutQueue:
-    """A msgspec queue on the publisher's store; one connection per process side.
+    """A msgspec queue on the rollout store; one connection per process side.
 
-    It rides on weightsync's own ControlPlane (the same bounded, spurious-wake-up-proof waits
-    the channel uses), under keys of its own.
+    The trainer hosts the store (:meth:`host`); generators connect to its address. Every wait is
+    a bounded blocking pop; a pop that wakes on an empty queue (seen on torch 2.13 under churn)
+    is retried as a spurious wake-up.
     """
 
-    def __init__(self, address: str, key: str, timeout: float = 30.0) -> None:
-        self.key = key
+    def __init__(self, address: str, key: str, timeout: float = 30.0, store: object | None = None) -> None:
+        self.address, self.key = address, key
         self.stop_key = f"{key}/stop"
         self.credit_key = f"{key}/credits"
-        self._ctl = ControlPlane(ws.connect_store(address, timeout), key)
+        self.store: Any = store if store is not None else ws.connect_store(address, timeout)
+
+    @classmethod
+    def host(cls, key: str, timeout: float = 30.0) -> RolloutQueue:
+        """The trainer's side: a store of its own on a free loopback port."""
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=timeout))
+        return cls(f"127.0.0.1:{store.port}", key, timeout, store=store)
 
     def push(self, batch: msgspec.Struct) -> None:
-        self._ctl.push(self.key, batch)
+        self.store.queue_push(self.key, msgspec.msgpack.encode(batch))
 
     def pop(self, timeout: float) -> bytes:
-        """The next batch; TimeoutError (StoreTimeout) when none comes within ``timeout`` seconds."""
-        return self._ctl.pop(self.key, timeout)
+        """The next batch; TimeoutError when none comes within ``timeout`` seconds."""
+        return self._pop(self.key, timeout)
+
+    def _pop(self, key: str, timeout: float) -> bytes:
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"nothing on {key} within {timeout:.3g}s")
+            self.store.set_timeout(datetime.timedelta(seconds=left))
+            try:
+                return bytes(self.store.queue_pop(key, True))
+            except (RuntimeError, dist.DistError) as err:
+                if "queue is empty" in str(err):
+                    continue  # a spurious wake-up
+                if "timeout" in str(err).lower() or "timed out" in str(err).lower():
+                    raise TimeoutError(str(err)) from None
+                raise
 
     # credits bound the backlog: a generator samples a batch only with a credit, and the trainer
     # grants one per batch it consumed, so batches are never more than a few versions stale
     def grant(self, n: int = 1) -> None:
         for _ in range(n):
-            self._ctl.push(self.credit_key, b"1")
+            self.store.queue_push(self.credit_key, b"1")
 
     def take_credit(self, timeout: float) -> bool:
         """Wait at most ``timeout`` seconds for a credit; False when none came."""
         try:
-            self._ctl.pop(self.credit_key, timeout)
-        except StoreTimeout:
+            self._pop(self.credit_key, timeout)
+        except TimeoutError:
             return False
         return True
 
     def request_stop(self) -> None:
-        self._ctl.store.set(self.stop_key, b"1")
+        self.store.set(self.stop_key, b"1")
 
     def stopping(self) -> bool:
-        return bool(self._ctl.store.check([self.stop_key]))
+        return bool(self.store.check([self.stop_key]))
 
 
 T = TypeVar("T")
@@ -87,7 +112,7 @@ async def generate(args: argparse.Namespace, channel: str, queue_key: str,
     ``sample(version)`` makes a batch tagged with that version.
     """
     torch.set_num_threads(1)
-    queue = RolloutQueue(args.address, queue_key)
+    queue = RolloutQueue(args.rollouts, queue_key)
     loop = asyncio.get_running_loop()
     async with ws.Subscriber(channel, address=args.address, member_id=args.member, timeout=30) as sub:
         version = await load(sub)  # the first policy (waits for it)
@@ -128,19 +153,20 @@ def example_parser(prog: str, doc: str, steps: int, log_every: int) -> argparse.
     parser.add_argument("--out", default=None, help="run directory (default runs/<example>-<time>)")
     parser.add_argument("--address", help=argparse.SUPPRESS)
     parser.add_argument("--member", help=argparse.SUPPRESS)
+    parser.add_argument("--rollouts", help=argparse.SUPPRESS)
     return parser
 
 
 class Generators:
     """Generator processes the trainer started (``python -m MODULE generator ...``)."""
 
-    def __init__(self, module: str, out: Path) -> None:
-        self.module, self.out = module, out
+    def __init__(self, module: str, out: Path, rollouts: str) -> None:
+        self.module, self.out, self.rollouts = module, out, rollouts
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
 
     def argv(self, address: str, member: str, extra: Sequence[str] = ()) -> list[str]:
         return [sys.executable, "-m", self.module, "generator", "--address", address, "--member", member,
-                "--out", str(self.out), *extra]
+                "--rollouts", self.rollouts, "--out", str(self.out), *extra]
 
     def env(self) -> dict[str, str]:
         pythonpath = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")]))

@@ -173,13 +173,13 @@ async def trainer(args: argparse.Namespace) -> int:
     policy = make_policy()
     optimizer = torch.optim.Adam(policy.parameters(), lr=args.lr)
     rows: list[StepRow] = []
-    gens = Generators("rl_examples.cartpole", out)
+    queue = RolloutQueue.host(f"rl/{CHANNEL}/batches")  # rollouts come back on a store of our own
+    gens = Generators("rl_examples.cartpole", out, queue.address)
     print(f"demo: CartPole, 1 trainer + {args.generators} generators, {args.steps} steps; "
           f"output in {out}", flush=True)
     async with ws.Publisher(CHANNEL, address="127.0.0.1:0", timeout=30, heartbeat_interval=0.5,
                             flight_recorder_dir=out / "flight-recorder") as pub:
         assert pub.address is not None
-        queue = RolloutQueue(pub.address, f"rl/{CHANNEL}/batches")
         try:
             for i in range(args.generators):
                 gens.start(pub.address, f"gen{i}", ["--episodes", str(args.episodes)])

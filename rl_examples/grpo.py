@@ -172,7 +172,8 @@ async def trainer(args: argparse.Namespace) -> int:
     torch.manual_seed(0)
     policy = Policy()
     optimizer = torch.optim.Adam(policy.parameters(), lr=args.lr)
-    gens = Generators("rl_examples.grpo", out)
+    queue = RolloutQueue.host(f"rl/{CHANNEL}/groups")  # rollouts come back on a store of our own
+    gens = Generators("rl_examples.grpo", out, queue.address)
     extra = ["--prompts", str(args.prompts), "--group", str(args.group)]
     rows: list[StepRow] = []
     events: list[Event] = []
@@ -191,7 +192,6 @@ async def trainer(args: argparse.Namespace) -> int:
         pub.orchestrator = ws.LocalProcessOrchestrator(gens.argv(pub.address, "gen-r{n}", extra), env=gens.env(),
                                                        cwd=str(REPO), stdout=replacements_log,
                                                        stderr=subprocess.STDOUT)
-        queue = RolloutQueue(pub.address, f"rl/{CHANNEL}/groups")
         try:
             for i in range(args.generators):
                 gens.start(pub.address, f"gen{i}", extra)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -69,6 +70,30 @@ class Procs:
 
     def log(self, index: int) -> str:
         return self.procs[index][2].read_text(errors="replace")[-4000:]
+
+    def native_stacks(self, extra: list[int] = ()) -> str:  # type: ignore[assignment]
+        """py-spy's native view of every live worker (and ``extra`` pids), where py-spy is installed."""
+        spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+        if not Path(spy).exists():
+            return "(py-spy not installed)"
+        out = []
+        for pid in [p.pid for p, _, _ in self.procs if p.poll() is None] + list(extra):
+            res = subprocess.run([spy, "dump", "--native", "--pid", str(pid)], capture_output=True, text=True,
+                                 timeout=60)
+            out.append(f"--- pid {pid} ---\n{res.stdout[-8000:]}{res.stderr[-500:]}")
+        return "\n".join(out)
+
+    def stacks(self) -> str:
+        """Every live worker's thread stacks (they print them on SIGUSR2, see tests/workers.py)."""
+        live = [i for i, (proc, _, _) in enumerate(self.procs) if proc.poll() is None]
+        for i in live:
+            try:
+                os.kill(self.procs[i][0].pid, signal.SIGUSR2)
+            except ProcessLookupError:
+                pass
+        if live:
+            time.sleep(0.5)  # let them write their stacks to their logs
+        return "\n".join(f"--- worker {i} ---\n{self.log(i)}" for i in live)
 
     def kill_all(self) -> None:
         for proc, _, _ in self.procs:

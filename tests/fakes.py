@@ -1,67 +1,46 @@
-"""In-memory stand-ins for unit tests without processes: a control store and a data plane.
+"""In-memory stand-ins for unit tests without processes: the control server and a data plane.
 
-``FakeStore`` implements the part of the torch Store API that ``ControlPlane`` uses (queues,
-counters, keys, clones, timeouts), with the same failure shapes: a blocking pop that times out
-raises ``RuntimeError("... wait timeout ...")``, which ``ControlPlane`` turns into
-``StoreTimeout``. ``FakePlane`` records what the Sender/Generations asked of the data plane.
+``FakeControl`` is the publisher's control server as Generations and the Sender use it: a
+replies queue members put Ready and Ack into, and one outbox per member connection.
+``FakePlane`` records what the Sender/Generations asked of the data plane.
 """
 
 from __future__ import annotations
 
-import datetime as dt
-import threading
-from collections import defaultdict, deque
+import queue
+from collections import defaultdict
+from typing import Any
 
 from weightsync.transport.dataplane import GenerationSpec, Transfer
 
 
-class _Shared:
+class FakeControl:
+    """The publisher's control server as Generations sees it: replies in, messages out per member."""
+
     def __init__(self) -> None:
-        self.cond = threading.Condition()
-        self.queues: dict[str, deque[bytes]] = defaultdict(deque)
-        self.keys: dict[str, bytes] = {}
+        self.replies: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.outbox: dict[str, queue.SimpleQueue[Any]] = defaultdict(queue.SimpleQueue)
+        self.bound: set[str] = set()
+        self.released: list[tuple[str, str]] = []
+
+    def send(self, incarnation: str, message: Any) -> bool:
+        self.outbox[incarnation].put(message)
+        return True
+
+    def bind(self, incarnation: str) -> bool:
+        self.bound.add(incarnation)
+        return True
+
+    def release(self, member_id: str, reason: str) -> None:
+        self.released.append((member_id, reason))
 
 
-class FakeStore:
-    def __init__(self, shared: _Shared | None = None) -> None:
-        self._shared = shared or _Shared()
-        self.timeout = dt.timedelta(seconds=30)
+class FakeTable:
+    def __init__(self) -> None:
+        self.generations: list[int] = []
 
-    def clone(self) -> FakeStore:
-        return FakeStore(self._shared)
-
-    def set_timeout(self, timeout: dt.timedelta) -> None:
-        self.timeout = timeout
-
-    def check(self, keys: list[str]) -> bool:
-        with self._shared.cond:
-            return all(k in self._shared.keys for k in keys)
-
-    def add(self, key: str, amount: int) -> int:
-        with self._shared.cond:
-            value = int(self._shared.keys.get(key, b"0")) + amount
-            self._shared.keys[key] = str(value).encode()
-            return value
-
-    def delete_key(self, key: str) -> bool:
-        with self._shared.cond:
-            return self._shared.keys.pop(key, None) is not None or self._shared.queues.pop(key, None) is not None
-
-    def queue_push(self, key: str, value: bytes) -> None:
-        with self._shared.cond:
-            self._shared.queues[key].append(bytes(value))
-            self._shared.cond.notify_all()
-
-    def queue_len(self, key: str) -> int:
-        with self._shared.cond:
-            return len(self._shared.queues[key])
-
-    def queue_pop(self, key: str, block: bool = True) -> bytes:
-        with self._shared.cond:
-            if not self._shared.cond.wait_for(lambda: bool(self._shared.queues[key]),
-                                              self.timeout.total_seconds() if block else 0):
-                raise RuntimeError(f"Wait timeout for key {key}")
-            return self._shared.queues[key].popleft()
+    def begin_generation(self, generation: int) -> None:
+        self.generations.append(generation)
 
 
 class FakePlane:

@@ -4,17 +4,17 @@ against an in-memory control store and a fake data plane: no processes, no socke
 from __future__ import annotations
 
 import asyncio
+import queue
 import threading
 import time
 
 import pytest
 import torch
 
-from tests.fakes import FakePlane, FakeStore
+from tests.fakes import FakeControl, FakePlane, FakeTable
 from weightsync import _wire
 from weightsync._errors import PeerFailure
 from weightsync.pg.analyze import analyze
-from weightsync.pg.control import ControlPlane
 from weightsync.pg.generations import Generations
 from weightsync.pg.membership import Membership
 from weightsync.pg.recorder import Dump, Entry, FlightRecorder
@@ -27,29 +27,39 @@ pytestmark = pytest.mark.timeout(60)
 SETTINGS = ChannelOptions(timeout=2.0, heartbeat_interval=1.0).settings(checksum=True, in_place=False)
 
 
-def setup(dead_after: float = 5.0) -> tuple[ControlPlane, Membership, FakePlane, Generations, FlightRecorder]:
-    ctl = ControlPlane(FakeStore(), "ch")
+class Liveness:
+    """When each member last spoke, and whether its connection is open (the control server's view)."""
+
+    def __init__(self) -> None:
+        self.seen: dict[str, tuple[float, bool]] = {}
+
+    def heard(self, member: str) -> tuple[float | None, bool]:
+        last, connected = self.seen.get(member, (time.monotonic(), True))
+        return last, connected
+
+
+def setup(dead_after: float = 5.0) -> tuple[FakeControl, Membership, FakePlane, Generations, FlightRecorder, Liveness]:
+    control = FakeControl()
     rec = FlightRecorder(capacity=500)
-    membership = Membership("ch", rec, heartbeat_interval=1.0, dead_after=dead_after)
+    live = Liveness()
+    membership = Membership("ch", rec, heartbeat_interval=1.0, dead_after=dead_after, heard=live.heard)
     plane = FakePlane()
-    gens = Generations("ch", membership=membership, recorder=rec, plane=plane, settings=SETTINGS,
-                       stopped=lambda: False, on_change=lambda: None)
-    return ctl, membership, plane, gens, rec
+    gens = Generations("ch", control=control, table=FakeTable(), membership=membership, recorder=rec, plane=plane,
+                       settings=SETTINGS, stopped=lambda: False, on_change=lambda: None)
+    return control, membership, plane, gens, rec, live
 
 
-def play_member(ctl: ControlPlane, member: str, seen: dict[str, list], ready: bool = True,
+def play_member(control: FakeControl, member: str, seen: dict[str, list], ready: bool = True,
                 until: type = _wire.Go, count: int = 1) -> threading.Thread:
     """A member on another thread: answers Admit/Reconfigure with Ready; ends after ``count`` ``until``s."""
-
     count_left = [count]
+    outbox = control.outbox[f"inc-{member}"]
 
     def run() -> None:
-        own = ControlPlane(ctl.store.clone(), "ch")
-        queue = own.member_queue(member, "n")
         while True:
             try:
-                message = _wire.member_decoder.decode(own.pop(queue, 3.0))
-            except TimeoutError:
+                message = outbox.get(timeout=3.0)
+            except queue.Empty:
                 return
             seen.setdefault(member, []).append(message)
             if isinstance(message, until):
@@ -58,25 +68,25 @@ def play_member(ctl: ControlPlane, member: str, seen: dict[str, list], ready: bo
                     return
             if isinstance(message, (_wire.Admit, _wire.Reconfigure)) and ready:
                 generation = message.generation if isinstance(message, _wire.Admit) else message.next_generation
-                own.push(own.replies, _wire.Ready(generation=generation, member_id=member))
+                control.replies.put(_wire.Ready(generation=generation, member_id=member))
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
     return thread
 
 
-def join(gens: Generations, membership: Membership, ctl: ControlPlane, *members: str) -> None:
+def join(gens: Generations, membership: Membership, *members: str) -> None:
     for member in members:
         assert membership.request_join(member)
-        gens.register(member, ctl.member_queue(member, "n"))
+        gens.register(member, f"inc-{member}")
 
 
 def test_joiners_get_the_publishers_settings_and_enter_together() -> None:
-    ctl, membership, plane, gens, _ = setup()
+    control, membership, plane, gens, _, _ = setup()
     seen: dict[str, list] = {}
-    threads = [play_member(ctl, m, seen) for m in ("a", "b")]
-    join(gens, membership, ctl, "a", "b")
-    gens.advance(ctl, reason="membership change")
+    threads = [play_member(control, m, seen) for m in ("a", "b")]
+    join(gens, membership, "a", "b")
+    gens.advance(reason="membership change")
     for t in threads:
         t.join(5)
     assert membership.members == ["a", "b"] and membership.generation == 1
@@ -84,18 +94,19 @@ def test_joiners_get_the_publishers_settings_and_enter_together() -> None:
     for member in ("a", "b"):
         admit, go = seen[member][0], seen[member][1]
         assert isinstance(admit, _wire.Admit) and admit.settings == SETTINGS  # settings agreed at admission
-        assert isinstance(go, _wire.Go) and go.generation == 1
+        assert isinstance(go, _wire.Go) and go.generation == 1 and len(go.rendezvous) == 16  # a fresh token
+    assert seen["a"][1].rendezvous == seen["b"][1].rendezvous == plane.entered[0].rendezvous
     assert not membership.request_join("a")  # a member's id is taken
 
 
 def test_a_member_that_leaves_is_dropped_without_blame_and_told_nothing_more() -> None:
-    ctl, membership, plane, gens, rec = setup()
+    control, membership, plane, gens, rec, _ = setup()
     seen: dict[str, list] = {}
-    threads = [play_member(ctl, "a", seen, count=2), play_member(ctl, "b", seen, until=_wire.Reconfigure)]
-    join(gens, membership, ctl, "a", "b")
-    gens.advance(ctl, reason="membership change")
+    threads = [play_member(control, "a", seen, count=2), play_member(control, "b", seen, until=_wire.Reconfigure)]
+    join(gens, membership, "a", "b")
+    gens.advance(reason="membership change")
     membership.request_leave("b")
-    gens.advance(ctl, reason="membership change")
+    gens.advance(reason="membership change")
     for t in threads:
         t.join(5)
     assert membership.members == ["a"] and membership.generation == 2
@@ -103,62 +114,53 @@ def test_a_member_that_leaves_is_dropped_without_blame_and_told_nothing_more() -
     assert reconfigure.members == ("a",) and not reconfigure.fresh
     assert not [e for e in rec.snapshot() if e.op == "evict"]  # a leave is not an eviction
     assert plane.entered[-1].members == ("a",)
+    assert control.released == [("b", "left")]  # its connection is closed after the goodbye
 
 
 def test_a_failed_rendezvous_blames_only_the_unresponsive() -> None:
-    ctl, membership, plane, gens, _ = setup()
+    control, membership, plane, gens, _, _ = setup()
     seen: dict[str, list] = {}
-    threads = [play_member(ctl, "a", seen, until=_wire.Shutdown)]
-    join(gens, membership, ctl, "a")
+    threads = [play_member(control, "a", seen, until=_wire.Shutdown)]
+    join(gens, membership, "a")
     plane.fail_enter = PeerFailure("rendezvous timed out")
     with pytest.raises(Exception, match="4 attempts"):
-        gens.advance(ctl, reason="membership change")
+        gens.advance(reason="membership change")
     assert [c for c in plane.calls if c[0] == "enter"] == [("enter", g) for g in (1, 2, 3, 4)]
-    gens.shutdown(ctl)
+    gens.shutdown()
     for t in threads:
         t.join(5)
 
 
-def beat_and_sample(ctl: ControlPlane, membership: Membership, alive: tuple[str, ...], seconds: float) -> None:
-    """Members in ``alive`` beat; everyone else stays silent for ``seconds``; the monitor samples."""
-    membership.sample_heartbeats(ctl)
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        for member in alive:
-            ctl.add(ctl.heartbeat_key(member), 1)
-        membership.sample_heartbeats(ctl)
-        time.sleep(0.02)  # the test plays a heartbeat clock, not synchronisation
-
-
 def test_acknowledgements_blame_the_silent_not_their_victims() -> None:
-    ctl, membership, _plane, gens, rec = setup(dead_after=0.2)
+    control, membership, _plane, gens, rec, live = setup(dead_after=0.2)
     membership.members = ["a", "b", "c"]
-    beat_and_sample(ctl, membership, alive=("a", "b"), seconds=0.4)
+    live.seen["c"] = (time.monotonic() - 1.0, True)  # silent for a second: longer than dead_after
     assert not membership.is_alive("c") and membership.is_alive("a")
-    ctl.push(ctl.replies, _wire.Ack(generation=0, seq=0, member_id="a", version=7, ok=True))
-    ctl.push(ctl.replies, _wire.Ack(generation=0, seq=0, member_id="b", version=7, ok=False, error="cancelled"))
-    acked, blamed = gens.collect_acks(ctl, 0, 0, ("a", "b", "c"), 7, timeout=2.0)
+    control.replies.put(_wire.Ack(generation=0, seq=0, member_id="a", version=7, ok=True))
+    control.replies.put(_wire.Ack(generation=0, seq=0, member_id="b", version=7, ok=False, error="cancelled"))
+    acked, blamed = gens.collect_acks(0, 0, ("a", "b", "c"), 7, timeout=2.0)
     assert acked == {"a"} and blamed == {"c"}  # b failed waiting on c: a victim, not a culprit
     assert {e.peers for e in rec.snapshot() if e.op == "ack_missing"} == {("c",)}
 
 
 def test_acknowledgements_blame_the_failed_when_nobody_is_silent() -> None:
-    ctl, _membership, _plane, gens, rec = setup()
-    _membership.members = ["a", "b"]
-    ctl.push(ctl.replies, _wire.Ack(generation=0, seq=3, member_id="a", version=1, ok=True))
-    ctl.push(ctl.replies, _wire.Ack(generation=0, seq=2, member_id="b", version=0, ok=True))  # stale: ignored
-    ctl.push(ctl.replies, _wire.Ack(generation=0, seq=3, member_id="b", version=1, ok=False, error="corrupt"))
-    acked, blamed = gens.collect_acks(ctl, 0, 3, ("a", "b"), 1, timeout=2.0)
+    control, membership, _plane, gens, rec, _ = setup()
+    membership.members = ["a", "b"]
+    control.replies.put(_wire.Ack(generation=0, seq=3, member_id="a", version=1, ok=True))
+    control.replies.put(_wire.Ack(generation=0, seq=2, member_id="b", version=0, ok=True))  # stale: ignored
+    control.replies.put(_wire.Ack(generation=0, seq=3, member_id="b", version=1, ok=False, error="corrupt"))
+    acked, blamed = gens.collect_acks(0, 3, ("a", "b"), 1, timeout=2.0)
     assert acked == {"a"} and blamed == {"b"}
     assert [e.error for e in rec.snapshot() if e.op == "nack"] == ["corrupt"]
 
 
 def test_a_joiner_that_dies_before_it_is_planned_frees_its_id() -> None:
-    ctl, membership, _plane, gens, _ = setup(dead_after=0.2)
-    join(gens, membership, ctl, "ghost")
-    beat_and_sample(ctl, membership, alive=(), seconds=0.4)
-    plan = membership.plan_next()
-    assert plan.dropped_joiners == ("ghost",) and "ghost" not in plan.members
+    control, membership, _plane, gens, _, live = setup(dead_after=0.2)
+    join(gens, membership, "ghost")
+    live.seen["ghost"] = (time.monotonic(), False)  # its connection closed: dead at once
+    gens.advance(reason="membership change")  # nobody left to plan: an empty generation
+    assert membership.members == [] and membership.joining() == []
+    assert ("ghost", "died while joining") in control.released
     assert membership.request_join("ghost")  # a new incarnation may use the id again
 
 

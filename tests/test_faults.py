@@ -12,6 +12,7 @@ import torch
 
 import weightsync as ws
 from tests.conftest import LOOPS, Procs, loop_policy
+from weightsync import _wire
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(180)]
 
@@ -88,23 +89,18 @@ async def test_publisher_killed_subscribers_keep_last_version_and_raise_in_time(
 
 
 async def test_fingerprint_mismatch_is_denied_naming_the_difference() -> None:
-    from weightsync import _wire
-    from weightsync.pg import handshake
-    from weightsync.pg.control import ControlPlane
+    from tests.outsider import Outsider
+    from weightsync.control import auth
 
     async with ws.Publisher("fp", timeout=10, heartbeat_interval=0.25) as pub:
-        ctl = ControlPlane(pub._store, "fp").clone(10.0)
-        mine = handshake.fingerprint(pub.backend, pub.device)
+        mine = auth.fingerprint(pub.backend, pub.device)
         alien = msgspec.structs.replace(mine, protocol=mine.protocol + 1)
-        queue = ctl.member_queue("alien", "n1")
-        ctl.push(ctl.inbox, _wire.Join(member_id="alien", reply_to=queue, fingerprint=alien))
-        raw = await asyncio.get_running_loop().run_in_executor(None, ctl.pop, queue, 10.0)
-        reply = _wire.member_decoder.decode(raw)
+        outsider = Outsider(pub.address)
+        reply = await asyncio.get_running_loop().run_in_executor(None, outsider.join, "alien", alien, None)
         assert isinstance(reply, _wire.Deny) and reply.kind == "handshake"
         assert "protocol" in reply.reason and str(alien.protocol) in reply.reason
-        ctl.push(ctl.inbox, b"\x00garbage")  # malformed: recorded, never fatal
+        Outsider(pub.address).send_raw(b"\x00\x00\x00\x05garbage")  # malformed: recorded, never fatal
         async with ws.Subscriber("fp", address=pub.address, timeout=10) as sub:
             await pub.wait_subscribers(1, timeout=10)  # the publisher kept serving
             await (await pub.put({"x": torch.ones(2)}, version=1)).delivered(timeout=10)
             assert (await sub.get(timeout=5)).version == 1
-

@@ -12,6 +12,7 @@ import torch
 import weightsync as ws
 from tests.conftest import LOOPS, loop_policy
 from tests.statedicts import digests, mixed_state_dict
+from weightsync.testing import Faults, inject
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(120)]
 
@@ -25,11 +26,13 @@ def event_loop_policy(request: pytest.FixtureRequest):
 FAST = {"timeout": 5.0, "heartbeat_interval": 0.25}
 
 
-async def channel(n: int, name: str = "policy", **pub_kw):
+async def channel(n: int, name: str = "policy", faults: dict[int, Faults] | None = None, **pub_kw):
     pub = ws.Publisher(name, **{**FAST, **pub_kw})
     await pub.start()
     subs = [ws.Subscriber(name, address=pub.address, member_id=f"{name}-g{i}", timeout=FAST["timeout"])
             for i in range(n)]
+    for i, plan in (faults or {}).items():
+        inject(subs[i], plan)
     await asyncio.gather(*(s.start() for s in subs))
     await pub.wait_subscribers(n, timeout=10)
     return pub, subs
@@ -269,22 +272,31 @@ async def test_stream_and_load_feed_an_engine_without_a_copy() -> None:
 
 
 async def test_a_packing_error_fails_the_put_and_evicts_nobody() -> None:
-    """copy=False borrows the caller's tensors; one that cannot be packed (a conjugate view) is
-    the put's own failure: the handle fails with it, nobody is blamed, the channel goes on."""
-    pub, subs = await channel(2, name="packerr", bucket_bytes=1 << 16)
+    """copy=False borrows the caller's tensors; one the caller frees before ``released()`` cannot
+    be packed: that is the put's own failure (the handle fails with it), nobody is blamed, and
+    the channel goes on."""
+    rec = ws.FlightRecorder(capacity=1000)
+    # member 1 dawdles after each bucket, so version 0 is still in flight while version 1 waits
+    pub, subs = await channel(2, name="packerr", bucket_bytes=1 << 16, recorder=rec, faults={1: Faults(slow=40)})
     try:
         members = pub.members
-        bad = {"ok": torch.ones(1000), "conj": torch.randn(64, dtype=torch.complex64).conj()}
-        handle = await pub.put(bad, version=1, copy=False)
+        first = await pub.put({"ok": torch.ones(1000), "freed": torch.ones(64)}, version=0)
+        while not any(e.op == "announce" and e.version == 0 for e in rec.snapshot()):
+            await asyncio.sleep(0.01)  # until the recorder shows version 0 on its way
+        freed = torch.ones(64)
+        handle = await pub.put({"ok": torch.ones(1000), "freed": freed}, version=1, copy=False)
+        freed.untyped_storage().resize_(0)  # the caller breaks the contract while the put is pending
+        assert set((await first.delivered(timeout=30)).members) == set(members)
         with pytest.raises(ws.WeightSyncError, match="could not be sent"):
             await handle.delivered(timeout=30)
         assert pub.evicted == [] and set(pub.members) == set(members)
-        good = mixed_state_dict(2, mib=0.5)
+        assert not [e for e in rec.snapshot() if e.op in ("ack_missing", "evict")]
+        assert not any(pub.membership._strikes.values())  # members that gave up on it earned no strike
+        good = mixed_state_dict(2, mib=0.1)
         report = await (await pub.put(good, version=2)).delivered(timeout=30)
         assert set(report.members) == set(members)
         for sub in subs:
             assert digests(await sub.get(min_version=2, timeout=10)) == digests(good)
-            assert sub.version == 2  # version 1 was never made readable anywhere
     finally:
         await close(pub, subs)
 

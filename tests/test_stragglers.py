@@ -23,6 +23,7 @@ import weightsync as ws
 from tests.conftest import REPO, Procs
 from tests.statedicts import digests
 from weightsync.pg.group import reconfigure_enabled
+from weightsync.pg.reaper import drain_retired
 from weightsync.pg.recorder import FlightRecorder
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(240)]
@@ -256,10 +257,16 @@ async def test_soak_200_versions_4_subscribers_one_killed_and_replaced_every_50(
                     for e in rec.snapshot()[-80:]:
                         if e.op not in ("bucket_send", "put"):
                             print(e.op, e.state, e.generation, e.version, e.peers, e.error[:150], file=sys.stderr)
-                    for w in workers:
-                        print(procs.log(w), file=sys.stderr)
+                    print(procs.stacks(), file=sys.stderr)
+                    print(procs.native_stacks([p.pid for p in orch.processes() if p.poll() is None]), file=sys.stderr)
+                    for proc in orch.processes():  # replacements print their stacks into their log
+                        if proc.poll() is None:
+                            os.kill(proc.pid, signal.SIGUSR2)
+                    time.sleep(0.5)  # let them write before the log is read
+                    print((tmp_path / "replacements.log").read_text(errors="replace")[-12000:], file=sys.stderr)
                 assert len(report.members) >= 3  # at most the one killed is missing
-                if v in (75, 199):
+                if v in (75, 199):  # once retired groups are torn down (in the background, bounded)
+                    assert await asyncio.get_running_loop().run_in_executor(None, drain_retired, 60.0)
                     samples[v] = (open_files(), rss_mib())
             await pub.wait_subscribers(4, timeout=90)
             report = await (await put_checked(pub, 200, numel)).delivered(timeout=60)

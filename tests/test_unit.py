@@ -136,23 +136,25 @@ def test_options_are_validated() -> None:
         ws.Publisher("p", backend="mpi")
     with pytest.raises(ValueError, match="without '/'"):
         ws.Publisher("a/b")
-    with pytest.raises(ValueError, match="exactly one"):
-        ws.Subscriber("p")
+    with pytest.raises(ValueError, match="port 0"):
+        ws.Subscriber("p", address="127.0.0.1:0")
 
 
 def test_wire_messages_decode_strictly() -> None:
     manifest = _wire.Manifest(tensors=(), total_bytes=0)
     ann = _wire.Announce(generation=1, seq=0, version=3, manifest=manifest, bucket_bytes=4096, num_buckets=0)
-    assert _wire.member_decoder.decode(_wire.encode(ann)) == ann
+    assert _wire.server_decoder.decode(_wire.encode(ann)) == ann
     with pytest.raises(msgspec.DecodeError):
-        _wire.member_decoder.decode(b"\x80\x03cos\nsystem\n")  # a pickle is just garbage here
+        _wire.server_decoder.decode(b"\x80\x03cos\nsystem\n")  # a pickle is just garbage here
     with pytest.raises(msgspec.ValidationError):
-        _wire.inbox_decoder.decode(_wire.encode({"type": "join", "member_id": 5}))
+        _wire.client_decoder.decode(_wire.encode({"type": "join", "member_id": 5}))
+    with pytest.raises(msgspec.ValidationError):  # a server-only command is not something a client may send
+        _wire.client_decoder.decode(_wire.encode(ann))
 
 
 def test_fingerprint_comparison_on_nccl_names_every_field() -> None:
     from weightsync._wire import Fingerprint
-    from weightsync.pg.handshake import compare
+    from weightsync.control.auth import compare
 
     a = Fingerprint(protocol=1, torch="2.15.0", nccl="2.28.9", backend="nccl", device_kind="H200",
                     nccl_env={"NCCL_PROTO": "Simple"})
@@ -165,25 +167,27 @@ def test_fingerprint_comparison_on_nccl_names_every_field() -> None:
 
 def test_admission_names_each_reason_to_refuse() -> None:
     from weightsync._wire import Join
-    from weightsync.pg.handshake import admission_problem, fingerprint, token_mac
+    from weightsync.control.auth import admission_problem, fingerprint, join_proof, new_nonce
 
     mine = fingerprint("gloo", torch.device("cpu"))
-    prefix = "ws/c/q/member/"
-    good = Join(member_id="g0", reply_to=prefix + "g0/n", fingerprint=mine, token_mac=token_mac(b"s", "c", "g0"))
+    server, client = new_nonce(), new_nonce()
+    proof = join_proof(b"s", channel="c", server_nonce=server, client_nonce=client, member_id="g0", fp=mine)
+    good = Join(member_id="g0", fingerprint=mine, nonce=client, proof=proof)
 
     def problem(join: Join, **kw: object):
-        args = {"channel": "c", "queue_prefix": prefix, "secret": b"s", "mine": mine, "taken": False,
-                "closing": False, **kw}
+        args = {"channel": "c", "server_nonce": server, "secret": b"s", "mine": mine, "closing": False, **kw}
         return admission_problem(join, **args)  # type: ignore[arg-type]
 
     assert problem(good) is None
     assert problem(good, closing=True).kind == "closed"
-    assert problem(msgspec.structs.replace(good, reply_to="ws/other/x")).kind == "token"
-    assert problem(msgspec.structs.replace(good, token_mac="0" * 64)).kind == "token"
-    assert problem(msgspec.structs.replace(good, token_mac=""), secret=None) is None  # an open channel
-    assert problem(msgspec.structs.replace(good, fingerprint=msgspec.structs.replace(mine, backend="nccl"))).kind \
-        == "handshake"
-    assert problem(good, taken=True).kind == "duplicate"
+    assert problem(good, server_nonce=new_nonce()).kind == "token"  # a replayed Join: another challenge
+    assert problem(msgspec.structs.replace(good, member_id="g1")).kind == "token"  # the proof binds the id
+    assert problem(msgspec.structs.replace(good, proof=b"0" * 32)).kind == "token"
+    assert problem(msgspec.structs.replace(good, proof=b""), secret=None) is None  # an open channel
+    assert problem(msgspec.structs.replace(good, member_id="a/b"), secret=None).kind == "token"
+    alien = msgspec.structs.replace(mine, backend="nccl")
+    assert problem(Join(member_id="g0", fingerprint=alien, nonce=client, proof=join_proof(
+        b"s", channel="c", server_nonce=server, client_nonce=client, member_id="g0", fp=alien))).kind == "handshake"
 
 
 def test_checksum_catches_flips_and_swaps_and_ignores_alignment() -> None:

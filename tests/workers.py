@@ -7,7 +7,9 @@ test that spawned the worker kills it if it outlives the test's own deadline.
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import os
+import signal
 import sys
 import time
 
@@ -128,6 +130,10 @@ def load_spec(arg: str) -> dict:
 
 
 if __name__ == "__main__":
+    # a hung worker tells where it hangs: every thread's stack on SIGUSR2, and on the SIGTERM an
+    # orchestrator's aclose() sends before its SIGKILL
+    faulthandler.register(signal.SIGUSR2, all_threads=True)
+    faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
     spec = load_spec(sys.argv[1])
     if spec.get("loop") == "uvloop":
         import uvloop

@@ -1,19 +1,22 @@
-"""Wire formats: every control message that crosses a process boundary.
+r"""Wire formats: every message that crosses a process boundary.
 
-All of them are frozen msgspec Structs encoded as msgpack; decoding never runs code (no
-pickle anywhere). Control messages form tagged unions so one decoder reads any of them and
-rejects anything else with a clear error instead of crashing the reader.
+All of them are frozen msgspec Structs encoded as msgpack; decoding never runs code (no pickle
+anywhere). Control messages form tagged unions, so one decoder reads any of them and rejects
+anything else with a clear error instead of crashing the reader.
 
-The store layout of one channel (all keys under ``ws/<channel>/``). Every wait is a
-blocking pop on a store queue; whoever wants a waiter to stop pushes a Wake into its queue,
-so waits end when something happens, not by polling::
+Every subscriber (and nothing else) holds one TCP connection to its publisher's control server
+(``weightsync.control``). On it, length-prefixed :class:`Frame`\ s, each carrying a sequence
+number and, once admitted, a MAC under the member's session key::
 
-    q/inbox                    Join | Leave          subscribers -> publisher's inbox thread
-    q/replies                  Ready | Ack           subscribers -> publisher's sender thread
-    q/member/<id>/<nonce>      Admit | Deny | Go | Announce | Reconfigure | Shutdown
-                                                     publisher -> one subscriber incarnation
-    hb/<id>                    heartbeat counter (store.add), "publisher" for the publisher
-    gen/<g>/pg/...             the dedicated group's own rendezvous (fresh per generation)
+    server -> client   Challenge (first, unauthenticated: a fresh nonce)
+    client -> server   Join      (answers it: member id, fingerprint, its own nonce, a proof)
+    server -> client   Admit | Deny, then Go, Announce, Seal, Reconfigure, Shutdown, Beat,
+                       StoreResult
+    client -> server   Ready, Ack, Leave, Beat, StoreOp
+
+``StoreOp``/``StoreResult`` carry the data plane's own rendezvous (gloo and NCCL exchange
+addresses through a store): the publisher serves it from memory, to admitted members only.
+``Wake`` never crosses the wire: a thread puts it into a local queue to end another's wait.
 """
 
 from __future__ import annotations
@@ -53,11 +56,27 @@ class Fingerprint(msgspec.Struct, frozen=True):
     nccl_env: dict[str, str]
 
 
+class Frame(msgspec.Struct, frozen=True, array_like=True):
+    """One message on a control connection: ``body`` is the msgpack of the message itself."""
+
+    seq: int  # strictly increasing per direction; anything else is dropped and recorded
+    mac: bytes  # HMAC-SHA256 (16 bytes) of direction, seq and body under the session key; b"" when open
+    body: bytes
+
+
+class Challenge(msgspec.Struct, frozen=True, tag="challenge"):
+    """The server's first frame on a new connection: answer with a Join that proves the secret."""
+
+    protocol: int
+    channel: str
+    nonce: bytes  # fresh per connection: a recorded Join is worthless on another one
+
+
 class Join(msgspec.Struct, frozen=True, tag="join"):
     member_id: str
-    reply_to: str  # this subscriber incarnation's own queue
     fingerprint: Fingerprint
-    token_mac: str = ""
+    nonce: bytes  # the client's own nonce (both nonces make the session key)
+    proof: bytes = b""  # HMAC over both nonces, channel, member id and fingerprint; b"" when open
     pid: int = 0
     host: str = ""
 
@@ -67,7 +86,7 @@ class Leave(msgspec.Struct, frozen=True, tag="leave"):
 
 
 class Wake(msgspec.Struct, frozen=True, tag="wake"):
-    """Pushed by a process into a queue it waits on, to end that wait (close, liveness change)."""
+    """Put by a thread into a local queue another thread waits on, to end that wait."""
 
     reason: str = ""
 
@@ -107,6 +126,7 @@ class Go(msgspec.Struct, frozen=True, tag="go"):
     generation: int
     uuid: int = 0  # with handles: reconfigure the long-lived backend in place under this uuid
     handles: tuple[str, ...] = ()  # rank-ordered reconfigure handles; empty: build a fresh group
+    rendezvous: str = ""  # the generation's unpredictable rendezvous prefix (fresh random token)
 
 
 class Announce(msgspec.Struct, frozen=True, tag="announce"):
@@ -129,6 +149,14 @@ class Seal(msgspec.Struct, frozen=True, tag="seal"):
     version: int
     checksums: tuple[int, ...]
     abandoned: bool = False  # the publisher gave up on this version: no checksums follow
+
+
+class Abandon(msgspec.Struct, frozen=True, tag="abandon"):
+    """The publisher gave up on version `version` (seq `seq`): a receiver still in its buckets stops."""
+
+    generation: int
+    seq: int
+    version: int
 
 
 class Reconfigure(msgspec.Struct, frozen=True, tag="reconfigure"):
@@ -162,16 +190,36 @@ class Ack(msgspec.Struct, frozen=True, tag="ack"):
     error: str = ""
 
 
-InboxMessage = Union[Join, Leave, Wake]
-MemberMessage = Union[Admit, Deny, Go, Announce, Reconfigure, Shutdown, Wake]
-ReplyMessage = Union[Ack, Ready, Wake]
-SealMessage = Union[Seal, Wake]
+class Beat(msgspec.Struct, frozen=True, tag="beat"):
+    """Liveness, both ways, every heartbeat interval."""
+
+
+class StoreOp(msgspec.Struct, frozen=True, tag="store"):
+    """A data-plane rendezvous call (``set``/``get``/``add``/``check``/``delete``) to the publisher."""
+
+    rid: int
+    op: str
+    keys: tuple[str, ...]
+    value: bytes = b""
+    amount: int = 0
+    timeout: float = 0.0
+
+
+class StoreResult(msgspec.Struct, frozen=True, tag="store_result"):
+    rid: int
+    ok: bool
+    value: bytes = b""
+    number: int = 0
+    error: str = ""
+
+
+ClientMessage = Union[Join, Ready, Ack, Leave, Beat, StoreOp]
+ServerMessage = Union[Challenge, Admit, Deny, Go, Announce, Abandon, Seal, Reconfigure, Shutdown, Beat, StoreResult]
 
 
 _encoder = msgspec.msgpack.Encoder()
 encode = _encoder.encode
 
-inbox_decoder = msgspec.msgpack.Decoder(InboxMessage)
-member_decoder = msgspec.msgpack.Decoder(MemberMessage)
-reply_decoder = msgspec.msgpack.Decoder(ReplyMessage)
-seal_decoder = msgspec.msgpack.Decoder(SealMessage)
+frame_decoder = msgspec.msgpack.Decoder(Frame)
+client_decoder = msgspec.msgpack.Decoder(ClientMessage)
+server_decoder = msgspec.msgpack.Decoder(ServerMessage)

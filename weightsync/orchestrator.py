@@ -77,8 +77,7 @@ class Replacements:
         orchestrator = self._orchestrator()
         if orchestrator is None:
             return
-        entry = self._rec.record("replace",
-                                 peers=(member.member_id,), error=member.reason).start()
+        entry = self._rec.record("replace", peers=(member.member_id,), error=member.reason).start()
 
         async def run() -> None:
             try:

@@ -17,21 +17,37 @@ to blame) from members that failed while waiting on them (victims).
 from __future__ import annotations
 
 import itertools
+import queue
 import secrets
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Protocol
 
 from weightsync import _wire
-from weightsync._errors import ControlFailure, PeerFailure, StoreTimeout
+from weightsync._errors import PeerFailure
 from weightsync.errors import WeightSyncError
-from weightsync.pg.control import ControlPlane
 from weightsync.pg.membership import MemberInfo, Membership, Plan
 from weightsync.pg.recorder import FlightRecorder
 from weightsync.transport.dataplane import DataPlane, GenerationSpec
 from weightsync.transport.options import Deadlines
 
 PUBLISHER = "publisher"
+
+
+class Control(Protocol):
+    """What Generations needs of the control plane (the publisher's ControlServer)."""
+
+    replies: queue.SimpleQueue[Any]  # Ready | Ack | Wake, from every member
+
+    def send(self, incarnation: str, message: Any) -> bool: ...
+
+    def bind(self, incarnation: str) -> bool: ...
+
+    def release(self, member_id: str, reason: str) -> None: ...
+
+
+class Rendezvous(Protocol):
+    def begin_generation(self, generation: int) -> None: ...
 
 
 class Generations:
@@ -47,11 +63,13 @@ class Generations:
         on_evicted: a member was dropped (the orchestrator may replace it).
     """
 
-    def __init__(self, channel: str, *, membership: Membership, recorder: FlightRecorder, plane: DataPlane,
+    def __init__(self, channel: str, *, control: Control, table: Rendezvous, membership: Membership,
+                 recorder: FlightRecorder, plane: DataPlane,
                  settings: _wire.ChannelSettings, stopped: Callable[[], bool], on_change: Callable[[], None],
                  on_evicted: Callable[[MemberInfo], None] = lambda _m: None,
                  pump: Callable[[], None] = lambda: None) -> None:
         self.channel = channel
+        self.control, self.table = control, table
         self.membership = membership
         self.plane = plane
         self.settings = settings
@@ -62,34 +80,30 @@ class Generations:
         self._on_change = on_change
         self._on_evicted = on_evicted
         self._pump = pump
-        self._reply_to: dict[str, str] = {}
+        self._incarnation: dict[str, str] = {}  # member -> its connection (a rejoin is a new one)
         self._info: dict[str, MemberInfo] = {}
         self._slots: dict[str, int] = {}
         self._next_slot = itertools.count(1)  # 0 is the publisher's
         self._seq = itertools.count()
         self.last_timings: dict[str, tuple[float, float]] = {}  # member -> (seconds, own seconds)
 
-    def register(self, member_id: str, reply_to: str, host: str = "", pid: int = 0) -> None:
-        """A joiner's own queue, where everything for it goes."""
-        self._reply_to[member_id] = reply_to
+    def register(self, member_id: str, incarnation: str, host: str = "", pid: int = 0) -> None:
+        """A joiner's own connection, where everything for it goes."""
+        self._incarnation[member_id] = incarnation
         self._info[member_id] = MemberInfo(member_id, host=host, pid=pid)
         self._slots[member_id] = next(self._next_slot)  # a rejoin is a new incarnation: a new slot
-
-    def seal_queue(self, member_id: str) -> str | None:
-        queue = self._reply_to.get(member_id)
-        return None if queue is None else queue + "/seal"
 
     def next_seq(self) -> int:
         """The sequence number of the next command in the current generation."""
         return next(self._seq)
 
-    def tell(self, ctl: ControlPlane, members: Iterable[str], message: Any) -> None:
+    def tell(self, members: Iterable[str], message: Any) -> None:
         for member in members:
-            queue = self._reply_to.get(member)
-            if queue is not None:
-                ctl.push(queue, message)
+            incarnation = self._incarnation.get(member)
+            if incarnation is not None:
+                self.control.send(incarnation, message)
 
-    def advance(self, ctl: ControlPlane, reason: str, failed: Iterable[str] = ()) -> None:
+    def advance(self, reason: str, failed: Iterable[str] = ()) -> None:
         """End the current generation and build the next with the live members and joiners.
 
         ``failed``: members to blame for what ended it. A ``reason`` other than "membership
@@ -98,21 +112,20 @@ class Generations:
         for _attempt in range(4):
             plan = self.membership.plan_next(failed)
             for member in plan.dropped_joiners:
-                self.forget(member)
+                self.forget(member, "died while joining")
             fresh = reason != "membership change"
-            self.tell(ctl, self.membership.members, _wire.Reconfigure(
+            self.tell(self.membership.members, _wire.Reconfigure(
                 next_generation=plan.generation, members=plan.members, reason=reason,
                 trouble=fresh or bool(plan.evicted), fresh=fresh))
             for member_id in plan.admitted:
-                self.tell(ctl, [member_id], _wire.Admit(member_id=member_id, generation=plan.generation,
+                self.tell([member_id], _wire.Admit(member_id=member_id, generation=plan.generation,
                                                          members=plan.members, settings=self.settings,
                                                          slot=self._slots[member_id]))
             self.plane.leave(reason, failed=fresh)
             self._seq = itertools.count()
-            rendezvous = self._rec.record("rendezvous",
-                                          generation=plan.generation, peers=plan.members).start()
+            rendezvous = self._rec.record("rendezvous", generation=plan.generation, peers=plan.members).start()
             offers: dict[str, str] = {}
-            missing = self._await_ready(ctl, plan, offers)
+            missing = self._await_ready(plan, offers)
             if missing:
                 if all(self.membership.is_leaving(m) for m in missing):
                     rendezvous.complete()  # members left meanwhile: an ordinary replan, not a failure
@@ -123,56 +136,70 @@ class Generations:
                 continue
             rendezvous.complete()
             try:
-                self._form(ctl, plan, offers)
+                self._form(plan, offers)
             except PeerFailure as err:
                 self.membership.commit(plan, ok=False)
                 failed, reason = self.membership.unresponsive(), f"rendezvous failed: {err}"
                 continue
             self.membership.commit(plan, ok=True)
+            for member in plan.left:
+                self.forget(member, "left")
             for member in plan.evicted:
-                info = self.forget(member) or MemberInfo(member)
+                info = self.forget(member, plan.reasons.get(member, "evicted")) or MemberInfo(member)
                 info.reason, info.generation = plan.reasons.get(member, "evicted"), plan.generation
                 self._on_evicted(info)
             self._on_change()
             return
         raise WeightSyncError("could not form a generation after 4 attempts", channel=self.channel)
 
-    def forget(self, member: str) -> MemberInfo | None:
-        """Drop what is known of ``member`` (it left, was evicted, or died joining)."""
-        self._reply_to.pop(member, None)
+    def forget(self, member: str, reason: str) -> MemberInfo | None:
+        """Drop what is known of ``member`` (it left, was evicted, or died joining); close its connection."""
+        self._incarnation.pop(member, None)
+        self.control.release(member, reason)
         self._slots.pop(member, None)
         return self._info.pop(member, None)
 
-    def _form(self, ctl: ControlPlane, plan: Plan, offers: dict[str, str]) -> None:
-        """Say Go and enter the generation: re-form in place with everyone's offers, or build anew."""
+    def _form(self, plan: Plan, offers: dict[str, str]) -> None:
+        """Say Go and enter the generation: re-form in place with everyone's offers, or build anew.
+
+        The generation's rendezvous keys live under a fresh random token (and, in place, a fresh
+        uuid), told to members only in their authenticated Go: nobody can pre-write them.
+        """
         timeout = self.deadlines.rendezvous()
-        spec = GenerationSpec(plan.generation, plan.members, rank=0, timeout=timeout)
+        self.table.begin_generation(plan.generation)
+        token = secrets.token_hex(8)
+        spec = GenerationSpec(plan.generation, plan.members, rank=0, timeout=timeout, rendezvous=token)
         if self.settings.in_place and plan.members:
             ordered = (self.plane.offer(), *(offers[m] for m in plan.members))
-            uuid = secrets.randbits(62)  # fresh per re-formation; unique across channels on one store
-            spec = GenerationSpec(plan.generation, plan.members, rank=0, timeout=timeout, uuid=uuid, offers=ordered)
-        self.tell(ctl, plan.members, _wire.Go(generation=plan.generation, uuid=spec.uuid, handles=spec.offers))
+            spec = GenerationSpec(plan.generation, plan.members, rank=0, timeout=timeout, uuid=secrets.randbits(62),
+                                  offers=ordered, rendezvous=token)
+        self.tell(plan.members, _wire.Go(generation=plan.generation, uuid=spec.uuid, handles=spec.offers,
+                                         rendezvous=token))
         self.plane.enter(spec)
 
-    def _await_ready(self, ctl: ControlPlane, plan: Plan, offers: dict[str, str]) -> set[str]:
+    def _await_ready(self, plan: Plan, offers: dict[str, str]) -> set[str]:
         """Wait until every planned member is on its way into the rendezvous.
 
         Returns the members that left, died or never came: gloo's own rendezvous cannot be
         interrupted, so nobody enters it until everyone is known to be coming.
         """
         deadline = time.monotonic() + self.deadlines.rendezvous()
+        extended = False
         waiting = set(plan.members)
         while waiting:
             self._pump()
             gone = {m for m in waiting if self.membership.is_leaving(m) or not self.membership.is_alive(m)}
             if gone or self._stopped():
                 return gone or waiting
-            try:
-                message = _wire.reply_decoder.decode(ctl.pop(ctl.replies, deadline - time.monotonic()))
-            except StoreTimeout:
-                return waiting
-            except Exception as err:  # noqa: BLE001 - a malformed reply is dropped, never fatal
-                self._rec.record("reply").fail(f"malformed: {err}")
+            message = self._next_reply(deadline)
+            if message is None:
+                if extended:
+                    return waiting
+                # late but alive (a busy host, or still stuck in a rendezvous a dead peer spoiled):
+                # once more, with the same bound again, before it counts as missing
+                self._rec.record("rendezvous", generation=plan.generation,
+                                 peers=tuple(sorted(waiting))).fail("late but alive: waiting once more")
+                extended, deadline = True, time.monotonic() + self.deadlines.rendezvous()
                 continue
             if isinstance(message, _wire.Ready) and message.generation == plan.generation:
                 if self.settings.in_place and not message.handle:
@@ -183,8 +210,15 @@ class Generations:
                 waiting.discard(message.member_id)
         return set()
 
-    def collect_acks(self, ctl: ControlPlane, gen: int, seq: int, members: tuple[str, ...], version: int,
-                      timeout: float) -> tuple[set[str], set[str]]:
+    def _next_reply(self, deadline: float) -> Any:
+        """The next Ready, Ack or Wake from any member; None once ``deadline`` passed."""
+        try:
+            return self.control.replies.get(timeout=max(deadline - time.monotonic(), 0.0))
+        except queue.Empty:
+            return None
+
+    def collect_acks(self, gen: int, seq: int, members: tuple[str, ...], version: int,
+                     timeout: float) -> tuple[set[str], set[str]]:
         """Members that acknowledged ``version`` ok, and the ones to blame for what went wrong.
 
         Stops early once every member has answered or every silent one is known dead. Silent
@@ -200,15 +234,14 @@ class Generations:
         silent = set(members)
         while silent:
             self._pump()
-            if all(not self.membership.is_alive(m) for m in silent):
-                break
-            try:
-                message = _wire.reply_decoder.decode(ctl.pop(ctl.replies, deadline - time.monotonic()))
-            except StoreTimeout:
-                break
-            except Exception as err:  # noqa: BLE001 - a malformed reply counts as no reply
-                self._rec.record("reply").fail(f"malformed: {err}")
-                continue
+            # what already arrived counts first: a member may ack and then leave at once
+            message = self._next_reply(time.monotonic())
+            if message is None:
+                if all(not self.membership.is_alive(m) for m in silent):
+                    break  # nobody left to wait for
+                message = self._next_reply(deadline)
+                if message is None:
+                    break
             if not isinstance(message, _wire.Ack) or (message.generation, message.seq) != (gen, seq):
                 continue  # a stale ack or a wake-up
             if message.member_id not in silent:
@@ -234,11 +267,8 @@ class Generations:
             return acked, silent
         return acked, set(nacked)
 
-    def shutdown(self, ctl: ControlPlane) -> None:
-        try:
-            self.tell(ctl, self.membership.members, _wire.Shutdown(reason="publisher closed"))
-            self.tell(ctl, self.membership.joining(), _wire.Deny(reason="publisher closed", kind="closed"))
-        except ControlFailure:
-            pass
+    def shutdown(self) -> None:
+        self.tell(self.membership.members, _wire.Shutdown(reason="publisher closed"))
+        self.tell(self.membership.joining(), _wire.Deny(reason="publisher closed", kind="closed"))
         self.plane.close()
         self._on_change()

@@ -1,6 +1,7 @@
 """The dedicated group: the default data plane (gloo/NCCL broadcast of each bucket from rank 0).
 
-Built standalone from a Store under a fresh prefix (``ws/<channel>/gen/<g>/pg``), never through
+Built standalone from a Store under a fresh prefix (``ws/<channel>/gen/<g>/<token>/pg``; the
+store is the publisher's in-memory rendezvous table, see :mod:`weightsync.control.rendezvous`), never through
 ``init_process_group``: the user's default group is untouched and any number of channels can
 live in one process. Exactly one backend object per group, hence one communicator.
 
@@ -75,6 +76,7 @@ class DedicatedGroup:
         self._rec = recorder.scope(channel, member)
         self._store = store
         self._borrowed = borrowed  # the backend belongs to a Reconfigurable: never torn down here
+        self._orphans: list[Any] = []  # works of a failed transfer, handed to the reaper on abort
         self.state = ALIVE
 
     @classmethod
@@ -95,7 +97,8 @@ class DedicatedGroup:
                 # the backend keeps using its store (rendezvous, lazily connected pairs) from
                 # its own threads: it gets a connection of its own, never one we wait on
                 own = compat.clone_store(store, spec.timeout)
-                prefixed = compat.prefix_store(f"ws/{channel}/gen/{spec.generation}/pg", own)
+                # under the generation's random token: nobody can pre-write a future generation's keys
+                prefixed = compat.prefix_store(f"ws/{channel}/gen/{spec.generation}/{spec.rendezvous}/pg", own)
                 if backend == "nccl":
                     pg = compat.make_nccl(prefixed, spec.rank, size, spec.timeout, device, max_ctas)
                 else:
@@ -119,6 +122,7 @@ class DedicatedGroup:
         if self._pg is None:
             return 0.0
         pending: list[tuple[int, Any, Any, float]] = []  # (bucket, work, recorder entry, deadline)
+        issued: list[Any] = []  # every work of this transfer, kept until it is known to be over
         waited = [0.0]
         try:
             for i, tensor in enumerate(transfer.buckets):
@@ -134,12 +138,16 @@ class DedicatedGroup:
                     work = compat.broadcast(self._pg, tensor, 0, limit)
                 except RuntimeError as err:
                     raise PeerFailure(f"bucket {i} could not be issued: {err}") from err
+                issued.append(work)
                 pending[-1] = (i, work, entry, time.monotonic() + limit)
             while pending:
                 self._finish_oldest(pending, transfer, waited)
         except BaseException as err:
             for _, _, entry, _ in pending:  # buckets still in flight will never complete
                 entry.fail(f"abandoned: {err}", aborted=True)
+            # a work still hung on a dead peer blocks whoever destroys it (measured on 2.13: a
+            # receiver stuck for seconds in a plain assignment): the reaper destroys them later
+            self._orphans.extend(issued)
             raise
         return waited[0]
 
@@ -180,11 +188,10 @@ class DedicatedGroup:
         self.state = ABORTED
         entry = self._rec.record("abort", generation=self.generation,
                                       error=reason).start()
-        pg, self._pg, store, self._store = self._pg, None, self._store, None
-        if pg is None or self._borrowed:
-            entry.complete()  # a borrowed backend is re-formed by the next reconfigure
-        else:
-            retire(pg, store, entry)
+        # a borrowed backend is re-formed by the next reconfigure: only its hung works go
+        handoff = [None if self._borrowed else self._pg, self._store, self._orphans]
+        self._pg, self._store, self._orphans = None, None, []
+        retire(handoff, entry)
 
 
 def _hook(fn: Callable[[int], None] | None, i: int, what: str) -> None:
@@ -215,8 +222,7 @@ class Reconfigurable:
 
     def enter(self, spec: GenerationSpec) -> DedicatedGroup:
         """Re-form the backend with ``spec.offers`` (rank = position) as generation ``spec.generation``."""
-        entry = self._rec.record("reconfigure",
-                                 generation=spec.generation, peers=spec.members).start()
+        entry = self._rec.record("reconfigure", generation=spec.generation, peers=spec.members).start()
         try:
             compat.reconfigure(self._pg, spec.uuid, spec.offers, spec.timeout)
         except Exception as err:
@@ -231,15 +237,16 @@ class Reconfigurable:
         if self._pg is None:
             return
         entry = self._rec.record("abort", error="closed").start()
-        pg, self._pg, store, self._store = self._pg, None, self._store, None
-        retire(pg, store, entry)
+        handoff = [self._pg, self._store]
+        self._pg, self._store = None, None
+        retire(handoff, entry)
 
 
 class GroupPlane:
     """The dedicated-group data plane of one channel end (see the module docstring).
 
     Args:
-        store: a store connection owned by the calling thread (cloned for each backend).
+        store: the rendezvous store (the publisher's table, or a member's view of it; cloned per backend).
         channel, member: names for the recorder and the store prefixes.
         backend, device: ``"gloo"``/``"nccl"`` and where buckets live.
         in_place: re-form one backend per membership instead of building one per generation.

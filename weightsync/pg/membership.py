@@ -4,11 +4,12 @@ The publisher's sender owns it. Who writes what:
 
 - the sender thread applies every request (join, leave, evict) and turns them into the next
   generation with :meth:`plan_next` and :meth:`commit`;
-- the monitor thread only samples heartbeat counters (:meth:`sample_heartbeats`);
+- liveness comes from the control server (``heard``): when each member last spoke, and
+  whether its connection is still open;
 - any thread may read (every method takes the lock).
 
-A member is *dead* when its heartbeat counter has not moved for ``dead_after`` seconds (see
-``Deadlines.member_silence``); a joiner that dies before it is planned is dropped from the
+A member is *dead* when its connection closed, or when it has not spoken for ``dead_after``
+seconds (see ``Deadlines.member_silence``); a joiner that dies before it is planned is dropped from the
 joining set. A member that failed a version is kept while alive, and dropped after two failed
 versions in a row (a slow member cannot hold the others back forever).
 """
@@ -19,10 +20,9 @@ import statistics
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from weightsync.pg.control import ControlPlane, StoreTimeout, StoreUnreachable
 from weightsync.pg.recorder import FlightRecorder
 
 MAX_STRIKES = 2
@@ -79,24 +79,24 @@ class Plan:
     notify: bool
     reasons: dict[str, str] = field(default_factory=dict)  # evicted member -> dead | failed | slow
     dropped_joiners: tuple[str, ...] = ()  # joiners that died before they were planned
+    left: tuple[str, ...] = ()  # members that asked to leave
 
 
 class Membership:
     def __init__(self, channel: str, recorder: FlightRecorder, heartbeat_interval: float = 1.0,
-                 dead_after: float = 2.0) -> None:
+                 dead_after: float = 2.0, heard: Callable[[str], tuple[float | None, bool]] | None = None,
+                 stale: Callable[[], bool] = lambda: False) -> None:
         self.channel = channel
         self.generation = 0
         self.members: list[str] = []
         self.heartbeat_interval = heartbeat_interval
         self.dead_after = dead_after
+        self._heard, self._stale = heard, stale  # liveness, from the control server (None: all alive)
         self._recorder = recorder
         self._rec = recorder.scope(channel, "publisher")
         self._lock = threading.Lock()
         self._joining: list[str] = []
         self._leaving: set[str] = set()
-        self._beats: dict[str, tuple[int, float]] = {}  # member -> (counter, monotonic when it last moved)
-        self._last_sample = time.monotonic()
-        self._reported_dead: set[str] = set()
         self._strikes: dict[str, int] = {}
         self._versions: dict[str, int] = {}
         self._evicting: dict[str, str] = {}  # member -> why (slow)
@@ -111,8 +111,6 @@ class Membership:
             if member_id in self.members or member_id in self._joining:
                 return False
             self._joining.append(member_id)
-            self._beats[member_id] = (-1, time.monotonic())
-            self._reported_dead.discard(member_id)
             return True
 
     def request_leave(self, member_id: str) -> None:
@@ -140,45 +138,18 @@ class Membership:
             if member_id in self.members:
                 self._evicting[member_id] = reason
 
-    def sample_heartbeats(self, ctl: ControlPlane) -> set[str]:
-        """Read every watched member's beat counter; returns members that just went silent.
-
-        Silence counts only while the store answered promptly: when this sampling came late or
-        took long (the store stalled, or this process did), every member is credited with a
-        beat, since nobody could beat meanwhile. Seen on 2.15: one silent new connection
-        stalls the store server for everyone for the handshake deadline, which would
-        otherwise make every member look dead at once.
-        """
-        with self._lock:
-            watched = list(self.members) + list(self._joining)
-        start = time.monotonic()
-        stale = start - self._last_sample > 2 * self.heartbeat_interval
-        counts = {}
-        for member in watched:
-            try:
-                counts[member] = ctl.add(ctl.heartbeat_key(member), 0)
-            except (StoreTimeout, StoreUnreachable):
-                return set()
-        now = time.monotonic()
-        stale = stale or now - start > self.heartbeat_interval
-        self._last_sample = now
-        with self._lock:
-            for member, count in counts.items():
-                last, _since = self._beats.get(member, (-1, now))
-                if count != last or stale:
-                    self._beats[member] = (count, now)
-                    self._reported_dead.discard(member)
-            # death is a matter of time, not of this sample: report each death once, whenever seen
-            newly_dead = {m for m in self.members if m not in self._reported_dead and not self.is_alive(m)}
-            self._reported_dead |= newly_dead
-        return newly_dead
-
     def is_alive(self, member: str) -> bool:
-        now = time.monotonic()
-        if now - self._last_sample > 2 * self.heartbeat_interval:
-            return True  # our view is stale (the sampling is stuck on a stalled store): no verdicts
-        _, since = self._beats.get(member, (-1, now))
-        return now - since < self.dead_after
+        """A member (or joiner) is alive while its connection is open and it spoke within ``dead_after``.
+
+        A closed connection is death at once. When the control loop itself has not run lately
+        (this process stalled), nobody could be heard: no verdicts from that stale view.
+        """
+        if self._heard is None or self._stale():
+            return True
+        last, connected = self._heard(member)
+        if last is None or not connected:
+            return False
+        return time.monotonic() - last < self.dead_after
 
     def has_dead_members(self) -> bool:
         return any(not self.is_alive(m) for m in self.members)
@@ -217,7 +188,7 @@ class Membership:
             return Plan(old_generation=self.generation, generation=self.generation + 1,
                         members=tuple(keep) + admitted, admitted=admitted,
                         evicted=tuple(evicted), notify=bool(self.members), reasons=reasons,
-                        dropped_joiners=tuple(dropped))
+                        dropped_joiners=tuple(dropped), left=tuple(m for m in self.members if m in self._leaving))
 
     def commit(self, plan: Plan, ok: bool) -> None:
         """Adopt ``plan`` (``ok``) or record that its rendezvous failed."""

@@ -24,14 +24,14 @@ class Reaper:
     IDLE_EXIT = 30.0
 
     def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[tuple[Any, Any, Any]] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[list[Any], Any]] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._busy = False
         self._idle = threading.Condition()
 
-    def retire(self, pg: Any, store: Any, entry: Any) -> None:
-        self._queue.put((pg, store, entry))
+    def retire(self, handoff: list[Any], entry: Any) -> None:
+        self._queue.put((handoff, entry))
         with self._lock:
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="ws-group-reaper", daemon=True)
@@ -59,7 +59,7 @@ class Reaper:
     def _run(self) -> None:
         while True:
             try:
-                pg, store, entry = self._queue.get(timeout=self.IDLE_EXIT)
+                handoff, entry = self._queue.get(timeout=self.IDLE_EXIT)
             except queue.Empty:
                 with self._lock:
                     if self._queue.empty():
@@ -67,8 +67,11 @@ class Reaper:
                         return
                 continue
             self._busy = True
-            compat.abort(pg)
-            del pg, store  # the backend's destructor runs here, not on a weightsync thread
+            items = handoff[:]
+            handoff.clear()  # from here on, this thread holds the only references
+            if items and items[0] is not None:
+                compat.abort(items[0])
+            del items  # destructors (the backend's, hung works') run here, on no thread that waits
             entry.complete()
             with self._idle:
                 self._busy = self._queue.qsize() > 0
@@ -83,6 +86,13 @@ def drain_retired(timeout: float) -> bool:
     return _reaper.drain(timeout)
 
 
-def retire(pg: Any, store: Any, entry: Any) -> None:
-    """Hand ``pg`` (and the store connection it used) over for teardown; completes ``entry``."""
-    _reaper.retire(pg, store, entry)
+def retire(handoff: list[Any], entry: Any) -> None:
+    """Hand a backend (``handoff[0]``; None: nothing to abort) and whatever must die with it (its
+    store, hung works) over for teardown; completes ``entry`` once they are gone.
+
+    The caller must hold no other reference: measured on 2.13, when the caller's own local
+    variable outlived the reaper's, the backend's destructor (which joins gloo threads hung on a
+    dead peer) ran on the caller's thread and blocked it for seconds. So ownership travels in
+    a list the reaper empties, never in a variable.
+    """
+    _reaper.retire(handoff, entry)

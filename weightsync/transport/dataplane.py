@@ -51,6 +51,7 @@ class GenerationSpec:
     timeout: float
     uuid: int = 0  # with ``offers``: re-form in place under this uuid
     offers: tuple[str, ...] = ()  # rank-ordered, what every end offered; empty: build anew
+    rendezvous: str = ""  # the generation's random token: its rendezvous keys live under it
 
 
 @dataclass

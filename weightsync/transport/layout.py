@@ -40,9 +40,21 @@ def _aligned(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
+MAX_NAME = 4096  # bytes of a tensor name
+MAX_MANIFEST_TENSORS = 1 << 20
+
+
 def as_items(tensors: TensorsLike) -> list[tuple[str, torch.Tensor]]:
-    """Normalise a mapping or an iterable of pairs, checking names and types."""
+    """Normalise a mapping or an iterable of pairs, refusing at the door what cannot be sent.
+
+    TypeError/ValueError name the tensor: not a tensor, a DTensor (sharded puts are not
+    supported yet), sparse or other non-strided layouts, meta tensors (no data), quantized or
+    nested tensors, conjugate or negative-bit views (``resolve_conj()``/``resolve_neg()`` them
+    first), names that are not str, too long, or repeated.
+    """
     items = list(tensors.items()) if isinstance(tensors, Mapping) else list(tensors)
+    if len(items) > MAX_MANIFEST_TENSORS:
+        raise ValueError(f"{len(items)} tensors in one version: at most {MAX_MANIFEST_TENSORS}")
     seen: set[str] = set()
     for item in items:
         if not (isinstance(item, tuple) and len(item) == 2):
@@ -50,14 +62,41 @@ def as_items(tensors: TensorsLike) -> list[tuple[str, torch.Tensor]]:
         name, tensor = item
         if not isinstance(name, str):
             raise TypeError(f"tensor names must be str, got {type(name).__name__}")
-        if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"{name!r} is a {type(tensor).__name__}, not a torch.Tensor")
-        if tensor.is_sparse or tensor.layout != torch.strided:
-            raise TypeError(f"{name!r}: only strided (dense) tensors can be sent")
+        if len(name.encode()) > MAX_NAME:
+            raise ValueError(f"tensor name {name[:40]!r}... is {len(name.encode())} bytes: at most {MAX_NAME}")
+        problem = _unsendable(tensor)
+        if problem:
+            raise TypeError(f"{name!r}: {problem}")
         if name in seen:
             raise ValueError(f"duplicate tensor name {name!r}")
         seen.add(name)
     return items
+
+
+def _unsendable(tensor: object) -> str:
+    """Why ``tensor`` cannot be put as it is, or "" when it can."""
+    if not isinstance(tensor, torch.Tensor):
+        return f"a {type(tensor).__name__}, not a torch.Tensor"
+    if type(tensor).__name__ == "DTensor":
+        return "a DTensor: sharded puts are not supported yet; put tensor.full_tensor() or the local shard"
+    if tensor.is_sparse or tensor.layout != torch.strided:
+        return f"layout {tensor.layout}: only strided (dense) tensors can be sent"
+    if tensor.is_meta:
+        return "a meta tensor has no data to send"
+    if tensor.is_quantized:
+        return "quantized tensors cannot be sent; dequantize() it or send its int_repr() and scales"
+    if tensor.is_nested:
+        return "nested tensors cannot be sent; send their components"
+    if tensor.is_conj():
+        return "a conjugate view: send tensor.resolve_conj()"
+    if tensor.is_neg():
+        return "a negative-bit view: send tensor.resolve_neg()"
+    if tensor.numel():
+        steps = zip(tensor.shape, tensor.stride(), strict=True)
+        extent = tensor.storage_offset() + sum((n - 1) * st for n, st in steps)
+        if (extent + 1) * tensor.element_size() > tensor.untyped_storage().nbytes():
+            return "its storage is smaller than its shape needs (freed or resized?)"
+    return ""
 
 
 def build_manifest(items: list[tuple[str, torch.Tensor]]) -> Manifest:

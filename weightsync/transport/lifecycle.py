@@ -21,7 +21,6 @@ from concurrent.futures import Executor
 from typing import Any
 
 from weightsync.errors import WeightSyncError
-from weightsync.pg.control import ControlPlane
 from weightsync.pg.reaper import drain_retired
 from weightsync.pg.recorder import FlightRecorder
 
@@ -73,18 +72,11 @@ class Latch:
         return self._error
 
 
-async def launch(loop: asyncio.AbstractEventLoop, executor: Executor, ctl: ControlPlane, timeout: float,
-                 roles: Sequence[tuple[Callable[[ControlPlane], None], str]], prefix: str) -> list[threading.Thread]:
-    """Start one daemon thread per ``(target, role)``, each with its own store connection.
-
-    A torch Store client cannot serve two blocking waits at once, so every thread that blocks
-    on the store gets a clone, made serially (cloning briefly changes the parent's timeout)
-    before any of them runs.
-    """
-    clones = await loop.run_in_executor(executor, lambda: [ctl.clone(timeout) for _ in roles])
+def launch(roles: Sequence[tuple[Callable[[], None], str]], prefix: str) -> list[threading.Thread]:
+    """Start one daemon thread per ``(target, role)``, named ``<prefix>-<role>``."""
     threads = []
-    for (target, role), own in zip(roles, clones, strict=True):
-        thread = threading.Thread(target=target, args=(own,), name=f"{prefix}-{role}", daemon=True)
+    for target, role in roles:
+        thread = threading.Thread(target=target, name=f"{prefix}-{role}", daemon=True)
         thread.start()
         threads.append(thread)
     return threads

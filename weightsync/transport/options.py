@@ -8,6 +8,7 @@ waits on nothing the publisher did not tell it (except its own join and liveness
 
 from __future__ import annotations
 
+import logging
 import socket
 
 import msgspec
@@ -126,6 +127,30 @@ def advertised_host(host: str) -> str:
         return "127.0.0.1"
 
 
+def is_loopback(host: str) -> bool:
+    """True when ``host`` can only be reached from this machine."""
+    if host in ("localhost", "::1") or host.startswith("127."):
+        return True
+    try:
+        return socket.gethostbyname(host).startswith("127.")
+    except OSError:
+        return False
+
+
+_warned: set[str] = set()
+
+
+def warn_open_channel(channel: str, address: str) -> None:
+    """Once per channel: listening beyond loopback without a secret admits anyone who can connect."""
+    if channel in _warned:
+        return
+    _warned.add(channel)
+    logging.getLogger("weightsync").warning(
+        "weightsync: channel %r listens on %s without a secret: any process that can reach it may join and "
+        "read the weights. Pass secret= (or set WEIGHTSYNC_TOKEN) on both ends; see docs/security.md.",
+        channel, address)
+
+
 def resolve_device(device: str | torch.device | None) -> torch.device:
     if device is None:
         return torch.device("cpu")
@@ -138,12 +163,14 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
 
 
 def connect_store(address: str, timeout: float = 30.0) -> object:
-    """A new client connection to the store at ``address`` (a publisher's ``pub.address``).
+    """A new, probed client connection to the torch ``TCPStore`` at ``address``.
 
     For side channels an application runs beside a weightsync channel (rollouts flowing back
-    to the trainer, stop flags): ``queue_push``/``queue_pop``, ``set``/``check``. The
-    connection is made with a short handshake deadline and probed (see torch-versions.md);
-    ``timeout`` becomes its operation timeout. Keys under ``ws/`` belong to weightsync.
+    to the trainer, stop flags) on a store it hosts itself (``torch.distributed.TCPStore``):
+    ``queue_push``/``queue_pop``, ``set``/``check``. The connection is made with a short
+    handshake deadline and probed (see torch-versions.md); ``timeout`` becomes its operation
+    timeout. A publisher's own address is not a store: weightsync's control connection
+    admits members only.
     """
     from weightsync.pg import _torch_compat as compat
 

@@ -2,16 +2,16 @@
 
 Who calls what, in order:
 
-1. the trainer enters ``async with Publisher(name, address=...)``: the store is hosted (or
-   the given one used) and three components start their threads: the
+1. the trainer enters ``async with Publisher(name, address=...)``: two components start their
+   threads: the :class:`~weightsync.control.server.ControlServer` (every member's authenticated
+   connection: admission, beats, replies, the data plane's rendezvous) and the
    :class:`~weightsync.transport.sender.Sender` (generations, announce, data plane,
-   acknowledgements, straggler scoring), the :class:`~weightsync.transport.watchers.Inbox`
-   (admission) and the :class:`~weightsync.transport.watchers.Monitor` (heartbeats); the
-   Publisher itself only holds them together and talks to the event loop;
+   acknowledgements, straggler scoring); the Publisher only holds them together and talks to
+   the event loop;
 2. subscribers join; the sender ends the current generation and builds the next one with
    them (the publisher is always rank 0);
 3. ``await pub.put(sd)`` snapshots into staging and returns a PutHandle; the sender picks
-   the newest pending put, announces it on the store, broadcasts its buckets and collects
+   the newest pending put, announces it to every member, moves its buckets and collects
    acknowledgements into a DeliveryReport;
 4. ``aclose()`` sends what is pending, tells members the channel shut down and stops.
 
@@ -31,21 +31,29 @@ import torch
 
 from weightsync import _wire
 from weightsync._errors import ControlFailure
+from weightsync.control import auth
+from weightsync.control.rendezvous import KeyValue, LocalStore
+from weightsync.control.server import ControlServer, Link
 from weightsync.errors import Closed, SyncTimeout, WeightSyncError
 from weightsync.orchestrator import Orchestrator, Replacements
-from weightsync.pg import _torch_compat as compat
-from weightsync.pg import handshake
-from weightsync.pg.control import ControlPlane
 from weightsync.pg.group import GroupPlane, reconfigure_enabled, resolve_backend
 from weightsync.pg.membership import MemberInfo, Membership, StragglerPolicy
 from weightsync.pg.recorder import FlightRecorder, process_recorder
 from weightsync.transport import layout, lifecycle
 from weightsync.transport.handles import PutHandle
 from weightsync.transport.lifecycle import EndState, call_soon
-from weightsync.transport.options import ChannelOptions, Deadlines, MiB, advertised_host, parse_address, resolve_device
-from weightsync.transport.sender import Abort, Drain, Evict, PutCommitted, Sender, SenderState
+from weightsync.transport.options import (
+    ChannelOptions,
+    Deadlines,
+    MiB,
+    advertised_host,
+    is_loopback,
+    parse_address,
+    resolve_device,
+    warn_open_channel,
+)
+from weightsync.transport.sender import Abort, Drain, Evict, Join, Leave, MemberDied, PutCommitted, Sender, SenderState
 from weightsync.transport.staging import Job, Staging, cuda_snapshot, superseded_report
-from weightsync.transport.watchers import Inbox, Monitor
 
 
 class Publisher:
@@ -60,16 +68,17 @@ class Publisher:
             report = await handle                   # DeliveryReport
 
     Args:
-        name: the channel; several channels may share one store and one process.
-        address: ``"host:port"`` to host the control store on (port 0: any free port);
-            default ``"127.0.0.1:0"``. Mutually exclusive with ``store``.
-        store: an existing torch Store to use instead of hosting one.
+        name: the channel; several channels may live in one process (each listens on its own port).
+        address: ``"host:port"`` to listen on for members (port 0: any free port); default
+            ``"127.0.0.1:0"``. A non-loopback address without a secret logs a warning once.
         backend: ``"auto"`` (NCCL for CUDA devices, else gloo), ``"gloo"`` or ``"nccl"``.
         device: where staging lives; ``cuda`` makes snapshots stream-ordered device copies.
         bucket_bytes: bytes per broadcast.
         timeout: seconds; floor of every deadline (see ChannelOptions).
         min_bandwidth: bytes/s below which a bucket counts as stalled.
-        secret: shared secret for admission (default: ``$WEIGHTSYNC_TOKEN``; none: open).
+        secret: shared secret (default: ``$WEIGHTSYNC_TOKEN``; none: an open channel). With it,
+            only processes that know it are admitted, and every control message both ways is
+            authenticated and fresh (see docs/security.md).
         max_snapshots: staging buffers (>= 2: one in flight, one pending).
         recorder: flight recorder (default: this process's).
         flight_recorder_dir: where dumps go (default ``$WEIGHTSYNC_FR_DIR``, else a per-run
@@ -81,26 +90,23 @@ class Publisher:
             buckets do not match (default on: computed while the next bucket is on the wire).
     """
 
-    def __init__(self, name: str, *, address: str | None = None, store: Any = None, backend: str = "auto",
+    def __init__(self, name: str, *, address: str | None = None, backend: str = "auto",
                  device: str | torch.device | None = None, bucket_bytes: int = 64 * MiB, timeout: float = 30.0,
                  min_bandwidth: float = 50e6, heartbeat_interval: float = 1.0, secret: str | bytes | None = None,
                  max_snapshots: int = 2, recorder: FlightRecorder | None = None,
                  flight_recorder_dir: str | os.PathLike[str] | None = None, policy: StragglerPolicy | None = None,
                  orchestrator: Orchestrator | None = None, checksum: bool = True) -> None:
         lifecycle.validate_name("channel name", name)
-        if address is not None and store is not None:
-            raise ValueError("pass either address= (host a store) or store= (use yours), not both")
         if orchestrator is not None and not callable(getattr(orchestrator, "replace", None)):
             raise TypeError("orchestrator must have an async replace(member) method (see weightsync.Orchestrator)")
         self.name = name
         self.options = ChannelOptions(timeout=timeout, min_bandwidth=min_bandwidth, bucket_bytes=bucket_bytes,
                                       heartbeat_interval=heartbeat_interval)
-        self._bind = parse_address(address or "127.0.0.1:0") if store is None else None
-        self._user_store = store
+        self._bind = parse_address(address or "127.0.0.1:0")
         self.device = resolve_device(device)
         self.backend = resolve_backend(backend, self.device)
         self._slot_device = self.device if self.backend == "nccl" else torch.device("cpu")
-        self._secret = handshake.resolve_secret(secret)
+        self._secret = auth.resolve_secret(secret)
         self._recorder = recorder or process_recorder()
         self._recorder.configure(directory=flight_recorder_dir, label="publisher")
         self._rec = self._recorder.scope(name, "publisher")
@@ -108,17 +114,27 @@ class Publisher:
         self.orchestrator = orchestrator
         self.checksum = checksum
         self.settings = self.options.settings(checksum=checksum, in_place=reconfigure_enabled(self.backend))
+        deadlines = Deadlines(self.settings)
         self._staging = Staging(max_snapshots)
-        self.membership = Membership(name, self._recorder, self.options.heartbeat_interval,
-                                     dead_after=Deadlines(self.settings).member_silence())
         self._state = EndState.NEW
         self._stop = threading.Event()  # everything stops (after the sender drained, or at once)
+        self._table = KeyValue()
+        self._control = ControlServer(
+            name, host=self._bind[0], port=self._bind[1], secret=self._secret,
+            mine=auth.fingerprint(self.backend, self.device), table=self._table, recorder=self._rec,
+            heartbeat_interval=self.options.heartbeat_interval, dead_after=deadlines.member_silence(),
+            handshake_timeout=self.options.timeout, closing=lambda: self._state is not EndState.RUNNING,
+            on_join=self._on_join, on_leave=lambda link: self._sender.submit(Leave(link.member_id)),
+            on_dead=self._on_dead)
+        self.membership = Membership(name, self._recorder, self.options.heartbeat_interval,
+                                     dead_after=deadlines.member_silence(), heard=self._control.heard,
+                                     stale=self._control.stale)
         self._replacements = Replacements(name, recorder=self._recorder, policy=lambda: self.policy,
                                           orchestrator=lambda: self.orchestrator, stopped=self._stop.is_set)
         self._sender = Sender(name, settings=self.settings, staging=self._staging, membership=self.membership,
-                              recorder=self._recorder, policy=self.policy, make_plane=self._make_plane,
-                              slot_device=self._slot_device, on_change=self._notify_members,
-                              on_evicted=self._replacements.member_dropped)
+                              recorder=self._recorder, policy=self.policy, control=self._control, table=self._table,
+                              make_plane=self._make_plane, slot_device=self._slot_device,
+                              on_change=self._notify_members, on_evicted=self._replacements.member_dropped)
         self._last_version: int | None = None
         self._put_lock: asyncio.Lock | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -127,13 +143,23 @@ class Publisher:
         self._members_changed: asyncio.Event | None = None
         self._copy_stream: Any = None
         self._address: str | None = None
-        self._store: Any = None
 
-    def _make_plane(self, ctl: ControlPlane) -> GroupPlane:
-        """The sender thread's data plane (rank 0 of every generation)."""
-        return GroupPlane(ctl.store, channel=self.name, member="publisher", backend=self.backend,
-                          device=self._slot_device, recorder=self._recorder, in_place=self.settings.in_place,
-                          slot=0, timeout=Deadlines(self.settings).rendezvous())
+    def _make_plane(self) -> GroupPlane:
+        """The sender thread's data plane (rank 0 of every generation), on the in-memory rendezvous."""
+        timeout = Deadlines(self.settings).rendezvous()
+        return GroupPlane(LocalStore(self._table, timeout), channel=self.name, member="publisher",
+                          backend=self.backend, device=self._slot_device, recorder=self._recorder,
+                          in_place=self.settings.in_place, slot=0, timeout=timeout)
+
+    def _on_join(self, link: Link) -> None:
+        """Control thread: a connection passed the door; the Sender decides the rest."""
+        self._sender.submit(Join(link.member_id, link.incarnation, host=link.host, pid=link.pid))
+
+    def _on_dead(self, member_id: str, reason: str) -> None:
+        """Control thread: a member's connection closed, or it fell silent."""
+        self._rec.record("heartbeat", peers=(member_id,)).fail(reason)
+        self._recorder.dump_on_trouble(f"{member_id}: {reason}")
+        self._sender.submit(MemberDied((member_id,)))
 
     # lifecycle ----------------------------------------------------------------------------
     async def __aenter__(self) -> Publisher:
@@ -144,7 +170,7 @@ class Publisher:
         await (self.aclose() if exc[0] is None else self.abort())
 
     async def start(self) -> None:
-        """Host or connect the store and start the background threads."""
+        """Start serving the control connection and the sender thread."""
         if self._state is not EndState.NEW:
             raise Closed("a Publisher starts once", channel=self.name)
         self._loop = asyncio.get_running_loop()
@@ -152,36 +178,20 @@ class Publisher:
         self._members_changed = asyncio.Event()
         self._replacements.bind(self._loop)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"ws-{self.name}-snapshot")
+        host = self._bind[0]
         try:
-            self._store = await self._loop.run_in_executor(self._executor, self._open_store)
-        except Exception as err:
+            port = await self._loop.run_in_executor(
+                self._executor, self._control.start, self.options.timeout)
+        except (OSError, ControlFailure) as err:
             self._executor.shutdown(wait=False)
             self._state = EndState.CLOSED
-            raise WeightSyncError(f"could not host/connect the store: {err}", channel=self.name) from err
-        self._ctl = ControlPlane(self._store, self.name)
-        inbox = Inbox(self.name, sender=self._sender, secret=self._secret,
-                      mine=handshake.fingerprint(self.backend, self.device), recorder=self._recorder,
-                      stop=self._stop, closing=lambda: self._state is not EndState.RUNNING)
-        monitor = Monitor(self.name, sender=self._sender, membership=self.membership,
-                          interval=self.options.heartbeat_interval, recorder=self._recorder, stop=self._stop)
-        self._state = EndState.RUNNING
-        self._threads = await lifecycle.launch(
-            self._loop, self._executor, self._ctl, self.options.timeout,
-            ((self._sender.main, "sender"), (inbox.main, "inbox"), (monitor.main, "monitor")), f"ws-{self.name}")
-
-    def _open_store(self) -> Any:
-        if self._user_store is not None:
-            store = self._user_store
-            host, port = getattr(store, "host", None), getattr(store, "port", None)
-            self._address = f"{host}:{port}" if host and port else None
-            self._recorder.configure(default_directory=f"{self.name}-pid{os.getpid()}")
-            return store
-        assert self._bind is not None
-        host, port = self._bind
-        store = compat.new_store_server(host, port, self.options.timeout)
-        self._address = f"{advertised_host(host)}:{store.port}"
+            raise WeightSyncError(f"could not listen on {host}:{self._bind[1]}: {err}", channel=self.name) from err
+        self._address = f"{advertised_host(host)}:{port}"
         self._recorder.configure(default_directory=f"{self.name}-{self._address.replace(':', '-')}")
-        return store
+        if self._secret is None and not is_loopback(host):
+            warn_open_channel(self.name, self._address)
+        self._state = EndState.RUNNING
+        self._threads = lifecycle.launch(((self._sender.main, "sender"),), f"ws-{self.name}")
 
     async def aclose(self, timeout: float | None = None) -> None:
         """Send what is pending (bounded by its deadlines), tell subscribers, stop. Idempotent."""
@@ -203,16 +213,11 @@ class Publisher:
     async def _close(self, timeout: float) -> None:
         assert self._loop is not None
         deadline = time.monotonic() + timeout
-        sender, *watchers = self._threads
-        await lifecycle.join(self._loop, [sender], deadline)
-        self._stop.set()  # the sender has drained (or timed out): now everything may stop
+        await lifecycle.join(self._loop, self._threads, deadline)  # the sender drains (bounded)
+        self._stop.set()
         self._sender.submit(Abort())
-        try:
-            self._ctl.push(self._ctl.inbox, _wire.Wake(reason="closing"))
-            self._ctl.push(self._ctl.replies, _wire.Wake(reason="closing"))
-        except ControlFailure:
-            pass
-        await lifecycle.join(self._loop, [sender, *watchers], deadline)
+        await lifecycle.join(self._loop, self._threads, deadline)
+        await self._loop.run_in_executor(None, self._control.stop, max(deadline - time.monotonic(), 1.0))
         for job in self._staging.drain():
             job.handle.resolve_threadsafe(error=Closed("publisher closed before sending", channel=self.name,
                                                        version=job.version))
@@ -223,7 +228,7 @@ class Publisher:
     # public surface -----------------------------------------------------------------------
     @property
     def address(self) -> str | None:
-        """``"host:port"`` of the control store, to hand to subscribers."""
+        """``"host:port"`` of the control server, to hand to subscribers."""
         return self._address
 
     @property
@@ -279,10 +284,6 @@ class Publisher:
         if member_id not in self.membership.members:
             raise ValueError(f"{member_id!r} is not a member of {self.name!r} (members: {self.members})")
         self._sender.submit(Evict(member_id, reason))
-        try:
-            await self._loop_run(lambda: self._ctl.push(self._ctl.replies, _wire.Wake(reason="evict")))
-        except ControlFailure:
-            pass
 
     async def put(self, tensors: layout.TensorsLike, *, version: int | None = None, copy: bool = True) -> PutHandle:
         """Queue a new version; returns once the snapshot is taken.
@@ -302,6 +303,8 @@ class Publisher:
                 version = 0 if self._last_version is None else self._last_version + 1
             if not isinstance(version, int) or isinstance(version, bool):
                 raise TypeError(f"version must be an int, got {type(version).__name__}")
+            if not 0 <= version < 1 << 63:
+                raise ValueError(f"version must be in [0, 2**63), got {version}")
             if self._last_version is not None and version <= self._last_version:
                 raise ValueError(f"versions must strictly increase: {version} after {self._last_version}")
             manifest = layout.build_manifest(items)
@@ -315,8 +318,12 @@ class Publisher:
                 buf, displaced = self._staging.acquire(manifest.total_bytes, self._slot_device, pin=pin)
                 try:
                     job.flat, job.ready = await self._snapshot(buf, manifest, items)
-                except BaseException:
+                except BaseException as err:
                     self._staging.give_back(buf)
+                    if displaced is not None:  # its buffer may be half overwritten: it cannot go out
+                        displaced.handle.resolve_threadsafe(error=WeightSyncError(
+                            f"version {displaced.version} was displaced by version {version}, whose snapshot "
+                            f"failed: {err}", channel=self.name, version=displaced.version))
                     raise
             else:
                 job.items = items
@@ -347,7 +354,3 @@ class Publisher:
     def _notify_members(self) -> None:
         if self._members_changed is not None:
             call_soon(self._loop, self._members_changed.set)
-
-    async def _loop_run(self, fn: Any) -> Any:
-        assert self._loop is not None
-        return await self._loop.run_in_executor(self._executor, fn)

@@ -1,8 +1,9 @@
 """The Receiver: a subscriber's two threads, its receive slots and its data plane.
 
-The *receiver* thread, with its own store connection, in order:
+The *receiver* thread, in order:
 
-1. ``_join``: push a Join (fingerprint, token) to the publisher's inbox; wait for Admit (which
+1. ``_join``: connect the control connection (:class:`~weightsync.control.client.ControlClient`:
+   it answers the publisher's challenge with a Join proving the secret); wait for Admit (which
    carries the channel's settings: every deadline below derives from them) or Deny;
 2. ``_enter`` a generation: say Ready (with the data plane's offer), wait for Go (or a
    Reconfigure that replaces the plan), then ``plane.enter``;
@@ -11,8 +12,10 @@ The *receiver* thread, with its own store connection, in order:
    -> the next generation or Evicted; Shutdown -> PublisherGone;
 4. on close, ``_leave``.
 
-The *heartbeat* thread beats this member's counter and watches the publisher's; a silent
-publisher ends everything with PublisherGone.
+The *heartbeat* thread beats to the publisher and watches the connection: a closed one ends
+everything with PublisherGone at once, a silent one (a frozen publisher) once it has been
+silent for ``Deadlines.publisher_silence`` while this process itself kept running. It makes no
+call that can block on the publisher beyond the send deadline.
 
 States (``Receiver.state``)::
 
@@ -30,8 +33,7 @@ bug and ends the receiver (FAILED) instead of being blamed on the wire.
 from __future__ import annotations
 
 import enum
-import os
-import socket
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -48,7 +50,11 @@ from weightsync._errors import (
     PeerFailure,
     ProtocolError,
     StoreTimeout,
+    StoreUnreachable,
 )
+from weightsync.control import auth
+from weightsync.control.client import READ_SLICE, ControlClient
+from weightsync.control.rendezvous import RemoteStore
 from weightsync.errors import (
     AdmissionDenied,
     Closed,
@@ -58,8 +64,6 @@ from weightsync.errors import (
     SyncTimeout,
     WeightSyncError,
 )
-from weightsync.pg import handshake
-from weightsync.pg.control import ControlPlane
 from weightsync.pg.group import GroupPlane
 from weightsync.pg.recorder import FlightRecorder
 from weightsync.testing import Hooks
@@ -93,7 +97,7 @@ class Receiver:
 
     Args:
         channel, member_id: names.
-        queue: this incarnation's own command queue on the store.
+        host, port: the publisher's control server.
         backend, device: the data plane's backend and the device receive slots live on.
         secret: the admission secret, or None.
         own_timeout: this end's own bound for joining and for the publisher's silence.
@@ -103,10 +107,10 @@ class Receiver:
         hooks: test hooks (``weightsync.testing``); the default does nothing.
     """
 
-    def __init__(self, channel: str, member_id: str, *, queue: str, backend: str, device: torch.device,
+    def __init__(self, channel: str, member_id: str, *, host: str, port: int, backend: str, device: torch.device,
                  secret: bytes | None, own_timeout: float, join_timeout: float, recorder: FlightRecorder,
                  slots: SlotPair, on_publish: Callable[[], None], hooks: Hooks) -> None:
-        self.channel, self.member_id, self.queue = channel, member_id, queue
+        self.channel, self.member_id = channel, member_id
         self.backend, self.device, self._secret = backend, device, secret
         self.own_timeout, self.join_timeout = own_timeout, join_timeout
         self.state = ReceiverState.NEW
@@ -120,6 +124,9 @@ class Receiver:
         self._rec = recorder.scope(channel, member_id)
         self._plane: GroupPlane | None = None
         self._clean_shutdown = False
+        self._client = ControlClient(channel, member_id, host=host, port=port, secret=secret,
+                                     fingerprint=auth.fingerprint(backend, device), recorder=self._rec,
+                                     send_timeout=own_timeout)
 
     # terminal state ------------------------------------------------------------------------
     def end(self, error: WeightSyncError) -> None:
@@ -135,13 +142,13 @@ class Receiver:
         return self.terminal.error is not None
 
     # the receiver thread ---------------------------------------------------------------------
-    def main(self, ctl: ControlPlane) -> None:
+    def main(self) -> None:
         try:
             self.state = ReceiverState.JOINING
-            generation, members = self._join(ctl)
+            generation, members = self._join()
             self.state = ReceiverState.FOLLOWING
             self.joined.set()
-            self._follow(ctl, generation, members)
+            self._follow(generation, members)
         except WeightSyncError as err:
             self.end(err)
         except Exception as err:  # noqa: BLE001 - the thread must end in a state callers can see
@@ -153,35 +160,50 @@ class Receiver:
         finally:
             self.joined.set()
             if self.closing.is_set() and self.deadlines is not None:
-                self._leave(ctl)
+                self._leave()
             if self._plane is not None:
                 self._plane.close()
+            self._client.close("receiver stopped")
 
-    def _next_message(self, ctl: ControlPlane, timeout: float, until: Callable[[], bool] | None = None) -> Any:
-        """The next message for this member; None when woken to stop (``until()`` says when)."""
+    def _next_message(self, timeout: float, until: Callable[[], bool] | None = None) -> Any:
+        """The next command for this member; None when woken to stop (``until()`` says when).
+
+        Raises StoreTimeout after ``timeout``, StoreUnreachable once the connection closed.
+        """
         stop = until or (lambda: self.closing.is_set() or self.over)
+        deadline = time.monotonic() + timeout
         while True:
-            raw = ctl.pop(self.queue, timeout)
             try:
-                message = _wire.member_decoder.decode(raw)
-            except Exception as err:  # noqa: BLE001 - never crash on a malformed message
-                self._rec.record("command").fail(f"malformed: {err}")
-                continue
+                message = self._client.commands.get(timeout=max(deadline - time.monotonic(), 0.0))
+            except queue.Empty:
+                raise StoreTimeout(f"no word from the publisher within {timeout:.3g}s") from None
             if isinstance(message, _wire.Wake):
                 if stop():
                     return None
+                if self._client.closed.is_set():
+                    raise StoreUnreachable(self._client.close_reason)
                 continue
             return message
 
-    def _join(self, ctl: ControlPlane) -> tuple[int, tuple[str, ...]]:
+    def wake(self, reason: str) -> None:
+        """Any thread: end the receiver's current wait (it re-checks why it waits)."""
+        self._client.commands.put(_wire.Wake(reason=reason))
+
+    def _join(self) -> tuple[int, tuple[str, ...]]:
         entry = self._rec.record("join").start()
-        join = _wire.Join(member_id=self.member_id, reply_to=self.queue,
-                          fingerprint=handshake.fingerprint(self.backend, self.device),
-                          token_mac=handshake.token_mac(self._secret, self.channel, self.member_id),
-                          pid=os.getpid(), host=socket.gethostname())
+        deadline = time.monotonic() + self.join_timeout
         try:
-            ctl.push(ctl.inbox, join)
-            reply = self._next_message(ctl, self.join_timeout)
+            self._client.connect(self.join_timeout)
+        except ControlFailure as err:
+            entry.fail(err)
+            raise PublisherGone(f"cannot reach the publisher: {err}", channel=self.channel,
+                                member=self.member_id) from err
+        try:
+            reply = self._next_message(max(deadline - time.monotonic(), 0.0))
+        except StoreUnreachable as err:
+            entry.fail(err)
+            raise PublisherGone(f"the publisher closed the connection while we joined: {err}", channel=self.channel,
+                                member=self.member_id) from err
         except StoreTimeout as err:
             entry.fail(err)
             raise SyncTimeout("the publisher did not answer the join", channel=self.channel,
@@ -198,64 +220,83 @@ class Receiver:
             entry.fail(f"unexpected {type(reply).__name__}")
             raise WeightSyncError(f"unexpected reply to join: {type(reply).__name__}", channel=self.channel)
         self.deadlines = Deadlines(reply.settings)
-        self._plane = GroupPlane(ctl.store, channel=self.channel, member=self.member_id, backend=self.backend,
+        store = RemoteStore(self._client, self.deadlines.rendezvous())
+        self._plane = GroupPlane(store, channel=self.channel, member=self.member_id, backend=self.backend,
                                  device=self._slots.device, recorder=self._recorder,
                                  in_place=reply.settings.in_place, slot=reply.slot,
                                  timeout=self.deadlines.rendezvous())
         entry.complete()
         return reply.generation, reply.members
 
-    def _enter(self, ctl: ControlPlane, generation: int, members: tuple[str, ...]) -> Any:
-        """Enter ``generation``: None once entered, or the message that replaced the plan.
+    def _enter(self, generation: int, members: tuple[str, ...]) -> tuple[bool, Any]:
+        """Enter ``generation``: (entered, the message that replaced the plan or None).
 
         The publisher says Go once every member is ready; until then it may abandon the
-        generation with a Reconfigure (someone left or died), which is returned instead.
+        generation with a Reconfigure (someone left or died), which is returned instead. A
+        rendezvous that fails (a peer died while the group formed) is not this member's end:
+        it stays, not entered, answers this generation's announcements with a failure at once,
+        and waits for the publisher's next plan.
         """
         assert self._plane is not None and self.deadlines is not None
         self.generation, self.rank = generation, members.index(self.member_id) + 1
-        ctl.push(ctl.replies, _wire.Ready(generation=generation, member_id=self.member_id,
-                                          handle=self._plane.offer()))
+        try:
+            offer = self._plane.offer()
+        except PeerFailure as err:
+            self._rendezvous_failed(generation, err)
+            offer = ""
+        self._client.send(_wire.Ready(generation=generation, member_id=self.member_id, handle=offer))
         while True:
             # bounded by the publisher's liveness (the heartbeat thread wakes us if it goes),
             # not by a guess at how long the other members take to get ready. Having said Ready,
             # a closing subscriber still goes through with the rendezvous (the publisher may
             # already be in it); only abort() walks away.
-            message = self._next_message(ctl, 3600.0, until=lambda: self.aborting.is_set() or self.over)
+            message = self._next_message(3600.0, until=lambda: self.aborting.is_set() or self.over)
             if message is None or not isinstance(message, _wire.Go):
-                return message
+                return False, message
             if message.generation == generation:
-                self._plane.enter(GenerationSpec(generation, members, rank=self.rank,
-                                                 timeout=self.deadlines.rendezvous(), uuid=message.uuid,
-                                                 offers=message.handles))
-                return None
+                try:
+                    self._plane.enter(GenerationSpec(generation, members, rank=self.rank,
+                                                     timeout=self.deadlines.rendezvous(), uuid=message.uuid,
+                                                     offers=message.handles, rendezvous=message.rendezvous))
+                except PeerFailure as err:
+                    self._rendezvous_failed(generation, err)
+                    return False, None
+                return True, None
 
-    def _follow(self, ctl: ControlPlane, generation: int, members: tuple[str, ...]) -> None:
+    def _rendezvous_failed(self, generation: int, err: PeerFailure) -> None:
+        self._rec.record("rendezvous", generation=generation).fail(err)
+        self._recorder.dump_on_trouble(f"generation {generation}: {err}")
         assert self._plane is not None
-        entered = False
+        self._plane.leave(f"rendezvous failed: {err}", failed=True)
+
+    def _follow(self, generation: int, members: tuple[str, ...]) -> None:
+        assert self._plane is not None
         try:
-            pending = self._enter(ctl, generation, members)
-            entered = pending is None
+            entered, pending = self._enter(generation, members)
             while not self.closing.is_set() or pending is not None:
-                message = pending if pending is not None else self._next_message(ctl, 3600.0)
+                message = pending if pending is not None else self._next_message(3600.0)
                 pending = None
                 if message is None:
                     return
                 if isinstance(message, _wire.Announce):
-                    if entered and message.generation == generation:
-                        self._receive(ctl, message)
+                    if message.generation != generation:
+                        continue  # for a generation we are not in (stale)
+                    if entered:
+                        self._receive(message)
+                    else:  # our rendezvous failed: say so at once rather than stay silent
+                        self._acknowledge(message, ok=False, error="not in this generation's group", seconds=0.0)
                 elif isinstance(message, _wire.Reconfigure):
                     if message.trouble:
                         self._recorder.dump_on_trouble(f"generation {generation} ended: {message.reason}")
                     self._plane.leave(message.reason, failed=message.fresh)
-                    entered = False
                     if self.member_id not in message.members:
-                        self._rec.record("evict",
-                                         generation=message.next_generation).complete()
+                        self._rec.record("evict", generation=message.next_generation).complete()
                         raise Evicted(f"evicted from the channel ({message.reason})", channel=self.channel,
                                       member=self.member_id, generation=generation)
                     generation, members = message.next_generation, message.members
-                    pending = self._enter(ctl, generation, members)
-                    entered = pending is None
+                    entered, pending = self._enter(generation, members)
+                elif isinstance(message, _wire.Abandon):
+                    continue  # for a version given up on; its receive (if any) already ended
                 elif isinstance(message, _wire.Shutdown):
                     self._clean_shutdown = True  # an orderly end, not trouble: no dump
                     raise PublisherGone(f"publisher shut down: {message.reason}", channel=self.channel,
@@ -263,18 +304,17 @@ class Receiver:
         except StoreTimeout as err:
             raise PublisherGone(f"no word from the publisher: {err}", channel=self.channel,
                                 member=self.member_id) from err
-        except (PeerFailure, ControlFailure) as err:
+        except ControlFailure as err:
             if not self.closing.is_set():
                 raise PublisherGone(f"channel failed: {err}", channel=self.channel, member=self.member_id) from err
         finally:
             self._plane.leave("subscriber stopped")
 
-    def _receive(self, ctl: ControlPlane, announce: _wire.Announce) -> None:
+    def _receive(self, announce: _wire.Announce) -> None:
         assert self._plane is not None and self.deadlines is not None
         manifest = announce.manifest
         t0 = time.monotonic()
-        entry = self._rec.record("receive",
-                                 generation=announce.generation, version=announce.version,
+        entry = self._rec.record("receive", generation=announce.generation, version=announce.version,
                                       nbytes=manifest.total_bytes).start()
         ok, error, waited = False, "", 0.0
         try:
@@ -295,13 +335,13 @@ class Receiver:
 
             # anything new in our queue mid-transfer means the publisher gave up on this version
             waited = self._plane.move(Transfer(announce.version, buckets, self.deadlines.bucket, after=after,
-                                               cancelled=lambda: self.aborting.is_set() or ctl.pending(self.queue) > 0))
+                                               cancelled=lambda: self.aborting.is_set()
+                                               or not self._client.commands.empty()))
             if verify:
-                self._verify(ctl, announce, sums)
+                self._verify(announce, sums)
             if self._slots.version is None or announce.version > self._slots.version:
                 self._slots.publish(announce.version)
-                self._rec.record("publish",
-                                 generation=announce.generation, version=announce.version,
+                self._rec.record("publish", generation=announce.generation, version=announce.version,
                                       nbytes=manifest.total_bytes).complete()
                 self._on_publish()
             ok = True
@@ -311,82 +351,71 @@ class Receiver:
             entry.fail(err)
             self._recorder.dump_on_trouble(f"version {announce.version} not received: {err}")
         seconds = time.monotonic() - t0
+        self._acknowledge(announce, ok=ok, error=error, seconds=seconds, own=max(seconds - waited, 0.0))
+
+    def _acknowledge(self, announce: _wire.Announce, *, ok: bool, error: str, seconds: float, own: float = 0.0) -> None:
         ack = _wire.Ack(generation=announce.generation, seq=announce.seq, member_id=self.member_id,
-                        version=announce.version, ok=ok, seconds=seconds, own_seconds=max(seconds - waited, 0.0),
-                        error=error[:300])
+                        version=announce.version, ok=ok, seconds=seconds, own_seconds=own, error=error[:300])
         try:
-            ctl.push(ctl.replies, ack)
+            self._client.send(ack)
         except ControlFailure:
             pass
 
-    def _verify(self, ctl: ControlPlane, announce: _wire.Announce, sums: list[int]) -> None:
+    def _verify(self, announce: _wire.Announce, sums: list[int]) -> None:
         """Compare our buckets' digests with the publisher's Seal; raises ChecksumMismatch."""
         assert self.deadlines is not None
         deadline = time.monotonic() + self.deadlines.seal()
         while True:
             try:
-                raw = ctl.pop(self.queue + "/seal", deadline - time.monotonic())
-            except StoreTimeout as err:
+                seal = self._client.seals.get(timeout=max(deadline - time.monotonic(), 0.0))
+            except queue.Empty:
                 raise PeerFailure(f"no checksums for version {announce.version} within {self.deadlines.seal()}s") \
-                    from err
-            try:
-                seal = _wire.seal_decoder.decode(raw)
-            except Exception:  # noqa: BLE001,S112 - a malformed seal is no seal
-                continue
+                    from None
+            if isinstance(seal, _wire.Wake):
+                raise StoreUnreachable(self._client.close_reason)
             if isinstance(seal, _wire.Seal) and (seal.generation, seal.seq) == (announce.generation, announce.seq):
                 break  # older seals belong to versions given up on: skipped
         if seal.abandoned:
             raise ProtocolError(f"the publisher gave up on version {announce.version}")
         bad = [i for i, (mine, theirs) in enumerate(zip(sums, seal.checksums, strict=False)) if mine != theirs]
         if bad or len(sums) != len(seal.checksums):
-            self._rec.record("checksum",
-                             generation=announce.generation, version=announce.version,
+            self._rec.record("checksum", generation=announce.generation, version=announce.version,
                                   bucket=bad[0] if bad else -1).fail(f"buckets {bad} do not match")
             raise ChecksumMismatch(f"version {announce.version}: buckets {bad} arrived corrupted; not made readable")
 
-    def _leave(self, ctl: ControlPlane) -> None:
+    def _leave(self) -> None:
         try:
-            ctl.push(ctl.inbox, _wire.Leave(member_id=self.member_id))
-            ctl.delete(self.queue)
+            self._client.send(_wire.Leave(member_id=self.member_id))
         except ControlFailure:
             pass
 
     # the heartbeat thread --------------------------------------------------------------------
-    def heartbeat_main(self, ctl: ControlPlane) -> None:
-        last_seen, since = -1, time.monotonic()
-        last_beat = since
+    def heartbeat_main(self) -> None:
         while not self.closing.is_set() and not self.over:
             # a member whose receiver stopped (evicted, failed) stops beating, so the
             # publisher drops it in a few beats instead of waiting for it
-            interval = PRE_ADMISSION_BEAT if self.deadlines is None else self.deadlines.settings.heartbeat_interval
-            t0 = time.monotonic()
-            try:
-                ctl.add(ctl.heartbeat_key(self.member_id), 1)
-                publisher_beats = ctl.add(ctl.heartbeat_key("publisher"), 0)
-            except ControlFailure as err:
-                self._publisher_gone(ctl, f"publisher's store stopped answering: {err}")
+            if self.deadlines is None:  # not admitted yet: the receiver's join wait is bounded itself
+                self.closing.wait(PRE_ADMISSION_BEAT)
+                continue
+            interval = self.deadlines.settings.heartbeat_interval
+            client = self._client
+            if client.closed.is_set():
+                self._publisher_gone(f"control connection closed: {client.close_reason}")
                 return
-            # a store that answered late stalled for everyone: the publisher could not beat
-            # either (see Membership.sample_heartbeats), so the silence restarts from now
-            stalled = time.monotonic() - t0 > interval or t0 - last_beat > 2 * interval + 0.1
-            last_beat = time.monotonic()
-            silence = (self.own_timeout / 2 if self.deadlines is None
-                       else self.deadlines.publisher_silence(self.own_timeout))
-            if publisher_beats != last_seen or stalled:
-                last_seen, since = publisher_beats, time.monotonic()
-            elif time.monotonic() - since > silence:
-                self._publisher_gone(ctl, f"publisher silent for {time.monotonic() - since:.1f}s")
+            try:
+                client.send(_wire.Beat())
+            except ControlFailure as err:
+                self._publisher_gone(f"cannot reach the publisher: {err}")
+                return
+            now = time.monotonic()
+            silent = now - client.last_heard
+            reader_running = now - client.tick < 2 * READ_SLICE + interval  # else this process stalled
+            if silent > self.deadlines.publisher_silence(self.own_timeout) and reader_running:
+                self._publisher_gone(f"publisher silent for {silent:.1f}s")
                 return
             self.closing.wait(interval)
-        self._wake(ctl, "closing")
+        self.wake("closing")
 
-    def _publisher_gone(self, ctl: ControlPlane, reason: str) -> None:
+    def _publisher_gone(self, reason: str) -> None:
         self.end(PublisherGone(reason, channel=self.channel, member=self.member_id))
-        self._wake(ctl, reason)
-
-    def _wake(self, ctl: ControlPlane, reason: str) -> None:
-        try:
-            ctl.push(self.queue, _wire.Wake(reason=reason))
-        except ControlFailure:
-            pass  # the receiver's own pop fails the same way and ends
-
+        self.wake(reason)

@@ -3,9 +3,9 @@
 Everything that reaches it arrives as an event on its one queue (:meth:`Sender.submit`):
 
     PutCommitted   a snapshot is pending in staging            (Publisher.put, event loop)
-    Join / Leave   a member was admitted / left                 (inbox thread)
+    Join / Leave   a member passed the door / asked to leave    (control thread)
     Evict          the operator or the policy drops a member    (Publisher.evict, scoring)
-    MemberDied     a member's heartbeats stopped                (monitor thread)
+    MemberDied     a member's connection closed, or it went silent (control thread)
     Drain          send what is pending, then stop              (Publisher.aclose)
     Abort          stop now (also sets ``aborting``, seen mid-transfer)  (Publisher.abort)
 
@@ -41,8 +41,7 @@ import torch
 from weightsync import _wire
 from weightsync._errors import ControlFailure, LocalFailure, PeerFailure
 from weightsync.errors import WeightSyncError
-from weightsync.pg.control import ControlPlane
-from weightsync.pg.generations import Generations
+from weightsync.pg.generations import Control, Generations, Rendezvous
 from weightsync.pg.membership import MemberInfo, Membership, StragglerPolicy
 from weightsync.pg.recorder import FlightRecorder
 from weightsync.transport import layout
@@ -73,7 +72,7 @@ class PutCommitted:
 @dataclass(frozen=True)
 class Join:
     member_id: str
-    reply_to: str
+    incarnation: str  # the member's control connection
     host: str = ""
     pid: int = 0
 
@@ -121,14 +120,17 @@ class Sender:
         membership: the member set; this thread is its only writer of requests.
         recorder: the flight recorder.
         policy: what to do about slow members.
-        make_plane: builds this end's data plane from the thread's own store connection.
+        control: the control server (replies, sending to members, closing their connections).
+        table: the data plane's rendezvous table.
+        make_plane: builds this end's data plane (called on the sender thread).
         slot_device: where bucket buffers for ``copy=False`` puts live.
         on_change: called after every generation change (wakes ``wait_subscribers``).
         on_evicted: called for every member dropped (the orchestrator may replace it).
     """
 
     def __init__(self, channel: str, *, settings: _wire.ChannelSettings, staging: Staging, membership: Membership,
-                 recorder: FlightRecorder, policy: StragglerPolicy, make_plane: Callable[[ControlPlane], DataPlane],
+                 recorder: FlightRecorder, policy: StragglerPolicy, control: Control, table: Rendezvous,
+                 make_plane: Callable[[], DataPlane],
                  slot_device: torch.device, on_change: Callable[[], None],
                  on_evicted: Callable[[MemberInfo], None]) -> None:
         self.channel = channel
@@ -143,6 +145,7 @@ class Sender:
         self._recorder = recorder
         self._rec = recorder.scope(channel, PUBLISHER)
         self._make_plane = make_plane
+        self.control, self._table = control, table
         self._on_change = on_change
         self._on_evicted_cb = on_evicted
         self._events: queue.SimpleQueue[Event] = queue.SimpleQueue()
@@ -150,7 +153,6 @@ class Sender:
         self._evicted_lock = threading.Lock()
         self._evicted: list[MemberInfo] = []
         self._gens: Generations | None = None
-        self._ctl: ControlPlane | None = None
 
     # any thread ---------------------------------------------------------------------------
     def submit(self, event: Event) -> None:
@@ -158,6 +160,7 @@ class Sender:
         if isinstance(event, Abort):
             self.aborting.set()
         self._events.put(event)
+        self.control.replies.put(_wire.Wake(reason=type(event).__name__))  # a wait for replies re-pumps
 
     @property
     def evicted(self) -> list[MemberInfo]:
@@ -166,14 +169,14 @@ class Sender:
             return list(self._evicted)
 
     # the sender thread --------------------------------------------------------------------
-    def main(self, ctl: ControlPlane) -> None:
+    def main(self) -> None:
         self.state = SenderState.RUNNING
-        self._ctl = ctl
-        self._gens = Generations(self.channel, membership=self.membership, recorder=self._recorder,
-                                 plane=self._make_plane(ctl), settings=self.settings, stopped=self.aborting.is_set,
-                                 on_change=self._on_change, on_evicted=self._record_evicted, pump=self._pump)
+        self._gens = Generations(self.channel, control=self.control, table=self._table, membership=self.membership,
+                                 recorder=self._recorder, plane=self._make_plane(), settings=self.settings,
+                                 stopped=self.aborting.is_set, on_change=self._on_change,
+                                 on_evicted=self._record_evicted, pump=self._pump)
         try:
-            self._run(ctl, self._gens)
+            self._run(self._gens)
             self.state = SenderState.STOPPED
         except Exception as err:  # noqa: BLE001 - recorded and surfaced by put() (Closed from it)
             fatal = err if isinstance(err, WeightSyncError) else WeightSyncError(
@@ -185,22 +188,22 @@ class Sender:
             for job in [*self.staging.drain(), *([in_flight] if in_flight is not None else [])]:
                 job.handle.resolve_threadsafe(error=fatal)
         finally:
-            self._gens.shutdown(ctl)
+            self._gens.shutdown()
 
-    def _run(self, ctl: ControlPlane, gens: Generations) -> None:
+    def _run(self, gens: Generations) -> None:
         st = self.staging
         while True:
             self._next_events(self.settings.heartbeat_interval)
             if self.aborting.is_set() or (self.state is SenderState.DRAINING and st.pending is None):
                 return
             if self.membership.has_requests() or self.membership.has_dead_members():
-                gens.advance(ctl, reason="membership change")
+                gens.advance(reason="membership change")
                 retained = st.retained
                 if retained is not None and st.pending is None and self.membership.lacking(retained.version):
-                    self._send(ctl, gens, retained)
+                    self._send(gens, retained)
             job = st.take()
             if job is not None:
-                self._send(ctl, gens, job)
+                self._send(gens, job)
 
     def _next_events(self, timeout: float) -> None:
         """Wait (at most ``timeout``) for an event unless work is already pending; apply all."""
@@ -221,15 +224,17 @@ class Sender:
             self._apply(event)
 
     def _apply(self, event: Event) -> None:
-        assert self._gens is not None and self._ctl is not None
+        assert self._gens is not None
         if isinstance(event, Join):
             if not self.membership.request_join(event.member_id):
-                self._ctl.push(event.reply_to, _wire.Deny(
+                self.control.send(event.incarnation, _wire.Deny(
                     reason=f"member id {event.member_id!r} is already in the channel", kind="duplicate"))
-                self._rec.record("admit",
-                                 peers=(event.member_id,)).fail("duplicate member id")
+                self._rec.record("admit", peers=(event.member_id,)).fail("duplicate member id")
                 return
-            self._gens.register(event.member_id, event.reply_to, host=event.host, pid=event.pid)
+            # from now on the control server speaks for this member through this connection;
+            # one that hung up meanwhile is found dead by the next plan
+            self.control.bind(event.incarnation)
+            self._gens.register(event.member_id, event.incarnation, host=event.host, pid=event.pid)
         elif isinstance(event, Leave):
             self.membership.request_leave(event.member_id)
         elif isinstance(event, Evict):
@@ -243,26 +248,26 @@ class Sender:
         self._on_evicted_cb(member)
 
     # one version --------------------------------------------------------------------------
-    def _send(self, ctl: ControlPlane, gens: Generations, job: Job) -> None:
+    def _send(self, gens: Generations, job: Job) -> None:
         error: BaseException | None = None
         for _attempt in range(3):
             try:
-                failed = self._send_once(ctl, gens, job)
+                failed = self._send_once(gens, job)
             except _PutFailed as err:
                 # our side failed mid-version: the generation is in an unknown state, so it is
                 # rebuilt, with nobody to blame; the put fails with what went wrong
-                gens.advance(ctl, reason=f"version {job.version} abandoned", failed=())
+                gens.advance(reason=f"version {job.version} abandoned", failed=())
                 error = err.__cause__
                 break
             if failed is None:
                 return
             # the group is broken: rebuild with the live members and re-send this version
-            gens.advance(ctl, reason=f"version {job.version} failed", failed=failed)
+            gens.advance(reason=f"version {job.version} failed", failed=failed)
             if job.flat is None and job.released.is_set():
                 break  # copy=False tensors were released: nothing left to re-send from
         self._finish(job, time.monotonic(), error)
 
-    def _send_once(self, ctl: ControlPlane, gens: Generations, job: Job) -> set[str] | None:
+    def _send_once(self, gens: Generations, job: Job) -> set[str] | None:
         """Announce and move ``job`` once; None on success, else the members to blame."""
         self._wait_snapshot(job)
         members = tuple(self.membership.members)
@@ -277,7 +282,7 @@ class Sender:
         entry = self._rec.record("announce", generation=gen,
                                       version=job.version, nbytes=job.manifest.total_bytes, peers=members).start()
         try:
-            gens.tell(ctl, members, announce)
+            gens.tell(members, announce)
             entry.complete()
             if members:
                 slices, before = bucket_slices(job, ranges, self._buckets, self.settings.bucket_bytes)
@@ -286,17 +291,15 @@ class Sender:
                 after = (lambda i: sums.append(checksum(slices[i]))) if self.settings.checksum else None
                 gens.plane.move(Transfer(job.version, slices, self.deadlines.bucket, before=before, after=after))
                 if self.settings.checksum:
-                    self._push_seals(ctl, gens, members, _wire.Seal(generation=gen, seq=seq, version=job.version,
-                                                                    checksums=tuple(sums)))
+                    gens.tell(members, _wire.Seal(generation=gen, seq=seq, version=job.version, checksums=tuple(sums)))
             if job.flat is None:
                 job.release()
-            acked, failed = gens.collect_acks(ctl, gen, seq, members, job.version,
-                                              self.deadlines.acknowledgements())
+            acked, failed = gens.collect_acks(gen, seq, members, job.version, self.deadlines.acknowledgements())
         except LocalFailure as err:
-            self._abandon(ctl, gens, job, gen, seq, members, err)
+            self._abandon(gens, job, gen, seq, members, err)
             raise _PutFailed(str(err)) from err
         except (PeerFailure, ControlFailure) as err:
-            return self._abandon(ctl, gens, job, gen, seq, members, err)
+            return self._abandon(gens, job, gen, seq, members, err)
         job.members_done |= acked
         self._score(gens, acked, job.version)
         if failed:
@@ -313,28 +316,21 @@ class Sender:
         if device.type != "cuda":
             job.ready.synchronize()  # gloo reads host memory: the device->host copy must be done
 
-    def _abandon(self, ctl: ControlPlane, gens: Generations, job: Job, gen: int, seq: int,
+    def _abandon(self, gens: Generations, job: Job, gen: int, seq: int,
                  members: tuple[str, ...], err: BaseException) -> set[str]:
         """Tell members the version is given up; returns whom to blame (the silent, else the failed)."""
         self._rec.record("send", generation=gen,
                               version=job.version).fail(err)
         # receivers still waiting on this version give up now (their queue is no longer
         # empty) and acknowledge the failure, so live members answer and silent ones stand out
-        gens.tell(ctl, members, _wire.Wake(reason=f"version {job.version} abandoned"))
-        if self.settings.checksum:  # a receiver past its buckets waits on its seal queue
-            self._push_seals(ctl, gens, members, _wire.Seal(generation=gen, seq=seq, version=job.version,
-                                                            checksums=(), abandoned=True))
-        acked, failed = gens.collect_acks(ctl, gen, seq, members, job.version, self.deadlines.acknowledgements())
+        # a receiver still in its buckets notices any new command (Abandon) within a wait slice;
+        # one past them waits for the Seal
+        gens.tell(members, _wire.Abandon(generation=gen, seq=seq, version=job.version))
+        gens.tell(members, _wire.Seal(generation=gen, seq=seq, version=job.version, checksums=(), abandoned=True))
+        acked, failed = gens.collect_acks(gen, seq, members, job.version, self.deadlines.acknowledgements())
         job.members_done |= acked
         self._recorder.dump_on_trouble(f"version {job.version} failed: {err}")
         return failed or set(members) - acked
-
-    @staticmethod
-    def _push_seals(ctl: ControlPlane, gens: Generations, members: tuple[str, ...], seal: _wire.Seal) -> None:
-        for member in members:
-            queue_name = gens.seal_queue(member)
-            if queue_name is not None:
-                ctl.push(queue_name, seal)
 
     def _finish(self, job: Job, t0: float, error: BaseException | None = None) -> None:
         self.staging.finish(job)

@@ -2,7 +2,7 @@
 
 Who calls what, in order:
 
-1. ``async with Subscriber(name, address=...)`` connects to the store and starts its
+1. ``async with Subscriber(name, address=...)`` starts its
    :class:`~weightsync.transport.receiver.Receiver`'s two threads: *heartbeat* (liveness beats;
    watches the publisher's) and *receiver*, which sends a Join (fingerprint, token) and waits
    for Admit (with the channel's settings) or Deny within ``timeout``;
@@ -30,10 +30,8 @@ from typing import Any
 import torch
 
 from weightsync import _wire
-from weightsync.errors import Closed, PublisherGone, SyncTimeout, WeightSyncError
-from weightsync.pg import _torch_compat as compat
-from weightsync.pg import handshake
-from weightsync.pg.control import ControlPlane
+from weightsync.control import auth
+from weightsync.errors import Closed, SyncTimeout, WeightSyncError
 from weightsync.pg.group import resolve_backend
 from weightsync.pg.recorder import FlightRecorder, process_recorder
 from weightsync.testing import Hooks
@@ -61,7 +59,7 @@ class Subscriber:
 
     Args:
         name: the channel.
-        address: the publisher's ``"host:port"``; or ``store=`` an existing torch Store.
+        address: the publisher's ``"host:port"`` (its ``pub.address``).
         backend: must match the publisher's (``"auto"`` picks the same way).
         device: where ``get`` returns tensors (and, on NCCL, where receive slots live).
         member_id: unique name in the channel (default: ``host-pid-random``).
@@ -72,26 +70,27 @@ class Subscriber:
             per-run directory under the system temp dir as a publisher on this host).
     """
 
-    def __init__(self, name: str, *, address: str | None = None, store: Any = None, backend: str = "auto",
+    def __init__(self, name: str, *, address: str, backend: str = "auto",
                  device: str | torch.device | None = None, member_id: str | None = None, timeout: float = 30.0,
                  secret: str | bytes | None = None, recorder: FlightRecorder | None = None,
                  flight_recorder_dir: str | os.PathLike[str] | None = None) -> None:
         lifecycle.validate_name("channel name", name)
-        if (address is None) == (store is None):
-            raise ValueError("pass exactly one of address= (the publisher's 'host:port') or store=")
+        if not isinstance(address, str):
+            raise ValueError(f"address must be the publisher's 'host:port', got {address!r}")
         if not timeout > 0:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
         self.name = name
-        self._connect = parse_address(address) if address is not None else None
-        self._user_store = store
+        self._connect = parse_address(address)
+        if self._connect[1] == 0:
+            raise ValueError(f"address must name the publisher's listening port, not port 0: {address!r}")
         self.timeout = timeout
         self.device = resolve_device(device)
         self.backend = resolve_backend(backend, self.device)
         self.member_id = lifecycle.validate_name(
             "member_id", member_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}")
-        self._secret = handshake.resolve_secret(secret)
+        self._secret = auth.resolve_secret(secret)
         self._recorder = recorder or process_recorder()
-        default_dir = f"{name}-{address.replace(':', '-')}" if address else f"{name}-pid{os.getpid()}"
+        default_dir = f"{name}-{address.replace(':', '-')}"
         self._recorder.configure(directory=flight_recorder_dir, label=self.member_id, default_directory=default_dir)
         self._rec = self._recorder.scope(name, self.member_id)
         self._slots = SlotPair(self.device if self.backend == "nccl" else torch.device("cpu"))
@@ -120,28 +119,18 @@ class Subscriber:
         self._loop = asyncio.get_running_loop()
         self._changed = asyncio.Event()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"ws-{self.name}-read")
-        try:
-            store = await self._loop.run_in_executor(self._executor, self._open_store)
-        except Exception as err:
-            self._state = EndState.CLOSED
-            self._executor.shutdown(wait=False)
-            raise PublisherGone(f"cannot reach the publisher's store: {err}", channel=self.name,
-                                member=self.member_id) from err
-        self._ctl = ControlPlane(store, self.name)
         await self._launch(timeout if timeout is not None else 2 * self.timeout)
 
     async def _launch(self, limit: float) -> None:
-        """Start a Receiver on a fresh queue and wait (at most ``limit``) for its admission."""
+        """Start a Receiver (a new connection) and wait (at most ``limit``) for its admission."""
         assert self._loop is not None and self._executor is not None
-        queue = self._ctl.member_queue(self.member_id, uuid.uuid4().hex[:12])
-        receiver = Receiver(self.name, self.member_id, queue=queue,
+        receiver = Receiver(self.name, self.member_id, host=self._connect[0], port=self._connect[1],
                             backend=self.backend, device=self.device, secret=self._secret, own_timeout=self.timeout,
                             join_timeout=limit, recorder=self._recorder, slots=self._slots, on_publish=self._wake,
                             hooks=self._hooks)
         self._receiver = receiver
-        self._threads = await lifecycle.launch(
-            self._loop, self._executor, self._ctl, self.timeout,
-            ((receiver.heartbeat_main, "heartbeat"), (receiver.main, "receiver")), f"ws-{self.name}")
+        self._threads = lifecycle.launch(((receiver.heartbeat_main, "heartbeat"), (receiver.main, "receiver")),
+                                         f"ws-{self.name}")
         joined = await self._loop.run_in_executor(None, receiver.joined.wait, limit)
         if receiver.state is not ReceiverState.FOLLOWING:
             error = receiver.terminal.error
@@ -150,12 +139,6 @@ class Subscriber:
                 raise error
             raise SyncTimeout(f"not admitted within {limit:.3g}s" if not joined else "admission failed",
                               channel=self.name, member=self.member_id)
-
-    def _open_store(self) -> Any:
-        if self._user_store is not None:
-            return self._user_store
-        assert self._connect is not None
-        return compat.new_store_client(self._connect[0], self._connect[1], self.timeout)
 
     @property
     def evicted(self) -> bool:
@@ -179,8 +162,7 @@ class Subscriber:
             raise SyncTimeout(f"the evicted receiver did not stop within {self.timeout}s", channel=self.name,
                               member=self.member_id)
         await self._launch(timeout if timeout is not None else 2 * self.timeout)
-        self._rec.record("rejoin",
-                         version=-1 if self.version is None else self.version).complete()
+        self._rec.record("rejoin", version=-1 if self.version is None else self.version).complete()
 
     async def aclose(self) -> None:
         """Finish the version in flight, leave the channel, stop. Idempotent."""
@@ -341,8 +323,7 @@ class Subscriber:
                 raise type(error)(_bare(error), channel=self.name, member=self.member_id, version=have)
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
-                self._rec.record("get",
-                                 version=-1 if min_version is None else min_version).fail("deadline expired")
+                self._rec.record("get", version=-1 if min_version is None else min_version).fail("deadline expired")
                 self._recorder.dump_on_trouble("get deadline expired")
                 raise SyncTimeout(f"version >= {min_version} not received within {timeout:.3g}s (have {have})",
                                   channel=self.name, member=self.member_id)

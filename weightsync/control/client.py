@@ -1,0 +1,225 @@
+"""A subscriber's end of the control plane: one connection to the publisher, and a reader thread.
+
+:meth:`ControlClient.connect` opens the connection, answers the server's Challenge with a Join
+(its proof binds the server's nonce, so it cannot be replayed elsewhere) and starts the reader
+thread ``ws-<channel>-control``, which sorts what arrives:
+
+- commands (Admit, Deny, Go, Announce, Reconfigure, Shutdown) into :attr:`commands`;
+- Seals into :attr:`seals`;
+- rendezvous answers to the thread waiting in :meth:`call_store`;
+- Beats only refresh :attr:`last_heard`.
+
+Every frame must carry the next sequence number and, once admitted, a valid MAC under the
+session key; anything else is dropped and recorded, never obeyed. The first MAC'd frame (the
+Admit or a Deny) shows the publisher knows the secret. When the connection closes, the reader
+puts a Wake into both queues and fails every rendezvous call: waits end at once.
+
+Nothing here blocks while holding the GIL: socket calls release it, and every send has a
+deadline (``send_timeout``), so a frozen publisher can stall no thread beyond its bound.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import threading
+import time
+from typing import Any
+
+from weightsync import _wire
+from weightsync._errors import StoreUnreachable
+from weightsync.control import auth
+from weightsync.control.framing import (
+    HANDSHAKE_FRAME,
+    HEADER,
+    MAX_FRAME,
+    TO_CLIENT,
+    TO_SERVER,
+    BadFrame,
+    Session,
+    frame_length,
+    open_refusal,
+)
+from weightsync.pg.recorder import RecorderScope
+
+READ_SLICE = 0.5  # the reader wakes this often to show it is alive (``tick``)
+
+
+class ControlClient:
+    """One member incarnation's connection (see the module docstring)."""
+
+    def __init__(self, channel: str, member_id: str, *, host: str, port: int, secret: bytes | None,
+                 fingerprint: _wire.Fingerprint, recorder: RecorderScope, send_timeout: float) -> None:
+        self.channel, self.member_id, self._host, self._port = channel, member_id, host, port
+        self._secret, self._fingerprint, self._rec = secret, fingerprint, recorder
+        self._send_timeout = send_timeout
+        self.commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.seals: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.last_heard = time.monotonic()
+        self.tick = time.monotonic()
+        self.closed = threading.Event()
+        self.close_reason = ""
+        self._sock: socket.socket | None = None
+        self._rsock: socket.socket | None = None
+        self._session: Session | None = None
+        self._send_lock = threading.Lock()
+        self._calls: dict[int, tuple[threading.Event, list[_wire.StoreResult]]] = {}
+        self._calls_lock = threading.Lock()
+        self._reader: threading.Thread | None = None
+        self._answered = False  # the publisher answered our Join (from then on, only MAC'd frames)
+
+    # connecting -------------------------------------------------------------------------------
+    def connect(self, timeout: float) -> None:
+        """Connect, answer the Challenge with a Join, start the reader; raises ControlFailure.
+
+        The answer to the Join (Admit or Deny) arrives in :attr:`commands`.
+        """
+        deadline = time.monotonic() + timeout
+        try:
+            sock = socket.create_connection((self._host, self._port), timeout=max(timeout, 0.01))
+        except OSError as err:
+            raise StoreUnreachable(f"cannot connect to {self._host}:{self._port}: {err}") from err
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        session = Session(outgoing=TO_SERVER, incoming=TO_CLIENT)
+        try:
+            sock.settimeout(max(deadline - time.monotonic(), 0.01))
+            challenge = session.open(self._read_frame(sock, HANDSHAKE_FRAME), _wire.server_decoder)
+            if not isinstance(challenge, _wire.Challenge) or challenge.channel != self.channel:
+                raise BadFrame(f"not this channel's challenge: {challenge!r:.120}")
+            nonce = auth.new_nonce()
+            proof = auth.join_proof(self._secret, channel=self.channel, server_nonce=challenge.nonce,
+                                    client_nonce=nonce, member_id=self.member_id, fp=self._fingerprint)
+            sock.sendall(session.seal(_wire.Join(self.member_id, self._fingerprint, nonce, proof, pid=os.getpid(),
+                                                 host=socket.gethostname())))
+            session.key = auth.session_key(self._secret, server_nonce=challenge.nonce, client_nonce=nonce,
+                                           member_id=self.member_id)
+        except (OSError, BadFrame) as err:
+            sock.close()
+            raise StoreUnreachable(f"the publisher did not answer the handshake: {err}") from err
+        # the reader has its own descriptor: a socket's timeout is per object, and the reader's
+        # short slices must never cut a sender's sendall short
+        self._sock, self._rsock, self._session = sock, sock.dup(), session
+        self.last_heard = time.monotonic()
+        self._reader = threading.Thread(target=self._read_loop, name=f"ws-{self.channel}-control", daemon=True)
+        self._reader.start()
+
+    @staticmethod
+    def _read_frame(sock: socket.socket, limit: int) -> bytes:
+        header = _recv_exactly(sock, HEADER.size)
+        return _recv_exactly(sock, frame_length(header, limit))
+
+    # sending (any thread) -----------------------------------------------------------------------
+    def send(self, message: Any) -> None:
+        """Send ``message`` (bounded by ``send_timeout``); ControlFailure when the connection is gone."""
+        if self._sock is None or self._session is None or self.closed.is_set():
+            raise StoreUnreachable(f"control connection closed: {self.close_reason or 'not connected'}")
+        with self._send_lock:
+            data = self._session.seal(message)
+            try:
+                self._sock.settimeout(self._send_timeout)
+                self._sock.sendall(data)
+            except OSError as err:
+                self._close(f"send failed: {err}")
+                raise StoreUnreachable(f"control connection failed: {err}") from err
+
+    def call_store(self, op: _wire.StoreOp, timeout: float) -> _wire.StoreResult:
+        """One rendezvous call to the publisher, answered on this connection (bounded)."""
+        done, box = threading.Event(), list[_wire.StoreResult]()
+        with self._calls_lock:
+            self._calls[op.rid] = (done, box)
+        try:
+            self.send(op)
+            if not done.wait(timeout) or not box:
+                raise StoreUnreachable(self.close_reason or f"no rendezvous answer within {timeout:.1f}s")
+            return box[0]
+        finally:
+            with self._calls_lock:
+                self._calls.pop(op.rid, None)
+
+    def close(self, reason: str = "closed") -> None:
+        """Close the connection (idempotent); waits end at once."""
+        self._close(reason)
+        if self._reader is not None and self._reader is not threading.current_thread():
+            self._reader.join(READ_SLICE * 4)
+
+    # the reader thread -------------------------------------------------------------------------
+    def _read_loop(self) -> None:
+        assert self._rsock is not None and self._session is not None
+        sock, session = self._rsock, self._session
+        try:
+            while not self.closed.is_set():
+                sock.settimeout(READ_SLICE)
+                try:
+                    header = sock.recv(HEADER.size, socket.MSG_PEEK)
+                except TimeoutError:
+                    self.tick = time.monotonic()
+                    continue
+                if not header:
+                    raise ConnectionError("the publisher closed the connection")
+                sock.settimeout(None if self._send_timeout is None else max(self._send_timeout, READ_SLICE))
+                data = self._read_frame(sock, MAX_FRAME)
+                self.tick = time.monotonic()
+                try:
+                    message = session.open(data, _wire.server_decoder)
+                except BadFrame as err:
+                    refusal = open_refusal(session, data) if not self._answered else None
+                    if refusal is None:
+                        self._rec.record("reject").fail(str(err))
+                        continue
+                    message = refusal
+                self._answered = True
+                self.last_heard = time.monotonic()
+                self._dispatch(message)
+        except (OSError, BadFrame) as err:
+            self._close(f"{err}" if str(err) else type(err).__name__)
+
+    def _dispatch(self, message: Any) -> None:
+        if isinstance(message, _wire.Beat):
+            return
+        if isinstance(message, _wire.StoreResult):
+            with self._calls_lock:
+                call = self._calls.get(message.rid)
+            if call is not None:
+                call[1].append(message)
+                call[0].set()
+            return
+        if isinstance(message, _wire.Seal):
+            self.seals.put(message)
+            return
+        if isinstance(message, _wire.Challenge):
+            self._rec.record("reject").fail("a second Challenge on one connection")
+            return
+        self.commands.put(message)
+
+    def _close(self, reason: str) -> None:
+        if self.closed.is_set():
+            return
+        self.close_reason = reason
+        self.closed.set()
+        if self._sock is not None:
+            try:
+                self._sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            self._sock.close()
+        if self._rsock is not None:
+            self._rsock.close()
+        wake = _wire.Wake(reason=f"control connection closed: {reason}")
+        self.commands.put(wake)
+        self.seals.put(wake)
+        with self._calls_lock:
+            calls = list(self._calls.values())
+        for done, _box in calls:
+            done.set()
+
+
+def _recv_exactly(sock: socket.socket, n: int) -> bytes:
+    chunks, got = [], 0
+    while got < n:
+        chunk = sock.recv(min(n - got, 1 << 20))
+        if not chunk:
+            raise ConnectionError("the connection closed mid-frame")
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)

@@ -1,0 +1,326 @@
+"""The publisher's end of the control plane: one authenticated connection per member.
+
+One thread (``ws-<channel>-control``) runs its own asyncio loop, never the application's: a
+trainer that blocks its event loop for a whole training step still answers beats and joins.
+Per connection, in order:
+
+1. send a :class:`~weightsync._wire.Challenge` with a fresh nonce;
+2. read the Join (at most ``HANDSHAKE_FRAME`` bytes, within ``handshake_timeout``); check it at
+   the door (``auth.admission_problem``: proof, fingerprint, closing). A refusal is answered
+   with Deny, recorded, and the connection closed. Otherwise the session key is derived and
+   ``on_join`` hands the link to the Sender, which alone decides about duplicate ids;
+3. read frames: each must carry the next sequence number and a valid MAC, or it is dropped
+   and recorded (``reject`` entries). Ready and Ack go to :attr:`replies` once their member id
+   matches the link's; Leave goes to ``on_leave``; StoreOp is answered from the rendezvous
+   table; any valid frame counts as a sign of life.
+
+Every ``heartbeat_interval / 2`` the loop beats to every member, expires rendezvous waits, and
+reports each bound member whose connection closed or who fell silent for ``dead_after``, once
+(``on_dead``). A closed connection is reported at once: a killed member is known dead in
+milliseconds, not after missed heartbeats.
+
+Bounds: at most ``MAX_PENDING`` connections may be mid-handshake; a member whose unsent data
+exceeds ``MAX_BACKLOG`` (it stopped reading) is disconnected; frames are length-checked first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import queue
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from weightsync import _wire
+from weightsync._errors import ControlFailure
+from weightsync.control import auth
+from weightsync.control.framing import (
+    HANDSHAKE_FRAME,
+    HEADER,
+    MAX_FRAME,
+    TO_CLIENT,
+    TO_SERVER,
+    BadFrame,
+    Session,
+    frame_length,
+)
+from weightsync.control.rendezvous import KeyValue
+from weightsync.pg.recorder import RecorderScope
+
+MAX_PENDING = 64
+MAX_BACKLOG = 512 << 20
+
+
+@dataclass(eq=False)
+class Link:
+    """One member connection (an *incarnation*: a rejoin is a new one)."""
+
+    incarnation: str
+    member_id: str
+    host: str
+    pid: int
+    session: Session
+    writer: asyncio.StreamWriter
+    last_heard: float = field(default_factory=time.monotonic)
+    bound: bool = False  # the Sender accepted it as this member's current incarnation
+    closed: bool = False
+    reported: bool = False
+
+
+class ControlServer:
+    """Owns the control thread and every member connection (see the module docstring).
+
+    Callbacks run on the control thread and must not block: ``on_join(link)``,
+    ``on_leave(link)``, ``on_dead(member_id, reason)``.
+    """
+
+    def __init__(self, channel: str, *, host: str, port: int, secret: bytes | None, mine: _wire.Fingerprint,
+                 table: KeyValue, recorder: RecorderScope, heartbeat_interval: float, dead_after: float,
+                 handshake_timeout: float, closing: Callable[[], bool], on_join: Callable[[Link], None],
+                 on_leave: Callable[[Link], None], on_dead: Callable[[str, str], None]) -> None:
+        self.channel, self._host, self._port = channel, host, port
+        self._secret, self._mine, self._table, self._rec = secret, mine, table, recorder
+        self._interval, self._dead_after, self._handshake_timeout = heartbeat_interval, dead_after, handshake_timeout
+        self._closing, self._on_join, self._on_leave, self._on_dead = closing, on_join, on_leave, on_dead
+        self.replies: queue.SimpleQueue[Any] = queue.SimpleQueue()  # Ready | Ack | Wake, for the Sender
+        self.tick = time.monotonic()  # the control loop's own last sign of life
+        self._links: dict[str, Link] = {}
+        self._members: dict[str, Link] = {}  # member id -> its bound incarnation
+        self._pending = 0
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._server: asyncio.AbstractServer | None = None
+        self._thread: threading.Thread | None = None
+        self.port = 0
+
+    # lifecycle (the publisher's threads) -------------------------------------------------------
+    def start(self, timeout: float) -> int:
+        """Bind and start the control thread; returns the port. Raises OSError when it cannot bind."""
+        ready = threading.Event()
+        errors: list[BaseException] = []
+
+        def run() -> None:
+            loop = asyncio.new_event_loop()
+            self._loop = loop
+            try:
+                self._server = loop.run_until_complete(asyncio.start_server(self._accept, self._host, self._port))
+                self.port = self._server.sockets[0].getsockname()[1]
+            except BaseException as err:  # noqa: BLE001 - handed to start() on the caller's thread
+                errors.append(err)
+                ready.set()
+                loop.close()
+                return
+            ready.set()
+            housekeeping = loop.create_task(self._housekeeping())
+            try:
+                loop.run_forever()
+            finally:
+                housekeeping.cancel()
+                loop.run_until_complete(self._shutdown())
+                loop.run_until_complete(asyncio.gather(housekeeping, return_exceptions=True))
+                loop.close()
+
+        self._thread = threading.Thread(target=run, name=f"ws-{self.channel}-control", daemon=True)
+        self._thread.start()
+        if not ready.wait(timeout):
+            raise ControlFailure(f"the control server did not start within {timeout}s")
+        if errors:
+            raise errors[0]
+        return self.port
+
+    def stop(self, timeout: float) -> None:
+        """Close every connection and end the thread (bounded); idempotent."""
+        loop, thread = self._loop, self._thread
+        if loop is None or thread is None:
+            return
+        try:
+            loop.call_soon_threadsafe(loop.stop)
+        except RuntimeError:
+            pass
+        thread.join(timeout)
+
+    async def _shutdown(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        links = list(self._links.values())
+        for link in links:  # what is queued (a Shutdown) still goes out, briefly
+            self._drop(link, "server stopped", flush=True)
+        if links:
+            await asyncio.wait([asyncio.ensure_future(link.writer.wait_closed()) for link in links], timeout=1.0)
+
+    # any thread -----------------------------------------------------------------------------
+    def send(self, incarnation: str, message: Any) -> bool:
+        """Queue ``message`` to one member; False when that connection is gone."""
+        with self._lock:
+            link = self._links.get(incarnation)
+        if link is None or link.closed or self._loop is None:
+            return False
+        try:
+            self._loop.call_soon_threadsafe(self._write, link, message)
+        except RuntimeError:  # the loop is closed
+            return False
+        return True
+
+    def bind(self, incarnation: str) -> bool:
+        """The Sender accepted ``incarnation`` as its member's current one; False if it is gone."""
+        with self._lock:
+            link = self._links.get(incarnation)
+            if link is None or link.closed:
+                return False
+            link.bound = True
+            self._members[link.member_id] = link
+            return True
+
+    def release(self, member_id: str, reason: str) -> None:
+        """Forget ``member_id`` (left or evicted) and close its connection after what is queued."""
+        with self._lock:
+            link = self._members.pop(member_id, None)
+        if link is not None and self._loop is not None:
+            try:
+                self._loop.call_soon_threadsafe(self._drop, link, reason, True)
+            except RuntimeError:
+                pass
+
+    def heard(self, member_id: str) -> tuple[float | None, bool]:
+        """(monotonic time of its last frame, whether its connection is open) for a bound member."""
+        with self._lock:
+            link = self._members.get(member_id)
+        if link is None:
+            return None, False
+        return link.last_heard, not link.closed
+
+    def stale(self) -> bool:
+        """True when the control loop itself has not run lately (a stalled process): no verdicts."""
+        return time.monotonic() - self.tick > 2 * self._interval + 0.5
+
+    # the control thread ------------------------------------------------------------------------
+    def _write(self, link: Link, message: Any) -> None:
+        if link.closed:
+            return
+        link.writer.write(link.session.seal(message))
+        if link.writer.transport.get_write_buffer_size() > MAX_BACKLOG:
+            self._rec.record("control", peers=(link.member_id,)).fail("stopped reading its connection")
+            self._drop(link, "stopped reading")
+
+    def _drop(self, link: Link, reason: str, flush: bool = False) -> None:
+        if link.closed:
+            return
+        link.closed = True
+        with self._lock:
+            self._links.pop(link.incarnation, None)
+        if flush:
+            link.writer.close()  # what is queued is still sent
+        else:
+            link.writer.transport.abort()
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self._pending >= MAX_PENDING:
+            writer.transport.abort()
+            self._rec.record("admit").fail("too many connections mid-handshake: refused one")
+            return
+        self._pending += 1
+        try:
+            link = await asyncio.wait_for(self._handshake(reader, writer), self._handshake_timeout)
+        except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError, BadFrame) as err:
+            self._rec.record("admit").fail(f"handshake failed: {type(err).__name__}: {err}")
+            writer.transport.abort()
+            return
+        finally:
+            self._pending -= 1
+        if link is None:
+            return
+        try:
+            await self._serve(reader, link)
+        except (asyncio.IncompleteReadError, ConnectionError, BadFrame) as err:
+            closed = isinstance(err, (asyncio.IncompleteReadError, ConnectionError))
+            self._lost(link, "connection closed" if closed else str(err))
+        except Exception as err:  # noqa: BLE001 - one broken connection must never stop the server
+            self._rec.record("control", peers=(link.member_id,)).fail(f"{type(err).__name__}: {err}")
+            self._lost(link, f"control error: {err}")
+
+    async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> Link | None:
+        nonce = auth.new_nonce()
+        session = Session(outgoing=TO_CLIENT, incoming=TO_SERVER)
+        writer.write(session.seal(_wire.Challenge(_wire.PROTOCOL_VERSION, self.channel, nonce)))
+        length = frame_length(await reader.readexactly(HEADER.size), HANDSHAKE_FRAME)
+        join = session.open(await reader.readexactly(length), _wire.client_decoder)
+        if not isinstance(join, _wire.Join):
+            raise BadFrame(f"expected a Join, got {type(join).__name__}")
+        deny = auth.admission_problem(join, channel=self.channel, server_nonce=nonce, secret=self._secret,
+                                      mine=self._mine, closing=self._closing())
+        if deny is not None:
+            writer.write(session.seal(deny))
+            writer.close()
+            self._rec.record("admit", peers=(join.member_id[:64],)).fail(deny.reason)
+            return None
+        session.key = auth.session_key(self._secret, server_nonce=nonce, client_nonce=join.nonce,
+                                       member_id=join.member_id)
+        link = Link(secrets.token_hex(8), join.member_id, join.host[:256], join.pid, session, writer)
+        with self._lock:
+            self._links[link.incarnation] = link
+        self._on_join(link)
+        return link
+
+    async def _serve(self, reader: asyncio.StreamReader, link: Link) -> None:
+        while not link.closed:
+            length = frame_length(await reader.readexactly(HEADER.size), MAX_FRAME)
+            data = await reader.readexactly(length)
+            try:
+                message = link.session.open(data, _wire.client_decoder)
+            except BadFrame as err:
+                self._rec.record("reject", peers=(link.member_id,)).fail(str(err))
+                continue
+            link.last_heard = time.monotonic()
+            if isinstance(message, (_wire.Ready, _wire.Ack)):
+                if message.member_id != link.member_id or not link.bound:
+                    self._rec.record("reject", peers=(link.member_id,)).fail(
+                        f"{type(message).__name__} for {message.member_id!r} on {link.member_id!r}'s connection")
+                    continue
+                self.replies.put(message)
+            elif isinstance(message, _wire.Leave):
+                if link.bound:
+                    link.reported = True  # its connection closing next is a goodbye, not a death
+                    self._on_leave(link)
+            elif isinstance(message, _wire.StoreOp):
+                if link.bound:
+                    self._table.serve(message, functools.partial(self._reply, link))
+            elif isinstance(message, _wire.Join):
+                self._rec.record("reject", peers=(link.member_id,)).fail("a second Join on one connection")
+
+    def _reply(self, link: Link, result: _wire.StoreResult) -> None:
+        """Rendezvous answers may come from any thread (a key set by the publisher's own group)."""
+        if self._loop is not None and not link.closed:
+            try:
+                self._loop.call_soon_threadsafe(self._write, link, result)
+            except RuntimeError:
+                pass
+
+    def _lost(self, link: Link, reason: str) -> None:
+        was_bound = link.bound and not link.closed
+        self._drop(link, reason)
+        if was_bound and not link.reported:
+            link.reported = True
+            self._on_dead(link.member_id, reason)
+
+    async def _housekeeping(self) -> None:
+        period = self._interval / 2
+        while True:
+            await asyncio.sleep(period)
+            now = time.monotonic()
+            stalled = now - self.tick > 2 * self._interval + 0.5  # we were not running: silence is ours
+            self.tick = now
+            self._table.expire()
+            with self._lock:
+                links = list(self._links.values())
+            for link in links:
+                if link.bound:
+                    self._write(link, _wire.Beat())
+                    if stalled:
+                        link.last_heard = now
+                    elif now - link.last_heard > self._dead_after and not link.reported:
+                        link.reported = True
+                        self._on_dead(link.member_id, f"silent for {now - link.last_heard:.1f}s")
