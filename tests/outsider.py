@@ -71,7 +71,10 @@ class Outsider:
         self.send(join)
         self.session.key = auth.session_key(secret, server_nonce=self.challenge.nonce, client_nonce=nonce,
                                             member_id=member_id)
-        return self.read()
+        reply = self.read()
+        while isinstance(reply, _wire.Beat):  # beats may come before the Admit
+            reply = self.read()
+        return reply
 
     def closed_within(self, seconds: float) -> bool:
         """True once the server closed this connection (reads return nothing), within ``seconds``."""

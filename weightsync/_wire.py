@@ -195,7 +195,7 @@ class Beat(msgspec.Struct, frozen=True, tag="beat"):
 
 
 class StoreOp(msgspec.Struct, frozen=True, tag="store"):
-    """A data-plane rendezvous call (``set``/``get``/``add``/``check``/``delete``) to the publisher."""
+    """A data-plane rendezvous call (``set``/``get``/``wait``/``add``/``check``/``delete``/``compare_set``)."""
 
     rid: int
     op: str
@@ -203,6 +203,7 @@ class StoreOp(msgspec.Struct, frozen=True, tag="store"):
     value: bytes = b""
     amount: int = 0
     timeout: float = 0.0
+    desired: bytes = b""  # compare_set: the new value (``value`` is the expected one)
 
 
 class StoreResult(msgspec.Struct, frozen=True, tag="store_result"):

@@ -75,6 +75,17 @@ class KeyValue:
         self.set(key, str(value).encode())
         return value
 
+    def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
+        """c10d's compareSet: set ``desired`` if the value is ``expected`` (absent counts as b"")."""
+        with self._cond:
+            current = self._data.get(key)
+            if current is None and expected:
+                return expected
+            if current is not None and current[0] != expected:
+                return current[0]
+        self.set(key, desired)
+        return desired
+
     def check(self, keys: tuple[str, ...]) -> bool:
         with self._cond:
             return all(k in self._data for k in keys)
@@ -113,6 +124,8 @@ class KeyValue:
                 reply(_wire.StoreResult(op.rid, True))
             elif op.op == "add":
                 reply(_wire.StoreResult(op.rid, True, number=self.add(op.keys[0], op.amount)))
+            elif op.op == "compare_set":
+                reply(_wire.StoreResult(op.rid, True, value=self.compare_set(op.keys[0], op.value, op.desired)))
             elif op.op == "check":
                 reply(_wire.StoreResult(op.rid, True, number=int(self.check(op.keys))))
             elif op.op == "delete":
@@ -142,7 +155,7 @@ class _StoreBase(dist.Store):
         return timeout.total_seconds() if isinstance(timeout, dt.timedelta) else self._timeout
 
     def _call(self, op: str, keys: tuple[str, ...], *, value: bytes = b"", amount: int = 0,
-              timeout: float = 0.0) -> _wire.StoreResult:
+              timeout: float = 0.0, desired: bytes = b"") -> _wire.StoreResult:
         raise NotImplementedError
 
     def set(self, key: str, value: Any) -> None:
@@ -166,7 +179,8 @@ class _StoreBase(dist.Store):
             raise RuntimeError(f"wait timeout for rendezvous keys {keys}")
 
     def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
-        raise RuntimeError("compare_set is not offered by the weightsync rendezvous store")
+        as_bytes = (lambda v: v.encode() if isinstance(v, str) else bytes(v))  # noqa: E731
+        return self._call("compare_set", (key,), value=as_bytes(expected), desired=as_bytes(desired)).value
 
     def delete_key(self, key: str) -> bool:
         return bool(self._call("delete", (key,)).number)
@@ -192,13 +206,13 @@ class LocalStore(_StoreBase):
         return LocalStore(self._table, self._deadline())
 
     def _call(self, op: str, keys: tuple[str, ...], *, value: bytes = b"", amount: int = 0,
-              timeout: float = 0.0) -> _wire.StoreResult:
+              timeout: float = 0.0, desired: bytes = b"") -> _wire.StoreResult:
         if op in ("get", "wait"):
             if not self._table.wait(keys, timeout):
                 return _wire.StoreResult(0, False, error="wait timeout")
             return _wire.StoreResult(0, True, value=self._table.get_now(keys[0]) or b"" if op == "get" else b"")
         results: list[_wire.StoreResult] = []
-        self._table.serve(_wire.StoreOp(0, op, keys, value=value, amount=amount), results.append)
+        self._table.serve(_wire.StoreOp(0, op, keys, value=value, amount=amount, desired=desired), results.append)
         if not results[0].ok:
             raise RuntimeError(results[0].error)
         return results[0]
@@ -217,11 +231,11 @@ class RemoteStore(_StoreBase):
         return RemoteStore(self._client, self._deadline())
 
     def _call(self, op: str, keys: tuple[str, ...], *, value: bytes = b"", amount: int = 0,
-              timeout: float = 0.0) -> _wire.StoreResult:
+              timeout: float = 0.0, desired: bytes = b"") -> _wire.StoreResult:
         rid = next(self._rids)
         try:
-            result = self._client.call_store(_wire.StoreOp(rid, op, keys, value=value, amount=amount,
-                                                           timeout=timeout), timeout + self._deadline())
+            call = _wire.StoreOp(rid, op, keys, value=value, amount=amount, timeout=timeout, desired=desired)
+            result = self._client.call_store(call, timeout + self._deadline())
         except ControlFailure as err:
             raise RuntimeError(f"rendezvous store unreachable: {err}") from err
         if not result.ok and op not in ("get", "wait"):

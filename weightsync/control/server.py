@@ -310,17 +310,24 @@ class ControlServer:
         period = self._interval / 2
         while True:
             await asyncio.sleep(period)
-            now = time.monotonic()
-            stalled = now - self.tick > 2 * self._interval + 0.5  # we were not running: silence is ours
-            self.tick = now
-            self._table.expire()
-            with self._lock:
-                links = list(self._links.values())
-            for link in links:
-                if link.bound:
-                    self._write(link, _wire.Beat())
-                    if stalled:
-                        link.last_heard = now
-                    elif now - link.last_heard > self._dead_after and not link.reported:
-                        link.reported = True
-                        self._on_dead(link.member_id, f"silent for {now - link.last_heard:.1f}s")
+            try:
+                self._keep_house()
+            except Exception as err:  # noqa: BLE001 - recorded; the next round tries again
+                self._rec.record("control").fail(f"housekeeping: {type(err).__name__}: {err}")
+
+    def _keep_house(self) -> None:
+        """Beat to every member, expire rendezvous waits, report the silent (once each)."""
+        now = time.monotonic()
+        stalled = now - self.tick > 2 * self._interval + 0.5  # we were not running: silence is ours
+        self.tick = now
+        self._table.expire()
+        with self._lock:
+            links = list(self._links.values())
+        for link in links:
+            if link.bound:
+                self._write(link, _wire.Beat())
+                if stalled:
+                    link.last_heard = now
+                elif now - link.last_heard > self._dead_after and not link.reported:
+                    link.reported = True
+                    self._on_dead(link.member_id, f"silent for {now - link.last_heard:.1f}s")

@@ -152,7 +152,11 @@ def pack_range(
 
 
 def check_destination(manifest: Manifest, dest: Mapping[str, torch.Tensor]) -> None:
-    """Raise ManifestMismatch naming every difference between ``manifest`` and ``dest``."""
+    """Raise ManifestMismatch naming every difference between ``manifest`` and ``dest``.
+
+    Everything is checked before anything is written, writability too (inference tensors,
+    meta tensors, expanded views), so a refused ``get_into`` leaves ``dest`` untouched.
+    """
     problems = []
     wanted = {spec.name: spec for spec in manifest.tensors}
     missing = sorted(set(wanted) - set(dest))
@@ -169,6 +173,11 @@ def check_destination(manifest: Manifest, dest: Mapping[str, torch.Tensor]) -> N
             problems.append(f"{name}: dtype {dtype_name(tensor.dtype)} != published {spec.dtype}")
         elif tuple(tensor.shape) != spec.shape:
             problems.append(f"{name}: shape {tuple(tensor.shape)} != published {spec.shape}")
+        elif tensor.is_inference() and not torch.is_inference_mode_enabled():
+            problems.append(f"{name}: an inference tensor cannot be written outside inference mode")
+        elif tensor.is_meta or not tensor.is_contiguous() and tensor.stride() and 0 in tensor.stride() \
+                and tensor.numel() > 1:
+            problems.append(f"{name}: not writable in place (a meta tensor, or an expanded view)")
     if problems:
         raise ManifestMismatch("; ".join(problems[:8]))
 

@@ -32,6 +32,7 @@ import torch
 from weightsync import _wire
 from weightsync._errors import ControlFailure
 from weightsync.control import auth
+from weightsync.control.framing import MAX_FRAME
 from weightsync.control.rendezvous import KeyValue, LocalStore
 from weightsync.control.server import ControlServer, Link
 from weightsync.errors import Closed, SyncTimeout, WeightSyncError
@@ -308,6 +309,9 @@ class Publisher:
             if self._last_version is not None and version <= self._last_version:
                 raise ValueError(f"versions must strictly increase: {version} after {self._last_version}")
             manifest = layout.build_manifest(items)
+            if len(_wire.encode(manifest)) > MAX_FRAME // 2:
+                raise ValueError(f"the manifest of {len(items)} tensors is over {MAX_FRAME // 2} bytes encoded: "
+                                 "shorter names, or fewer tensors per channel")
             handle = PutHandle(self.name, version, self._loop)
             entry = self._rec.record("put", version=version,
                                           nbytes=manifest.total_bytes).start()

@@ -391,6 +391,16 @@ class Receiver:
 
     # the heartbeat thread --------------------------------------------------------------------
     def heartbeat_main(self) -> None:
+        try:
+            self._beat()
+        except Exception as err:  # noqa: BLE001 - a failed heartbeat thread must never be silent
+            failure = WeightSyncError(f"heartbeat stopped: {type(err).__name__}: {err}", channel=self.channel,
+                                      member=self.member_id)
+            self._rec.record("heartbeat").fail(failure)
+            self.end(failure)
+            self.wake("heartbeat failed")
+
+    def _beat(self) -> None:
         while not self.closing.is_set() and not self.over:
             # a member whose receiver stopped (evicted, failed) stops beating, so the
             # publisher drops it in a few beats instead of waiting for it

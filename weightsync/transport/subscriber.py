@@ -303,9 +303,12 @@ class Subscriber:
 
     def _copy_into(self, slot: Slot, dest: Mapping[str, torch.Tensor]) -> None:
         assert slot.flat is not None and slot.manifest is not None
-        for spec in slot.manifest.tensors:
-            if spec.nbytes:
-                dest[spec.name].copy_(layout.tensor_view(slot.flat, spec))
+        # parameters that require grad are written as data: an in-place copy into a leaf that
+        # requires grad is refused by autograd (it would leave ``dest`` half written)
+        with torch.no_grad():
+            for spec in slot.manifest.tensors:
+                if spec.nbytes:
+                    dest[spec.name].copy_(layout.tensor_view(slot.flat, spec))
         if any(t.is_cuda for t in dest.values()):
             torch.cuda.synchronize()
 
