@@ -24,7 +24,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -61,42 +60,50 @@ def start(kind: str) -> tuple[subprocess.Popen[str], int]:
     return proc, int(proc.stdout.readline())
 
 
-def counter_rate(seconds: float) -> float:
-    """How many times a pure-Python loop ran per second over ``seconds``."""
+PROBE = r"""
+import os, signal, socket, subprocess, sys, threading, time, datetime as dt
+import torch.distributed as dist
+kind, port, server_pid, block = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+
+def rate(seconds):
     count, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < seconds:
         count += 1
     return count / seconds
 
+if kind == "store":
+    client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=dt.timedelta(seconds=block))
+    def call():
+        try:
+            client.queue_len("ping")
+        except Exception:
+            pass
+else:
+    conn = socket.create_connection(("127.0.0.1", port)); conn.settimeout(block)
+    def call():
+        try:
+            conn.recv(1)
+        except OSError:
+            pass
+idle = rate(0.5)
+os.kill(server_pid, signal.SIGSTOP)
+threading.Thread(target=call, daemon=True).start()
+time.sleep(0.2)
+print(rate(max(block - 0.5, 0.3)) / idle, flush=True)
+os._exit(0)
+"""
+
 
 def gil_fraction(kind: str, block_seconds: float) -> float:
+    """The probe's counting rate while one of its threads waits on a frozen server, as a fraction
+    of its idle rate; 0 when the probe made no progress at all before its deadline (killed)."""
     proc, port = start(kind)
     try:
-        if kind == "store":
-            client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=dt.timedelta(seconds=block_seconds))
-
-            def call() -> None:
-                try:
-                    client.queue_len("ping")
-                except Exception:  # noqa: BLE001 - the timeout is the expected end
-                    pass
-        else:
-            conn = socket.create_connection(("127.0.0.1", port))
-            conn.settimeout(block_seconds)
-
-            def call() -> None:
-                try:
-                    conn.recv(1)
-                except OSError:
-                    pass
-        idle = counter_rate(0.5)
-        os.kill(proc.pid, signal.SIGSTOP)
-        blocked = threading.Thread(target=call)
-        blocked.start()
-        time.sleep(0.2)  # let the call reach the frozen server before counting
-        during = counter_rate(max(block_seconds - 0.5, 0.3))
-        blocked.join(block_seconds + 5)
-        return during / idle
+        probe = subprocess.run([sys.executable, "-c", PROBE, kind, str(port), str(proc.pid), str(block_seconds)],
+                               capture_output=True, text=True, timeout=block_seconds + 20)
+        return float(probe.stdout.strip() or 0.0)
+    except subprocess.TimeoutExpired:
+        return 0.0
     finally:
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()

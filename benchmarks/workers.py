@@ -59,6 +59,18 @@ async def subscriber(spec: dict) -> WorkerResult:
     return WorkerResult(lag_p99_ms=p99, lag_max_ms=lags[-1] * 1e3 if lags else 0.0)
 
 
+async def follower(spec: dict) -> WorkerResult:
+    """Read every version it can until the publisher goes (a member of benchmarks.recovery)."""
+    async with ws.Subscriber(spec.get("channel", "bench"), address=spec["address"], member_id=spec["member"],
+                             timeout=spec.get("timeout", 30.0)) as sub:
+        last = -1
+        while True:
+            try:
+                last = (await sub.get(min_version=last + 1, timeout=3600)).version
+            except (ws.PublisherGone, ws.Evicted, ws.Closed):
+                return WorkerResult()
+
+
 def main() -> None:
     spec = msgspec.json.decode(sys.argv[1])
     try:
@@ -67,7 +79,7 @@ def main() -> None:
         else:
             import uvloop
 
-            result = uvloop.run(subscriber(spec))
+            result = uvloop.run(follower(spec) if spec["role"] == "follower" else subscriber(spec))
     except Exception as err:  # reported to the bench, which fails loudly
         result = WorkerResult(error=f"{type(err).__name__}: {err}")
     with open(spec["result"], "wb") as fh:

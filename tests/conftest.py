@@ -106,6 +106,18 @@ class Procs:
 
 
 @pytest.fixture
+def cpu_hog() -> Iterator[subprocess.Popen[bytes]]:
+    """A busy-loop process beside the test for its whole run: decisions about who is dead or late
+    are made on a loaded machine, as they are in production."""
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        yield hog
+    finally:
+        hog.kill()
+        hog.wait(timeout=10)
+
+
+@pytest.fixture
 def procs() -> Iterator[Procs]:
     with tempfile.TemporaryDirectory(prefix="ws-test-") as tmp:
         p = Procs(Path(tmp))

@@ -28,8 +28,8 @@ async def wait_file(path: Path, timeout: float) -> str:
     return path.read_text()
 
 
-async def test_a_frozen_publisher_ends_every_wait_and_the_process_exits_cleanly(procs: Procs,
-                                                                                tmp_path: Path) -> None:
+async def test_a_frozen_publisher_ends_every_wait_and_the_process_exits_cleanly(procs: Procs, tmp_path: Path,
+                                                                                cpu_hog: object) -> None:
     """SIGSTOP the publisher (it hosts the control server): a get() without a timeout must end
     with PublisherGone once it has been silent for its bound, in this process and in a worker
     process, which must then exit 0 even after the publisher is killed for good."""
@@ -54,7 +54,7 @@ async def test_a_frozen_publisher_ends_every_wait_and_the_process_exits_cleanly(
     assert result["order"] == sorted(result["order"])  # whatever it read, in order
 
 
-async def test_survivors_get_a_version_put_after_a_kill_quickly(procs: Procs) -> None:
+async def test_survivors_get_a_version_put_after_a_kill_quickly(procs: Procs, cpu_hog: object) -> None:
     """kill -9 one of four idle members: its closed connection is seen at once, so the next put
     reaches the three survivors without waiting for heartbeats or deadlines."""
     rec = ws.FlightRecorder(capacity=2000)

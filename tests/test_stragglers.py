@@ -235,8 +235,8 @@ def rss_mib() -> float:
 
 
 @pytest.mark.timeout(420)
-async def test_soak_200_versions_4_subscribers_one_killed_and_replaced_every_50(procs: Procs,
-                                                                                tmp_path: Path) -> None:
+async def test_soak_200_versions_4_subscribers_one_killed_and_replaced_every_50(procs: Procs, tmp_path: Path,
+                                                                                cpu_hog: object) -> None:
     numel, timeout = 256 << 10, 3.0  # 1 MiB versions
     rec = FlightRecorder(directory=tmp_path, label="publisher")
     async with ws.Publisher("soak", timeout=timeout, heartbeat_interval=0.25, bucket_bytes=1 << 20,

@@ -12,12 +12,13 @@ cost a peer a strike or an eviction::
      ├── LocalFailure       this process's own input or code failed (packing a tensor, a bad
      │                      view): the put fails with it; no member is blamed
      ├── ProtocolError      a message that contradicts the protocol (bucket count, stale seal)
-     └── ControlFailure     the control store
-          ├── StoreTimeout       a key or queue item did not come in time
-          └── StoreUnreachable   the store's server stopped answering
+     └── ControlFailure     the control connection
+          ├── StoreTimeout       an answer did not come in time
+          └── StoreUnreachable   the connection closed or could not be made
 
-Torch backend errors (``RuntimeError``, ``DistError``) are translated into these in exactly
-two places: :mod:`weightsync.pg.group` (data plane) and :mod:`weightsync.pg.control` (store).
+Torch backend errors (``RuntimeError``, ``DistError``) are translated into these in one place,
+:mod:`weightsync.pg.group` (data plane); the control plane (:mod:`weightsync.control`) raises
+ControlFailure itself.
 Anything else that escapes a thread is a bug in weightsync: it stops that thread and surfaces
 to the caller as a :class:`~weightsync.errors.WeightSyncError`, never as a peer's fault.
 
@@ -57,11 +58,11 @@ class ControlFailure(InternalError):
 
 
 class StoreTimeout(ControlFailure, TimeoutError):
-    """A key or queue item did not appear within the deadline."""
+    """An answer on the control connection did not come within the deadline."""
 
 
 class StoreUnreachable(ControlFailure, ConnectionError):
-    """The store's server stopped answering (its host process is gone)."""
+    """The control connection closed or could not be made (the other end is gone)."""
 
 
 #: what a data-plane step may fail with without anyone's code being wrong

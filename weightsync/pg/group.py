@@ -179,7 +179,7 @@ class DedicatedGroup:
             except RuntimeError as err:  # the backend failed: a peer reset or closed its connection
                 raise PeerFailure(str(err)) from err
             if cancelled():
-                raise Cancelled("the publisher moved on to a new generation")
+                raise Cancelled("the generation ended while this bucket was on the wire")
 
     def abort(self, reason: str = "") -> None:
         """End this generation; safe to call twice and from error paths."""

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from weightsync import _wire
-from weightsync._errors import ControlFailure, LocalFailure, PeerFailure
+from weightsync._errors import Cancelled, ControlFailure, LocalFailure, PeerFailure
 from weightsync.errors import WeightSyncError
 from weightsync.pg.generations import Control, Generations, Rendezvous
 from weightsync.pg.membership import MemberInfo, Membership, StragglerPolicy
@@ -289,7 +289,10 @@ class Sender:
                 sums: list[int] = []
                 # each bucket's digest is taken once it is on the wire, while the next one transfers
                 after = (lambda i: sums.append(checksum(slices[i]))) if self.settings.checksum else None
-                gens.plane.move(Transfer(job.version, slices, self.deadlines.bucket, before=before, after=after))
+                # a member known dead (its connection closed, or silent past its bound) ends the wait
+                # for it now: the transfer is abandoned and re-sent to the rest, not left to time out
+                gens.plane.move(Transfer(job.version, slices, self.deadlines.bucket, before=before, after=after,
+                                         cancelled=self._generation_broken))
                 if self.settings.checksum:
                     gens.tell(members, _wire.Seal(generation=gen, seq=seq, version=job.version, checksums=tuple(sums)))
             if job.flat is None:
@@ -298,7 +301,7 @@ class Sender:
         except LocalFailure as err:
             self._abandon(gens, job, gen, seq, members, err)
             raise _PutFailed(str(err)) from err
-        except (PeerFailure, ControlFailure) as err:
+        except (PeerFailure, Cancelled, ControlFailure) as err:
             return self._abandon(gens, job, gen, seq, members, err)
         job.members_done |= acked
         self._score(gens, acked, job.version)
@@ -307,6 +310,9 @@ class Sender:
             return failed
         self._finish(job, t0)
         return None
+
+    def _generation_broken(self) -> bool:
+        return self.aborting.is_set() or self.membership.has_dead_members()
 
     def _wait_snapshot(self, job: Job) -> None:
         if job.ready is None:
