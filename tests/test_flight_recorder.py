@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -15,6 +16,7 @@ import torch
 
 import weightsync as ws
 from tests.conftest import LOOPS, Procs, loop_policy
+from tests.statedicts import digests
 from weightsync.cli import main as cli
 from weightsync.pg.recorder import FlightRecorder, load_dump
 
@@ -112,22 +114,29 @@ async def test_frozen_member_is_named_with_version_and_bucket(procs: Procs, tmp_
         await (await pub.put({"body": body}, version=0)).delivered(timeout=60)
         body.fill_(1)
         handle = await pub.put({"body": body}, version=1)
+        while not any(e.op == "bucket_send" and e.version == 1 for e in rec.snapshot()):
+            await asyncio.sleep(0.005)  # until the recorder shows version 1 on the wire
         procs.signal(workers[2], signal.SIGSTOP)  # frozen while version 1 is on the wire
         t0 = time.monotonic()
         report = await handle.delivered(timeout=120)
         assert time.monotonic() - t0 < timeout * 4 + 10  # the deadline fired; nobody waited forever
         assert set(report.members) == {"gen0", "gen1"}  # healthy members lost nothing
+        assert [(m.member_id, m.reason) for m in pub.evicted] == [("gen2", "dead")]
         body.fill_(2)
         await (await pub.put({"body": body}, version=2)).delivered(timeout=60)
-        for w in workers[:2]:
-            await procs.result(w, timeout=60)
+        results = [await procs.result(w, timeout=60) for w in workers[:2]]
+    for result in results:  # the survivors read exactly what was put, the re-sent version 1 included
+        for version, seen in result["digests"].items():
+            assert seen == digests({"body": torch.full((16 << 20,), float(version))}), (result["member"], version)
+    stalled = min(e.bucket for e in rec.snapshot() if e.op == "bucket_send" and e.version == 1
+                  and e.generation == report_generation(rec) and e.state != "completed")
     names = sorted(p.name.split("-")[0] for p in tmp_path.glob("*.wsfr"))
     assert names == ["gen0", "gen1", "publisher"]  # every live rank left a dump; the frozen one cannot
     code, analysis = analyze_json(tmp_path)
     assert code == 1
     culprits = analysis["culprits"]
     assert [(c["member"], c["version"]) for c in culprits] == [("gen2", 1)]
-    assert 0 <= culprits[0]["bucket"] < 64
+    assert culprits[0]["bucket"] == stalled  # where the publisher's own send of version 1 stopped
     assert analysis["missing_dumps"] == ["gen2"]
     text = subprocess.run([sys.executable, "-m", "weightsync.cli", "fr", "analyze", str(tmp_path)],
                           capture_output=True, text=True, timeout=120, cwd=REPO).stdout
@@ -140,6 +149,11 @@ async def test_frozen_member_is_named_with_version_and_bucket(procs: Procs, tmp_
     assert "LIKELY CULPRIT: gen2" in html.read_text()
 
 
+
+
+def report_generation(rec: FlightRecorder) -> int:
+    """The generation version 1 was first announced in (the one the frozen member spoiled)."""
+    return min(e.generation for e in rec.snapshot() if e.op == "announce" and e.version == 1)
 
 
 def test_sigusr1_dumps_when_the_application_installed_the_handler(tmp_path: Path) -> None:
