@@ -19,13 +19,12 @@ from __future__ import annotations
 import argparse
 import time
 import zlib
-from pathlib import Path
 
-import msgspec
 import numpy as np
 import torch
 import xxhash
 
+from benchmarks import report
 from weightsync.transport.checksum import _host_view, checksum
 
 
@@ -71,25 +70,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'digest':<28}{'GB/s':>8}{'x protocol 1':>14}")
     for name, gbs in rows.items():
         print(f"{name:<28}{gbs:>8.2f}{gbs / base:>14.2f}")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "checksums.json").write_bytes(msgspec.json.format(msgspec.json.encode(
-        {"mib": args.mib, "reps": args.reps, "gb_per_s": rows})))
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot (pip install 'weightsync[plot]')")
+    json_path = report.write_json(args.out, "checksums", {"mib": args.mib, "reps": args.reps, "gb_per_s": rows})
+    plt = report.pyplot()
+    if plt is None:
         return 0
     fig, ax = plt.subplots(figsize=(7, 3))
     ax.barh(list(rows), list(rows.values()), color=["#999", "#c44", "#c84", "#48c", "#4ac", "#2a2"])
     ax.set_xlabel("GB/s, one thread")
     ax.invert_yaxis()
-    fig.tight_layout()
-    fig.savefig(out / "checksums.png", dpi=120)
-    print(f"wrote {out / 'checksums.json'} and {out / 'checksums.png'}")
+    report.save(fig, args.out, "checksums", json_path)
     return 0
 
 

@@ -25,11 +25,10 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-import msgspec
 import torch.distributed as dist
 
+from benchmarks import report
 from weightsync import _wire
 from weightsync.control.framing import HEADER, TO_SERVER, Session
 
@@ -159,16 +158,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{rows['gil_free_fraction_tcpstore']:>12.2f}{rows['gil_free_fraction_control']:>12.2f}")
     print(f"{'round trip, microseconds':<44}"
           f"{rows['round_trip_us_tcpstore']:>12.0f}{rows['round_trip_us_control']:>12.0f}")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "control_plane.json").write_bytes(msgspec.json.format(msgspec.json.encode(rows)))
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot")
+    json_path = report.write_json(args.out, "control_plane", rows)
+    plt = report.pyplot()
+    if plt is None:
         return 0
     fig, (a, b) = plt.subplots(1, 2, figsize=(8, 3))
     a.bar(["TCPStore", "control"], [rows["gil_free_fraction_tcpstore"], rows["gil_free_fraction_control"]],
@@ -177,9 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     b.bar(["TCPStore", "control"], [rows["round_trip_us_tcpstore"], rows["round_trip_us_control"]],
           color=["#c44", "#2a2"])
     b.set_title("round trip (us)")
-    fig.tight_layout()
-    fig.savefig(out / "control_plane.png", dpi=120)
-    print(f"wrote {out / 'control_plane.json'} and {out / 'control_plane.png'}")
+    report.save(fig, args.out, "control_plane", json_path)
     return 0
 
 

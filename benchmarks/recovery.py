@@ -25,10 +25,10 @@ import tempfile
 import time
 from pathlib import Path
 
-import msgspec
 import torch
 
 import weightsync as ws
+from benchmarks import report
 from benchmarks.procs import Workers
 
 HOG = "while True: pass"
@@ -91,17 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{'case':<20}{'median s':>10}{'max s':>8}")
     for key, values in rows.items():
         print(f"{key:<20}{statistics.median(values):>10.2f}{max(values):>8.2f}")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "recovery.json").write_bytes(msgspec.json.format(msgspec.json.encode(
-        {"mib": args.mib, "trials": args.trials, "seconds": rows})))
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot")
+    json_path = report.write_json(args.out, "recovery", {"mib": args.mib, "trials": args.trials, "seconds": rows})
+    plt = report.pyplot()
+    if plt is None:
         return 0
     fig, ax = plt.subplots(figsize=(7, 3))
     try:
@@ -112,9 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     ax.axvline(3.0, color="#c44", linestyle="--", label="3 s target (kill -9)")
     ax.set_xlabel("seconds until survivors have a version put after the signal")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "recovery.png", dpi=120)
-    print(f"wrote {out / 'recovery.json'} and {out / 'recovery.png'}")
+    report.save(fig, args.out, "recovery", json_path)
     return 0
 
 

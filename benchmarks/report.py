@@ -1,0 +1,38 @@
+"""What every benchmark program ends with: its JSON, and a figure when matplotlib is there."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+
+def write_json(out: str | Path, name: str, data: Any) -> Path:
+    """``data`` as formatted JSON in ``out/name.json`` (the directory is made); its path."""
+    folder = Path(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}.json"
+    path.write_bytes(msgspec.json.format(msgspec.json.encode(data)))
+    return path
+
+
+def pyplot() -> Any:
+    """matplotlib's pyplot on the Agg backend, or None (with a hint) when it is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot (pip install 'weightsync[plot]')")
+        return None
+    return plt
+
+
+def save(fig: Any, out: str | Path, name: str, json_path: Path) -> None:
+    """Save ``fig`` as ``out/name.png`` and say where both files went."""
+    fig.tight_layout()
+    png = Path(out) / f"{name}.png"
+    fig.savefig(png, dpi=120)
+    print(f"wrote {json_path} and {png}")
