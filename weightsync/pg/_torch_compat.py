@@ -1,6 +1,6 @@
 """Every private or version-dependent torch.distributed call weightsync makes lives here.
 
-Callers ask capability questions (``nccl2_available()``, ``supports_reconfigure(pg)``),
+Callers ask capability questions (``nccl2_available()``, ``gloo_options_reconfigurable()``),
 never torch version strings. Each probe looks for the attribute it needs, so a torch that
 adds or drops a feature takes the matching path without code changes elsewhere.
 
@@ -87,11 +87,6 @@ def _validated(make: Any, timeout: float) -> Any:
 
 def new_store_client(host: str, port: int, timeout: float) -> Any:
     return _validated(lambda t: dist.TCPStore(host, port, is_master=False, timeout=t), timeout)
-
-
-def new_store_server(host: str, port: int, timeout: float) -> dist.TCPStore:
-    return _validated(lambda t: dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=t),
-                      timeout)
 
 
 def clone_store(store: Any, timeout: float) -> Any:
@@ -239,11 +234,6 @@ def abort(pg: Any) -> None:
             return
         except Exception:  # noqa: BLE001,S112 - best effort on an already broken group
             continue
-
-
-def supports_reconfigure(pg: Any) -> bool:
-    probe = getattr(pg, "supports_reconfigure", None)
-    return bool(probe) and hasattr(pg, "get_reconfigure_handle")
 
 
 def torch_flight_recorder_json() -> bytes | None:
