@@ -103,7 +103,7 @@ class ChannelSettings(msgspec.Struct, frozen=True):
     timeout: float  # the floor of every data-plane deadline
     min_bandwidth: float  # bytes/s: a bucket of n bytes may take timeout + n / min_bandwidth
     heartbeat_interval: float  # members beat this often; the publisher judges silence by it
-    checksum: bool  # every version is followed by a Seal of per-bucket digests
+    checksum: bool  # the publisher's default: versions are followed by a Seal (each Announce says)
     in_place: bool  # generations re-form one long-lived backend (Ready carries its handle)
 
 
@@ -139,10 +139,11 @@ class Announce(msgspec.Struct, frozen=True, tag="announce"):
     bucket_bytes: int
     num_buckets: int
     resend: bool = False
+    checksum: bool = True  # a Seal with this version's per-bucket digests follows its buckets
 
 
 class Seal(msgspec.Struct, frozen=True, tag="seal"):
-    """Per-bucket digests (``layout.checksum``) of version `version`, sent once its buckets left."""
+    """Per-bucket digests (``transport.checksum``) of version `version`, sent once its buckets left."""
 
     generation: int
     seq: int

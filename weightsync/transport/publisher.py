@@ -120,7 +120,6 @@ class Publisher:
         self._rec = self._recorder.scope(name, "publisher")
         self.policy = policy or StragglerPolicy()
         self.orchestrator = orchestrator
-        self.checksum = checksum
         self.settings = self.options.settings(checksum=checksum, in_place=reconfigure_enabled(self.backend))
         deadlines = Deadlines(self.settings)
         self._staging = Staging(max_snapshots)
@@ -275,6 +274,15 @@ class Publisher:
                 pass
             self._check_running()  # a sender that died ends the wait with Closed (from its error)
         return self.members
+
+    @property
+    def checksum(self) -> bool:
+        """Per-bucket digests for the versions put from now on (may be changed at any time)."""
+        return self._sender.checksum
+
+    @checksum.setter
+    def checksum(self, on: bool) -> None:
+        self._sender.checksum = bool(on)
 
     @property
     def evicted(self) -> list[MemberInfo]:

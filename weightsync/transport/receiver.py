@@ -325,7 +325,7 @@ class Receiver:
             buckets = [flat[lo:hi] for lo, hi in ranges]
             sums: list[int] = []
             last = [time.monotonic()]
-            verify = self.deadlines.settings.checksum
+            verify = announce.checksum
 
             def after(i: int) -> None:  # bucket i is here; bucket i+1 is on the wire meanwhile
                 self._hooks.after_bucket(announce.version, i, buckets[i], time.monotonic() - last[0])

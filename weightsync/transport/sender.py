@@ -135,6 +135,7 @@ class Sender:
                  on_evicted: Callable[[MemberInfo], None]) -> None:
         self.channel = channel
         self.settings = settings
+        self.checksum = settings.checksum  # per version: the publisher may turn it off and on
         self.deadlines = Deadlines(settings)
         self.staging = staging
         self.membership = membership
@@ -276,9 +277,10 @@ class Sender:
         members = tuple(self.membership.members)
         gen, seq = self.membership.generation, gens.next_seq()
         ranges = layout.bucket_ranges(job.manifest.total_bytes, self.settings.bucket_bytes)
+        verify = self.checksum
         announce = _wire.Announce(generation=gen, seq=seq, version=job.version, manifest=job.manifest,
                                   bucket_bytes=self.settings.bucket_bytes, num_buckets=len(ranges),
-                                  resend=job.resends > 0)
+                                  resend=job.resends > 0, checksum=verify)
         job.resends += 1
         job.started = job.started or time.monotonic()
         t0 = time.monotonic()
@@ -292,12 +294,12 @@ class Sender:
                                                self.deadlines.bucket)
                 sums: list[int] = []
                 # each bucket's digest is taken once it is on the wire, while the next one transfers
-                after = (lambda i: sums.append(checksum(slices[i]))) if self.settings.checksum else None
+                after = (lambda i: sums.append(checksum(slices[i]))) if verify else None
                 # a member known dead (its connection closed, or silent past its bound) ends the wait
                 # for it now: the transfer is abandoned and re-sent to the rest, not left to time out
                 gens.plane.move(Transfer(job.version, slices, self.deadlines.bucket, before=before, after=after,
                                          cancelled=self._generation_broken))
-                if self.settings.checksum:
+                if verify:
                     gens.tell(members, _wire.Seal(generation=gen, seq=seq, version=job.version, checksums=tuple(sums)))
             if job.flat is None:
                 job.release()
