@@ -253,9 +253,9 @@ class ControlServer:
         deny = auth.admission_problem(join, channel=self.channel, server_nonce=nonce, secret=self._secret,
                                       mine=self._mine, closing=self._closing())
         if deny is not None:
+            self._rec.record("admit", peers=(join.member_id[:64],)).fail(deny.reason)  # recorded before answered
             writer.write(session.seal(deny))
             writer.close()
-            self._rec.record("admit", peers=(join.member_id[:64],)).fail(deny.reason)
             return None
         session.key = auth.session_key(self._secret, server_nonce=nonce, client_nonce=join.nonce,
                                        member_id=join.member_id)
