@@ -228,36 +228,3 @@ def test_analyzer_blames_a_member_without_a_dump_at_the_stalled_bucket() -> None
     assert result.missing_dumps == ["killed"]
     assert [(c.member, c.bucket) for c in result.culprits] == [("killed", 1)]
     assert "dump is missing" in result.culprits[0].reason
-
-
-def test_a_pipelined_snapshot_lets_each_bucket_go_once_its_bytes_are_in() -> None:
-    """put() commits the job first and copies after: bucket i waits only for its own bytes, and a
-    snapshot that fails makes the bucket waiting on it fail as this side's own error."""
-    from weightsync._errors import LocalFailure
-    from weightsync.transport.staging import BucketBuffers, SnapshotProgress, bucket_slices, pack_progressively
-
-    items = [("a", torch.arange(1000, dtype=torch.float32)), ("b", torch.arange(3000, dtype=torch.float32))]
-    manifest = layout.build_manifest(items)
-    loop = asyncio.new_event_loop()
-    try:
-        job = Job(version=1, manifest=manifest, handle=PutHandle("ch", 1, loop),
-                  flat=torch.zeros(manifest.total_bytes, dtype=torch.uint8), progress=SnapshotProgress())
-        ranges = layout.bucket_ranges(manifest.total_bytes, 4096)
-        slices, before = bucket_slices(job, ranges, BucketBuffers(torch.device("cpu")), 4096, lambda n: 5.0)
-        assert before is not None and len(slices) == len(ranges) == 4
-        waited: list[int] = []
-        waiter = threading.Thread(target=lambda: (before(0), waited.append(0), before(3), waited.append(3)))
-        waiter.start()
-        job.progress.advance(4096)  # the first bucket's bytes are in, the rest are not
-        waiter.join(0.5)
-        assert waited == [0] and waiter.is_alive()  # bucket 0 may go; bucket 3 still waits
-        pack_progressively(job.flat, manifest, items, job.progress)
-        waiter.join(5)
-        assert waited == [0, 3]
-        assert torch.equal(layout.views(job.flat, manifest)["b"], items[1][1])
-        broken = SnapshotProgress()
-        broken.fail(RuntimeError("the caller's tensor went away"))
-        with pytest.raises(LocalFailure, match="went away"):
-            broken.wait_for(1, 5.0)
-    finally:
-        loop.close()

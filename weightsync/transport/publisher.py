@@ -54,14 +54,7 @@ from weightsync.transport.options import (
     warn_open_channel,
 )
 from weightsync.transport.sender import Abort, Drain, Evict, Join, Leave, MemberDied, PutCommitted, Sender, SenderState
-from weightsync.transport.staging import (
-    Job,
-    SnapshotProgress,
-    Staging,
-    cuda_snapshot,
-    pack_progressively,
-    superseded_report,
-)
+from weightsync.transport.staging import Job, Staging, cuda_snapshot, superseded_report
 
 
 class Publisher:
@@ -332,36 +325,22 @@ class Publisher:
                                           nbytes=manifest.total_bytes).start()
             job = Job(version=version, manifest=manifest, handle=handle)
             displaced: Job | None = None
-            if copy and not any(t.is_cuda for _, t in items):
-                # a pipelined snapshot: the job is committed first and the sender sends bucket i as
-                # soon as its bytes are copied; put() still returns only once the copy is complete
-                pin = self._slot_device.type == "cpu" and torch.cuda.is_available()
-                buf, displaced = self._staging.acquire(manifest.total_bytes, self._slot_device, pin=pin)
-                job.flat, job.progress = buf[: manifest.total_bytes], SnapshotProgress()
-                displaced = self._staging.commit(job) or displaced
-                self._sender.submit(PutCommitted(version))
-                try:
-                    await self._loop.run_in_executor(self._executor, pack_progressively, job.flat, manifest, items,
-                                                     job.progress)
-                except BaseException as err:
-                    job.progress.fail(err)  # the sender drops it (or abandons it mid-send): the put fails
-                    self._resolve_displaced(displaced, version, err)
-                    raise
-            elif copy:
+            if copy:
                 pin = self._slot_device.type == "cpu" and torch.cuda.is_available()
                 buf, displaced = self._staging.acquire(manifest.total_bytes, self._slot_device, pin=pin)
                 try:
                     job.flat, job.ready = await self._snapshot(buf, manifest, items)
                 except BaseException as err:
                     self._staging.give_back(buf)
-                    self._resolve_displaced(displaced, version, err)
+                    if displaced is not None:  # its buffer may be half overwritten: it cannot go out
+                        displaced.handle.resolve_threadsafe(error=WeightSyncError(
+                            f"version {displaced.version} was displaced by version {version}, whose snapshot "
+                            f"failed: {err}", channel=self.name, version=displaced.version))
                     raise
-                displaced = self._staging.commit(job) or displaced
-                self._sender.submit(PutCommitted(version))
             else:
                 job.items = items
-                displaced = self._staging.commit(job) or displaced
-                self._sender.submit(PutCommitted(version))
+            displaced = self._staging.commit(job) or displaced
+            self._sender.submit(PutCommitted(version))
             self._last_version = version
             entry.complete()
             if displaced is not None:
@@ -370,18 +349,15 @@ class Publisher:
 
     async def _snapshot(self, buf: torch.Tensor, manifest: _wire.Manifest,
                         items: list[tuple[str, torch.Tensor]]) -> tuple[torch.Tensor, Any]:
-        """A stream-ordered device snapshot (CUDA sources): enqueued, not waited for."""
         flat = buf[: manifest.total_bytes]
-        device = next(t.device for _, t in items if t.is_cuda)
-        if self._copy_stream is None:
-            self._copy_stream = torch.cuda.Stream(device)
-        return flat, cuda_snapshot(flat, manifest, items, self._copy_stream)
-
-    def _resolve_displaced(self, displaced: Job | None, version: int, err: BaseException) -> None:
-        if displaced is not None:  # its buffer may be half overwritten: it cannot go out
-            displaced.handle.resolve_threadsafe(error=WeightSyncError(
-                f"version {displaced.version} was displaced by version {version}, whose snapshot failed: {err}",
-                channel=self.name, version=displaced.version))
+        if any(t.is_cuda for _, t in items):
+            device = next(t.device for _, t in items if t.is_cuda)
+            if self._copy_stream is None:
+                self._copy_stream = torch.cuda.Stream(device)
+            return flat, cuda_snapshot(flat, manifest, items, self._copy_stream)
+        assert self._loop is not None
+        await self._loop.run_in_executor(self._executor, layout.pack_into, flat, manifest, items)
+        return flat, None
 
     def _check_running(self) -> None:
         if self._state is not EndState.RUNNING or self._sender.state is SenderState.FAILED:

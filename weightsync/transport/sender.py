@@ -251,9 +251,6 @@ class Sender:
     # one version --------------------------------------------------------------------------
     def _send(self, gens: Generations, job: Job) -> None:
         error: BaseException | None = None
-        if job.progress is not None and job.progress.error is not None:
-            self._finish(job, time.monotonic(), job.progress.error)  # its snapshot failed before it left
-            return
         for _attempt in range(3):
             try:
                 failed = self._send_once(gens, job)
@@ -290,8 +287,7 @@ class Sender:
             gens.tell(members, announce)
             entry.complete()
             if members:
-                slices, before = bucket_slices(job, ranges, self._buckets, self.settings.bucket_bytes,
-                                               self.deadlines.bucket)
+                slices, before = bucket_slices(job, ranges, self._buckets, self.settings.bucket_bytes)
                 sums: list[int] = []
                 # each bucket's digest is taken once it is on the wire, while the next one transfers
                 after = (lambda i: sums.append(checksum(slices[i]))) if verify else None

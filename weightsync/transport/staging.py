@@ -28,66 +28,9 @@ from typing import Any
 
 import torch
 
-from weightsync._errors import LocalFailure
 from weightsync._wire import Manifest
 from weightsync.transport import layout
 from weightsync.transport.handles import DeliveryReport, PutHandle
-
-
-class SnapshotProgress:
-    """How far a host snapshot has been copied: the sender sends bucket i once its bytes are in.
-
-    Written by the snapshot worker (``advance``, ``fail``), read by the sender (``wait_for``).
-    """
-
-    CHUNK = 16 << 20  # contiguous tensors are copied in chunks of this many bytes, for progress
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self.copied = 0
-        self.error: BaseException | None = None
-
-    def advance(self, nbytes: int) -> None:
-        with self._cond:
-            self.copied = max(self.copied, nbytes)
-            self._cond.notify_all()
-
-    def fail(self, error: BaseException) -> None:
-        with self._cond:
-            self.error = error
-            self._cond.notify_all()
-
-    def wait_for(self, nbytes: int, timeout: float) -> None:
-        """Until ``nbytes`` are copied; LocalFailure when the snapshot failed or took too long."""
-        with self._cond:
-            done = self._cond.wait_for(lambda: self.copied >= nbytes or self.error is not None, timeout)
-            if self.error is not None:
-                raise LocalFailure(f"the snapshot failed: {self.error}")
-            if not done:
-                raise LocalFailure(f"the snapshot did not reach byte {nbytes} within {timeout:.3g}s")
-
-
-def pack_progressively(flat: torch.Tensor, manifest: Manifest, items: list[tuple[str, torch.Tensor]],
-                       progress: SnapshotProgress) -> None:
-    """``layout.pack_into``, telling ``progress`` how far it got (chunk by chunk for big tensors)."""
-    try:
-        for spec, (_, tensor) in zip(manifest.tensors, items, strict=True):
-            if not spec.nbytes:
-                continue
-            dst = layout.tensor_view(flat, spec)
-            if tensor.is_contiguous() and spec.nbytes > SnapshotProgress.CHUNK:
-                src, out = tensor.reshape(-1), dst.reshape(-1)
-                step = max(SnapshotProgress.CHUNK // tensor.element_size(), 1)
-                for start in range(0, src.numel(), step):
-                    out[start:start + step].copy_(src[start:start + step])
-                    progress.advance(spec.offset + min(start + step, src.numel()) * tensor.element_size())
-            else:
-                dst.copy_(tensor)
-                progress.advance(spec.offset + spec.nbytes)
-        progress.advance(manifest.total_bytes)
-    except BaseException as err:
-        progress.fail(err)
-        raise
 
 
 @dataclass(eq=False)
@@ -100,7 +43,6 @@ class Job:
     flat: torch.Tensor | None = None  # the snapshot (copy=True)
     items: list[tuple[str, torch.Tensor]] | None = None  # borrowed tensors (copy=False)
     ready: Any = None  # a CUDA event the snapshot completes on, or None
-    progress: SnapshotProgress | None = None  # a host snapshot still being copied while it is sent
     resends: int = 0
     started: float = 0.0  # monotonic time of the first send attempt
     members_done: set[str] = field(default_factory=set)
@@ -222,26 +164,16 @@ class BucketBuffers:
         return self._bufs
 
 
-def bucket_slices(job: Job, ranges: list[tuple[int, int]], buffers: BucketBuffers, bucket_bytes: int,
-                  deadline: Callable[[int], float]) -> tuple[list[torch.Tensor], Callable[[int], None] | None]:
+def bucket_slices(job: Job, ranges: list[tuple[int, int]], buffers: BucketBuffers,
+                  bucket_bytes: int) -> tuple[list[torch.Tensor], Callable[[int], None] | None]:
     """What the sender broadcasts for ``job``, and what to run before each bucket.
 
-    With a snapshot: slices of it; if the snapshot is still being copied (a pipelined put),
-    bucket i waits until its bytes are in (bounded by ``deadline``), so the first bucket leaves
-    as soon as it is copied. With ``copy=False``: two bucket buffers taking turns, bucket i+1
-    packed while bucket i is on the wire; the caller's tensors are released once the last
-    bucket is packed.
+    With a snapshot: slices of it, nothing to run. With ``copy=False``: two bucket buffers
+    taking turns, bucket i+1 packed while bucket i is on the wire; the caller's tensors are
+    released once the last bucket is packed.
     """
     if job.flat is not None:
-        progress = job.progress
-        if progress is None:
-            return [job.flat[lo:hi] for lo, hi in ranges], None
-
-        def copied(i: int) -> None:
-            assert progress is not None
-            progress.wait_for(ranges[i][1], deadline(ranges[i][1] - ranges[i][0]))
-
-        return [job.flat[lo:hi] for lo, hi in ranges], copied
+        return [job.flat[lo:hi] for lo, hi in ranges], None
     bufs = buffers.get(min(bucket_bytes, job.manifest.total_bytes))
     items = job.items
     assert items is not None
