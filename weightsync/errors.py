@@ -43,6 +43,7 @@ class WeightSyncError(Exception):
         member: str | None = None,
         version: int | None = None,
     ) -> None:
+        self.message = message  # without the context suffix
         self.channel = channel
         self.generation = generation
         self.member = member

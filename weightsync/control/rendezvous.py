@@ -142,6 +142,10 @@ class KeyValue:
             reply(_wire.StoreResult(op.rid, False, error=str(err)))
 
 
+def _as_bytes(value: Any) -> bytes:
+    return value.encode() if isinstance(value, str) else bytes(value)
+
+
 class _StoreBase(dist.Store):
     """A c10d Store over some backend; see the module docstring. Methods follow c10d's names."""
 
@@ -159,7 +163,7 @@ class _StoreBase(dist.Store):
         raise NotImplementedError
 
     def set(self, key: str, value: Any) -> None:
-        self._call("set", (key,), value=value.encode() if isinstance(value, str) else bytes(value))
+        self._call("set", (key,), value=_as_bytes(value))
 
     def get(self, key: str) -> bytes:
         result = self._call("get", (key,), timeout=self._deadline())
@@ -179,8 +183,7 @@ class _StoreBase(dist.Store):
             raise RuntimeError(f"wait timeout for rendezvous keys {keys}")
 
     def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
-        as_bytes = (lambda v: v.encode() if isinstance(v, str) else bytes(v))  # noqa: E731
-        return self._call("compare_set", (key,), value=as_bytes(expected), desired=as_bytes(desired)).value
+        return self._call("compare_set", (key,), value=_as_bytes(expected), desired=_as_bytes(desired)).value
 
     def delete_key(self, key: str) -> bool:
         return bool(self._call("delete", (key,)).number)

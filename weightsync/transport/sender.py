@@ -161,7 +161,8 @@ class Sender:
         if isinstance(event, Abort):
             self.aborting.set()
         self._events.put(event)
-        self.control.replies.put(_wire.Wake(reason=type(event).__name__))  # a wait for replies re-pumps
+        if not isinstance(event, PutCommitted):  # a wait for replies must apply membership changes now
+            self.control.replies.put(_wire.Wake(reason=type(event).__name__))
 
     @property
     def evicted(self) -> list[MemberInfo]:

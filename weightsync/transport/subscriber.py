@@ -31,7 +31,7 @@ import torch
 
 from weightsync import _wire
 from weightsync.control import auth
-from weightsync.errors import Closed, SyncTimeout, WeightSyncError
+from weightsync.errors import Closed, SyncTimeout
 from weightsync.pg.group import resolve_backend
 from weightsync.pg.recorder import FlightRecorder, process_recorder
 from weightsync.testing import Hooks
@@ -323,7 +323,7 @@ class Subscriber:
                 return
             error = self._receiver.terminal.error if self._receiver is not None else None
             if error is not None:
-                raise type(error)(_bare(error), channel=self.name, member=self.member_id, version=have)
+                raise type(error)(error.message, channel=self.name, member=self.member_id, version=have)
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 self._rec.record("get", version=-1 if min_version is None else min_version).fail("deadline expired")
@@ -339,9 +339,3 @@ class Subscriber:
     def _wake(self) -> None:
         if self._changed is not None:
             call_soon(self._loop, self._changed.set)
-
-
-def _bare(error: WeightSyncError) -> str:
-    """``error``'s message without the context suffix its constructor added."""
-    text = str(error.args[0]) if error.args else str(error)
-    return text.rsplit(" [", 1)[0] if text.endswith("]") else text
