@@ -62,6 +62,9 @@ class WeightsyncInitInfo(WeightTransferInitInfo):
             each ``update_weights``.
         member_id: this worker's name in the channel; the engine appends ``-dp{i}-r{rank}``
             so every worker's name is unique (default: ``vllm-<host>-<pid>``).
+        backend: the channel's process-group backend, as the publisher's: ``"auto"`` picks
+            NCCL for a worker on a CUDA device (receive slots on that device) and gloo
+            otherwise; ``"gloo"`` receives into host memory on any worker.
     """
 
     address: str
@@ -69,6 +72,7 @@ class WeightsyncInitInfo(WeightTransferInitInfo):
     secret: str | None = None
     timeout: float = 30.0
     member_id: str | None = None
+    backend: str = "auto"
 
     def __post_init__(self) -> None:
         if not isinstance(self.address, str) or ":" not in self.address:
@@ -143,8 +147,9 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         member = f"{base}-dp{dp}-r{rank}"
         self._timeout = float(init_info.timeout)
         self._bridge = LoopThread(f"ws-vllm-{member}")
+        device = self.device if self.device.type == "cuda" and init_info.backend != "gloo" else "cpu"
         sub = Subscriber(init_info.channel, address=init_info.address, secret=init_info.secret,
-                         timeout=self._timeout, member_id=member, device="cpu")
+                         timeout=self._timeout, member_id=member, backend=init_info.backend, device=device)
         try:
             self._bridge.run(sub.start(), 2 * self._timeout + GRACE, f"joining channel {init_info.channel!r}")
         except BaseException:
