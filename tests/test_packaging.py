@@ -55,6 +55,10 @@ def test_installed_without_editable_mode_it_imports_and_its_cli_writes_nothing_t
     # numpy is not a dependency of weightsync (nor of torch): the import must not need it
     code = ("import importlib.util as u; assert u.find_spec('numpy') is None; import weightsync; "
             "assert u.find_spec('benchmarks') is None and u.find_spec('rl_examples') is None; "
+            # vLLM finds the backend through this entry point; without vLLM the module still imports
+            "from importlib.metadata import entry_points as e; "
+            "assert [p.value for p in e(group='vllm.general_plugins')] == ['weightsync.integrations.vllm:register']; "
+            "import weightsync.integrations.vllm; "
             "print(weightsync.__version__)")
     sh(python, "-c", code, cwd=empty, env=env)
     doctor = sh(venv / "bin" / "weightsync", "doctor", cwd=empty, env=env)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
+import threading
 
 import msgspec
 import pytest
@@ -43,10 +45,37 @@ def test_import_has_no_side_effects() -> None:
             "assert dict(os.environ) == env, 'environment changed'; "
             "assert type(asyncio.get_event_loop_policy()).__module__.startswith('asyncio'); "
             "assert not torch.cuda.is_initialized(); "
-            "import sys; assert 'cupy' not in sys.modules; print('ok')")
+            "import sys; assert 'cupy' not in sys.modules; "
+            "assert not any(m.startswith(('vllm', 'weightsync.integrations')) for m in sys.modules); "
+            # the vLLM plug-in's entry module imports without vLLM; only its engines need it
+            "import weightsync.integrations.vllm; assert 'vllm' not in sys.modules; print('ok')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
+
+
+def test_loop_thread_bounds_every_call_and_stops() -> None:
+    from weightsync.integrations._bridge import LoopThread
+
+    bridge = LoopThread("test-bridge")
+    assert bridge.run(asyncio.sleep(0, result=7), 5.0, "a quick call") == 7
+    cancelled = threading.Event()
+
+    async def forever() -> None:
+        try:
+            await asyncio.Event().wait()
+        finally:
+            cancelled.set()
+
+    with pytest.raises(ws.SyncTimeout, match="waiting forever did not finish within 0.2s"):
+        bridge.run(forever(), 0.2, "waiting forever")
+    assert cancelled.wait(5.0), "the timed-out coroutine was left running"
+    with pytest.raises(ZeroDivisionError):  # the coroutine's own error reaches the caller
+        bridge.run(asyncio.to_thread(lambda: 1 / 0), 5.0, "dividing")
+    bridge.close()
+    assert not bridge.alive
+    with pytest.raises(RuntimeError, match="loop thread has stopped"):
+        bridge.run(asyncio.sleep(0), 1.0, "after close")
 
 
 def test_layout_round_trips_every_dtype_bit_exact() -> None:

@@ -121,3 +121,19 @@ def test_grpo_example_learns_with_the_engine_in_the_loop(tmp_path: Path) -> None
     # the engine really followed the trainer: batches came from many distinct versions
     assert len({s["batch_version"] for s in steps}) > len(steps) // 2
     assert (out / "vllm_grpo.png").stat().st_size > 0
+
+
+def test_bad_arguments_are_clear_errors_before_anything_waits() -> None:
+    from weightsync.integrations.vllm.worker import WeightsyncInitInfo, WeightsyncUpdateInfo
+
+    for bad in (-1, True, "3", 2.0):
+        with pytest.raises(ValueError, match="min_version must be an int"):
+            WeightsyncUpdateInfo(min_version=bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="timeout must be > 0"):
+        WeightsyncUpdateInfo(min_version=1, timeout=0)
+    with pytest.raises(ValueError, match="address must be the publisher's 'host:port'"):
+        WeightsyncInitInfo(address="localhost", channel="policy")
+    with pytest.raises(ValueError, match="channel must be a non-empty string"):
+        WeightsyncInitInfo(address="127.0.0.1:1", channel="")
+    with pytest.raises(ValueError, match="timeout must be > 0"):
+        WeightsyncInitInfo(address="127.0.0.1:1", channel="policy", timeout=-1)
