@@ -28,13 +28,12 @@ DEADLINE = 270  # the whole driver (two engine starts, ~30 s each, and every ste
 BOUND = driver.FAIL_TIMEOUT + 5.0  # an update that fails must fail within its timeout and the grace
 
 
-@pytest.fixture(scope="module")
-def report(tmp_path_factory: pytest.TempPathFactory) -> driver.Report:
-    work = tmp_path_factory.mktemp("vllm")
+def run_driver(role: str, work: Path, env: dict[str, str] | None = None) -> bytes:
+    """``python -m tests.vllm_driver ROLE``, bounded by DEADLINE; its report's bytes."""
     result, log = work / "report.json", work / "driver.log"
     with open(log, "wb") as fh:
-        proc = subprocess.Popen([sys.executable, "-m", "tests.vllm_driver", "scenario", str(result), str(work)],
-                                cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=fh,
+        proc = subprocess.Popen([sys.executable, "-m", "tests.vllm_driver", role, str(result), str(work)],
+                                cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO), **(env or {})), stdout=fh,
                                 stderr=subprocess.STDOUT, start_new_session=True)
         try:
             code = proc.wait(DEADLINE)
@@ -43,8 +42,25 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> driver.Report:
         finally:
             kill_group(proc.pid)
     tail = log.read_text(errors="replace")[-6000:]
-    assert code == 0 and result.exists(), f"driver exited {code} (deadline {DEADLINE}s); log:\n{tail}"
-    return msgspec.json.decode(result.read_bytes(), type=driver.Report)
+    assert code == 0 and result.exists(), f"driver {role} exited {code} (deadline {DEADLINE}s); log:\n{tail}"
+    return result.read_bytes()
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory: pytest.TempPathFactory) -> driver.Report:
+    return msgspec.json.decode(run_driver("scenario", tmp_path_factory.mktemp("vllm")), type=driver.Report)
+
+
+@pytest.fixture(scope="module")
+def tp_report(tmp_path_factory: pytest.TempPathFactory) -> driver.TensorParallelReport:
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("a TP=2 engine needs two cores (one per worker)")
+    # vLLM's CPU workers bind their threads per NUMA node and refuse two workers on one node
+    # unless told which cores each takes
+    bind = {"VLLM_CPU_OMP_THREADS_BIND": f"{cores[0]}|{cores[1]}"}
+    data = run_driver("tensor-parallel", tmp_path_factory.mktemp("vllm-tp"), bind)
+    return msgspec.json.decode(data, type=driver.TensorParallelReport)
 
 
 def kill_group(pgid: int) -> None:
@@ -92,6 +108,18 @@ def test_killed_publisher_fails_the_update_in_bound_and_old_weights_stay(report:
     assert report.killed.seconds < BOUND
     assert report.after_killed.tokens == report.after.tokens
     assert max_diff(report.after_killed, report.after) == 0.0
+
+
+def test_tensor_parallel_workers_each_subscribe_and_serve_one_version(report: driver.Report,
+                                                                     tp_report: driver.TensorParallelReport) -> None:
+    # two workers, two members of the channel, both on version 1
+    assert tp_report.version == 1
+    assert [w["version"] for w in tp_report.info] == [1, 1]
+    assert len({w["member"] for w in tp_report.info}) == 2
+    # the same weights (checkpoint B) as the TP=1 reference engine: load_weights sliced them right
+    assert tp_report.before.tokens == report.before.tokens
+    assert tp_report.after.tokens == report.reference.tokens
+    assert max_diff(tp_report.after, report.reference) <= 1e-3
 
 
 def test_vllm_trainer_api_switches_backend_by_name(report: driver.Report) -> None:

