@@ -61,3 +61,22 @@ def test_the_minimal_push_example_ends_bit_exact() -> None:
     out = run("-m", "rl_examples.minimal_push", "--steps", "3", "--generators", "2")
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert "every generator ended on the trainer's latest weights" in out.stdout
+
+
+def test_cost_model_tree_is_gloos_binomial_broadcast_and_its_wire_term_adds_up() -> None:
+    from benchmarks.cost_model import tree, wire_seconds
+
+    # gloo's broadcast: a rank gets the data from itself without its highest set bit
+    assert tree(1) == {1: 0}
+    assert tree(4) == {1: 0, 2: 0, 3: 1, 4: 0}
+    assert tree(8) == {1: 0, 2: 0, 3: 1, 4: 0, 5: 1, 6: 2, 7: 3, 8: 0}
+    s, b, r = 8e6, 2e6, 1e8  # bytes, bytes, bit/s
+    one = s * 8 / r
+    assert wire_seconds(1, int(s), int(b), r) == pytest.approx(one)
+    assert wire_seconds(2, int(s), int(b), r) == pytest.approx(one)  # the root's sends run side by side
+    # 4 receivers: rank 3 is one relay away, one extra bucket of pipeline fill
+    assert wire_seconds(4, int(s), int(b), r) == pytest.approx(one + b * 8 / r)
+    # 8: rank 1 relays to 3 and 5 over one outgoing link (half rate each), then 3 -> 7
+    assert wire_seconds(8, int(s), int(b), r) == pytest.approx(2 * one + 2 * b * 8 / r)
+    # a shaped root shares its link among its ceil(log2(n + 1)) children
+    assert wire_seconds(2, int(s), int(b), r, root_bps=r) == pytest.approx(2 * one)

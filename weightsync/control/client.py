@@ -100,6 +100,7 @@ class ControlClient:
         # the reader has its own descriptor: a socket's timeout is per object, and the reader's
         # short slices must never cut a sender's sendall short
         self._sock, self._rsock, self._session = sock, sock.dup(), session
+        self.local_host: str = sock.getsockname()[0]  # the interface that reaches the publisher
         self.last_heard = time.monotonic()
         self._reader = threading.Thread(target=self._read_loop, name=f"ws-{self.channel}-control", daemon=True)
         self._reader.start()

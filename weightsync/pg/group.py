@@ -81,7 +81,8 @@ class DedicatedGroup:
 
     @classmethod
     def build(cls, store: Any, *, channel: str, member: str, spec: GenerationSpec, backend: str,
-              device: torch.device, recorder: FlightRecorder, max_ctas: int = 4) -> DedicatedGroup:
+              device: torch.device, recorder: FlightRecorder, max_ctas: int = 4,
+              host: str | None = None) -> DedicatedGroup:
         """Rendezvous with the other members; blocks at most ``spec.timeout`` seconds.
 
         ``store`` is a connection owned by the calling thread; it is cloned, never shared.
@@ -102,7 +103,7 @@ class DedicatedGroup:
                 if backend == "nccl":
                     pg = compat.make_nccl(prefixed, spec.rank, size, spec.timeout, device, max_ctas)
                 else:
-                    pg = compat.make_gloo(prefixed, spec.rank, size, spec.timeout)
+                    pg = compat.make_gloo(prefixed, spec.rank, size, spec.timeout, host)
         except Exception as err:
             entry.fail(err)
             raise PeerFailure(f"rendezvous of generation {spec.generation} failed: {err}") from err
@@ -208,14 +209,14 @@ class Reconfigurable:
     """One member's gloo backend for its whole membership, re-formed in place every generation."""
 
     def __init__(self, store: Any, *, channel: str, member: str, slot: int, timeout: float,
-                 recorder: FlightRecorder) -> None:
+                 recorder: FlightRecorder, host: str | None = None) -> None:
         self.channel, self.member, self.slot = channel, member, slot
         self._recorder = recorder
         self._rec = recorder.scope(channel, member)
         self._store = compat.clone_store(store, timeout)
         # every member's backend shares this prefix: the rendezvous keys live under the uuid
         self._pg = compat.make_gloo_reconfigurable(compat.prefix_store(f"ws/{channel}/rc", self._store), slot,
-                                                   timeout)
+                                                   timeout, host)
 
     def handle(self) -> str:
         return compat.reconfigure_handle(self._pg)
@@ -252,13 +253,16 @@ class GroupPlane:
         in_place: re-form one backend per membership instead of building one per generation.
         slot: with ``in_place``, this end's creation rank, unique in the channel.
         timeout: bound of creating the in-place backend.
+        host: the local address gloo binds (this end's control-connection address; see
+            ``_torch_compat.gloo_device``); None for gloo's default.
     """
 
     kind = "group"
 
     def __init__(self, store: Any, *, channel: str, member: str, backend: str, device: torch.device,
-                 recorder: FlightRecorder, in_place: bool = False, slot: int = 0, timeout: float = 30.0) -> None:
-        self._store, self.channel, self.member = store, channel, member
+                 recorder: FlightRecorder, in_place: bool = False, slot: int = 0, timeout: float = 30.0,
+                 host: str | None = None) -> None:
+        self._store, self.channel, self.member, self.host = store, channel, member, host
         self.backend, self.device, self.in_place, self.slot = backend, device, in_place, slot
         self._recorder = recorder
         self._timeout = timeout
@@ -271,7 +275,7 @@ class GroupPlane:
         if self._backend is None:
             try:
                 self._backend = Reconfigurable(self._store, channel=self.channel, member=self.member, slot=self.slot,
-                                               timeout=self._timeout, recorder=self._recorder)
+                                               timeout=self._timeout, recorder=self._recorder, host=self.host)
             except RuntimeError as err:
                 raise PeerFailure(f"could not create the reconfigurable backend: {err}") from err
         return self._backend.handle()
@@ -287,7 +291,8 @@ class GroupPlane:
                                         rank=0, size=1, recorder=self._recorder)
         else:
             self.group = DedicatedGroup.build(self._store, channel=self.channel, member=self.member, spec=spec,
-                                              backend=self.backend, device=self.device, recorder=self._recorder)
+                                              backend=self.backend, device=self.device, recorder=self._recorder,
+                                              host=self.host)
 
     def move(self, transfer: Transfer) -> float:
         if self.group is None:

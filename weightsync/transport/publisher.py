@@ -149,7 +149,12 @@ class Publisher:
         timeout = Deadlines(self.settings).rendezvous()
         return GroupPlane(LocalStore(self._table, timeout), channel=self.name, member="publisher",
                           backend=self.backend, device=self._slot_device, recorder=self._recorder,
-                          in_place=self.settings.in_place, slot=0, timeout=timeout)
+                          in_place=self.settings.in_place, slot=0, timeout=timeout, host=self._gloo_host())
+
+    def _gloo_host(self) -> str | None:
+        """gloo binds the address the control server listens on (None: every interface, gloo's pick)."""
+        host = self._bind[0]
+        return None if host in ("0.0.0.0", "::", "") else host
 
     def _on_join(self, link: Link) -> None:
         """Control thread: a connection passed the door; the Sender decides the rest."""

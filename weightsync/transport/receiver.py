@@ -224,7 +224,7 @@ class Receiver:
         self._plane = GroupPlane(store, channel=self.channel, member=self.member_id, backend=self.backend,
                                  device=self._slots.device, recorder=self._recorder,
                                  in_place=reply.settings.in_place, slot=reply.slot,
-                                 timeout=self.deadlines.rendezvous())
+                                 timeout=self.deadlines.rendezvous(), host=self._client.local_host)
         entry.complete()
         return reply.generation, reply.members
 

@@ -1,0 +1,241 @@
+"""An emulated cluster on one machine: generator "hosts" in network namespaces behind shaped links.
+
+    python -m benchmarks.netns check          # can this machine do it? (root, ip, tc, netns)
+    python -m benchmarks.netns sweep          # remove what a killed run left behind
+
+The trainer stays in the root namespace on a Linux bridge (``10.213.X.1``). Each generator
+host is a namespace with its own address (``10.213.X.(10+i)``) on a veth pair into the bridge;
+its link is shaped with an ``htb`` class on both ends (each direction), so the trainer's bytes
+reach host ``i`` at most at its rate. Processes run inside with :meth:`Cluster.popen`.
+
+Nothing outlives the run: :meth:`Cluster.close` (or leaving the ``with`` block) kills every
+process in the namespaces, deletes them and the links. If the owning process dies without
+closing (``kill -9``), a watchdog started with the cluster does the same: it waits on the
+owner's pidfd in its own session. A new cluster also sweeps what any dead owner left behind.
+Every name carries the owner's pid: namespaces ``ws-<pid>-g<i>``, links ``wsb<pid>`` and
+``wsv<pid>x<i>``.
+
+Used by tests/test_netns.py and benchmarks/cost_model.py; not part of the wheel.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import select
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+NS_RE = re.compile(r"^ws-(\d+)-g\d+$")
+LINK_RE = re.compile(r"^ws[bv](\d+)(x\d+)?(@.*)?$")
+
+
+class Unavailable(RuntimeError):
+    """This machine cannot host namespaces here; the message says why."""
+
+
+def sh(*argv: str, check: bool = True, timeout: float = 20.0) -> str:
+    out = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout)
+    if check and out.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)} exited {out.returncode}: {out.stderr.strip()}")
+    return out.stdout
+
+
+def unavailable() -> str | None:
+    """Why namespaces cannot be used here, or None when they can."""
+    if sys.platform != "linux":
+        return "network namespaces are Linux only"
+    if os.geteuid() != 0:
+        return "creating network namespaces needs root"
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return f"`{tool}` (iproute2) is not installed"
+    probe = f"ws-{os.getpid()}-g999"
+    try:
+        sh("ip", "netns", "add", probe)
+        sh("ip", "netns", "del", probe)
+    except (RuntimeError, subprocess.TimeoutExpired) as err:
+        return f"`ip netns add` failed here: {err}"
+    return None
+
+
+@dataclass
+class Host:
+    index: int
+    ns: str
+    ip: str
+    veth: str  # the root-side end, on the bridge
+    rate_mbit: float | None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def namespaces() -> list[str]:
+    return [line.split()[0] for line in sh("ip", "netns", "list", check=False).splitlines() if line.strip()]
+
+
+def links() -> list[str]:
+    names = []
+    for line in sh("ip", "-o", "link", "show", check=False).splitlines():
+        parts = line.split(":")
+        if len(parts) > 1:
+            names.append(parts[1].strip().split("@")[0])
+    return names
+
+
+def remove(owner: int) -> None:
+    """Kill every process in ``owner``'s namespaces, delete the namespaces and the links."""
+    for ns in namespaces():
+        match = NS_RE.match(ns)
+        if not match or int(match.group(1)) != owner:
+            continue
+        for pid in sh("ip", "netns", "pids", ns, check=False).split():
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(int(pid), signal.SIGKILL)
+        sh("ip", "netns", "del", ns, check=False)
+    for link in links():
+        match = LINK_RE.match(link)
+        if match and int(match.group(1)) == owner:
+            sh("ip", "link", "del", link, check=False)
+
+
+def sweep() -> list[int]:
+    """Remove what dead owners left behind; the owners cleaned up."""
+    owners = {int(m.group(1)) for ns in namespaces() if (m := NS_RE.match(ns))}
+    owners |= {int(m.group(1)) for link in links() if (m := LINK_RE.match(link))}
+    dead = sorted(pid for pid in owners if not _alive(pid))
+    for pid in dead:
+        remove(pid)
+    return dead
+
+
+def watch(owner: int) -> None:
+    """The watchdog: block until ``owner`` exits (its pidfd turns readable), then remove its hosts."""
+    try:
+        fd = os.pidfd_open(owner)
+    except ProcessLookupError:
+        remove(owner)
+        return
+    select.select([fd], [], [])  # no timeout on purpose: it lives exactly as long as its owner
+    remove(owner)
+
+
+class Cluster:
+    """``n`` generator hosts behind links of ``rates_mbit`` (None: unshaped) to the trainer."""
+
+    def __init__(self, rates_mbit: Sequence[float | None]) -> None:
+        reason = unavailable()
+        if reason is not None:
+            raise Unavailable(reason)
+        self.owner = os.getpid()
+        self.subnet = f"10.213.{self.owner % 250}"
+        self.bridge = f"wsb{self.owner}"
+        self.trainer_ip = f"{self.subnet}.1"
+        self.hosts = [Host(i, f"ws-{self.owner}-g{i}", f"{self.subnet}.{10 + i}", f"wsv{self.owner}x{i}", rate)
+                      for i, rate in enumerate(rates_mbit)]
+        self._procs: list[subprocess.Popen[bytes]] = []
+        self._watchdog: subprocess.Popen[bytes] | None = None
+        sweep()
+        try:
+            self._create()
+        except BaseException:
+            self.close()
+            raise
+
+    def _create(self) -> None:
+        self._watchdog = subprocess.Popen([sys.executable, "-m", "benchmarks.netns", "watch", str(self.owner)],
+                                          cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)),
+                                          start_new_session=True, stdout=subprocess.DEVNULL,
+                                          stderr=subprocess.DEVNULL)
+        sh("ip", "link", "add", self.bridge, "type", "bridge")
+        sh("ip", "addr", "add", f"{self.trainer_ip}/24", "dev", self.bridge)
+        sh("ip", "link", "set", self.bridge, "up")
+        for host in self.hosts:
+            sh("ip", "netns", "add", host.ns)
+            sh("ip", "link", "add", host.veth, "type", "veth", "peer", "name", "eth0", "netns", host.ns)
+            sh("ip", "link", "set", host.veth, "master", self.bridge)
+            sh("ip", "link", "set", host.veth, "up")
+            inside = ("ip", "netns", "exec", host.ns)
+            sh(*inside, "ip", "addr", "add", f"{host.ip}/24", "dev", "eth0")
+            sh(*inside, "ip", "link", "set", "eth0", "up")
+            sh(*inside, "ip", "link", "set", "lo", "up")
+            if host.rate_mbit is not None:
+                self.set_rate(host.index, host.rate_mbit)
+
+    # links --------------------------------------------------------------------------------
+    def set_rate(self, index: int, mbit: float) -> None:
+        """Shape host ``index``'s link to ``mbit`` Mbit/s in each direction."""
+        host = self.hosts[index]
+        host.rate_mbit = mbit
+        for prefix, dev in (((), host.veth), (("ip", "netns", "exec", host.ns), "eth0")):
+            sh(*prefix, "tc", "qdisc", "del", "dev", dev, "root", check=False)  # htb cannot be changed in place
+            sh(*prefix, "tc", "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "10")
+            # burst: a few milliseconds' worth, at least 64 KiB, so htb can keep a fast link busy
+            burst = max(64 * 1024, int(mbit * 1e6 / 8 * 0.004))
+            sh(*prefix, "tc", "class", "add", "dev", dev, "parent", "1:", "classid", "1:10", "htb",
+               "rate", f"{mbit}mbit", "ceil", f"{mbit}mbit", "burst", str(burst), "cburst", str(burst))
+
+    def link(self, index: int, up: bool) -> None:
+        """Take host ``index``'s link down (as a pulled cable) or bring it back."""
+        sh("ip", "link", "set", self.hosts[index].veth, "up" if up else "down")
+
+    # processes ----------------------------------------------------------------------------
+    def popen(self, index: int, argv: Sequence[str], env: dict[str, str] | None = None,
+              **kwargs: object) -> subprocess.Popen[bytes]:
+        """Start ``argv`` inside host ``index``; it is killed when the cluster closes."""
+        proc = subprocess.Popen(["ip", "netns", "exec", self.hosts[index].ns, *argv], env=env,  # type: ignore[call-overload]
+                                start_new_session=True, **kwargs)
+        self._procs.append(proc)
+        return proc
+
+    def close(self) -> None:
+        for proc in self._procs:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+        remove(self.owner)
+        if self._watchdog is not None and self._watchdog.poll() is None:
+            self._watchdog.kill()
+            self._watchdog.wait(10)
+
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def main(argv: Sequence[str]) -> int:
+    command = argv[0] if argv else "check"
+    if command == "check":
+        reason = unavailable()
+        print(reason or "network namespaces, veth, bridges and htb work here")
+        return 0 if reason is None else 1
+    if command == "sweep":
+        print(f"removed what these dead owners left: {sweep()}")
+        return 0
+    if command == "watch":
+        watch(int(argv[1]))
+        return 0
+    print(__doc__)
+    return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
