@@ -1,0 +1,136 @@
+"""Documented lifecycle behaviour that had no test (issue 15): closing, aborting, newcomers,
+admission by environment, operator evictions. Publisher and subscribers in one process."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+import weightsync as ws
+from tests.statedicts import digests, mixed_state_dict
+from weightsync.testing import Faults, inject
+
+pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(120)]
+
+FAST = {"timeout": 5.0, "heartbeat_interval": 0.25}
+
+
+async def test_aclose_sends_what_is_pending_before_it_stops() -> None:
+    pub = ws.Publisher("drain", **FAST)
+    await pub.start()
+    sub = ws.Subscriber("drain", address=pub.address, timeout=FAST["timeout"])
+    inject(sub, Faults(slow=4))  # every bucket takes a while: the version is still on the wire
+    await sub.start()
+    await pub.wait_subscribers(1, timeout=10)
+    sd = mixed_state_dict(3, mib=4)
+    handle = await pub.put(sd, version=1)
+    await pub.aclose()  # right away: the version is pending, and aclose must send it
+    report = await handle.delivered(timeout=1)  # resolved by the time aclose returned
+    assert report.members == (sub.member_id,) and not report.superseded
+    w = await sub.get(min_version=1, timeout=5)  # kept after the publisher is gone
+    assert w.version == 1 and digests(w) == digests(sd)
+    await sub.aclose()
+
+
+async def test_abort_fails_unsent_puts_with_closed() -> None:
+    pub = ws.Publisher("abort", **FAST, max_snapshots=2)
+    await pub.start()
+    sub = ws.Subscriber("abort", address=pub.address, timeout=FAST["timeout"])
+    inject(sub, Faults(slow=50))  # version 1 occupies the wire; version 2 waits its turn
+    await sub.start()
+    await pub.wait_subscribers(1, timeout=10)
+    first = await pub.put({"w": torch.zeros(1 << 20)}, version=1)
+    second = await pub.put({"w": torch.ones(1 << 20)}, version=2)
+    await pub.abort()
+    with pytest.raises(ws.Closed):
+        await second.delivered(timeout=5)
+    try:  # the one on the wire either made it or was cut off: either way it resolves
+        await first.delivered(timeout=5)
+    except ws.WeightSyncError:
+        pass
+    with pytest.raises(ws.Closed):
+        await pub.put({"w": torch.zeros(1)}, version=3)
+    await sub.abort()
+
+
+async def test_updates_ends_quietly_when_the_subscriber_closes() -> None:
+    async with ws.Publisher("upd", **FAST) as pub:
+        sub = ws.Subscriber("upd", address=pub.address, timeout=FAST["timeout"])
+        await sub.start()
+        await pub.wait_subscribers(1, timeout=10)
+        await (await pub.put({"w": torch.zeros(4)}, version=1)).delivered(timeout=10)
+        seen: list[int] = []
+
+        async def consume() -> None:
+            async for w in sub.updates():  # no timeout: only closing ends it
+                seen.append(w.version)
+
+        task = asyncio.create_task(consume())
+        while not seen:
+            await asyncio.sleep(0.01)  # until the first version was yielded
+        await sub.aclose()
+        await asyncio.wait_for(task, 10)  # ended, without raising
+    assert seen == [1]
+
+
+async def test_a_newcomer_gets_the_retained_version_without_a_new_put() -> None:
+    async with ws.Publisher("late", **FAST) as pub:
+        sd = mixed_state_dict(5, mib=1)
+        await pub.put(sd, version=7)  # nobody is listening yet
+        async with ws.Subscriber("late", address=pub.address, timeout=FAST["timeout"]) as sub:
+            w = await sub.get(timeout=10)
+            assert w.version == 7 and digests(w) == digests(sd)
+        assert pub.version == 7
+
+
+async def test_admission_by_environment_token_and_refusal_without_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WEIGHTSYNC_TOKEN", "from-the-env")
+    async with ws.Publisher("env", **FAST) as pub:  # secret from $WEIGHTSYNC_TOKEN
+        async with ws.Subscriber("env", address=pub.address, timeout=FAST["timeout"]) as sub:
+            await pub.wait_subscribers(1, timeout=10)
+            await (await pub.put({"w": torch.ones(3)}, version=1)).delivered(timeout=10)
+            assert (await sub.get(timeout=5)).version == 1
+        monkeypatch.delenv("WEIGHTSYNC_TOKEN")
+        with pytest.raises(ws.AdmissionDenied, match="missing or wrong token"):
+            async with ws.Subscriber("env", address=pub.address, timeout=FAST["timeout"]):
+                pass
+
+
+class Recording:
+    """An orchestrator that records what it was asked to replace (the Orchestrator protocol)."""
+
+    def __init__(self) -> None:
+        self.asked: list[tuple[str, str]] = []
+
+    async def replace(self, member: ws.MemberInfo) -> None:
+        self.asked.append((member.member_id, member.reason))
+
+
+async def test_neither_an_operator_eviction_nor_a_leave_is_replaced() -> None:
+    orchestrator = Recording()
+    async with ws.Publisher("ops", **FAST, orchestrator=orchestrator) as pub:
+        subs = [ws.Subscriber("ops", address=pub.address, member_id=f"g{i}", timeout=FAST["timeout"])
+                for i in range(2)]
+        await asyncio.gather(*(s.start() for s in subs))
+        await pub.wait_subscribers(2, timeout=10)
+        await pub.evict("g0")  # applied when the next generation forms
+        for _ in range(20):
+            await (await pub.put({"w": torch.zeros(4)})).delivered(timeout=10)
+            if pub.evicted:
+                break
+        assert [(m.member_id, m.reason) for m in pub.evicted] == [("g0", "operator")]
+        with pytest.raises(ws.Evicted):
+            await subs[0].get(min_version=10_000, timeout=10)
+        await subs[1].aclose()  # leaves with a Leave: dropped without blame, not replaced either
+        for _ in range(40):
+            await (await pub.put({"w": torch.zeros(4)})).delivered(timeout=20)
+            if not pub.members:
+                break
+        assert pub.members == ()
+        await asyncio.gather(*pub.replacements)
+        await subs[0].aclose()
+    assert [(m.member_id, m.reason) for m in pub.evicted] == [("g0", "operator")]
+    # replacements are for the dead, the failed and the slow (test_stragglers.py checks those)
+    assert orchestrator.asked == []
