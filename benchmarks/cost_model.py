@@ -136,7 +136,7 @@ async def measure(cluster: netns.Cluster, n: int, rates: list[float], seconds: f
             for rep in range(reps + 1):
                 handle = await pub.put({"w": body + version}, version=version)
                 delivered = await handle.delivered(timeout=600)
-                assert len(delivered.members) == n, f"only {delivered.members} got version {version}"
+                assert len(delivered.members) == n, f"only {delivered.members} got version {version}: {pub.evicted}"
                 version += 1
                 if rep:
                     samples.append(delivered.seconds)

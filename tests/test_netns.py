@@ -135,6 +135,26 @@ async def test_a_generator_behind_a_10x_slower_link_holds_nobody_past_the_deadli
 
 
 @pytest.mark.asyncio
+async def test_eight_generators_on_equal_links_nobody_is_scored_slow(cluster_of) -> None:
+    """Found on this harness: in gloo's tree some members finish their buckets early and then
+    wait for the publisher's Seal, which comes when the whole broadcast is done. That wait was
+    counted as their own time, and with 8 generators on equal 300 Mbit/s links the default
+    policy evicted two healthy ones as slow within six versions."""
+    cluster, hosts = cluster_of(*[300] * 8)
+    body = torch.zeros(5 << 20)  # 20 MiB in 4 MiB buckets: about 0.6 s a hop
+    async with ws.Publisher("equal", address=f"{cluster.trainer_ip}:0", timeout=60,
+                            bucket_bytes=4 << 20) as pub:  # the default policy: evict and replace the slow
+        for h in range(8):
+            hosts.spawn(h, channel="equal", address=pub.address, member=f"gen{h}", until_version=10_000,
+                        deadline=150, mode="follow", timeout=60)
+        await pub.wait_subscribers(8, timeout=120)
+        for version in range(8):
+            report = await (await pub.put({"w": body + version}, version=version)).delivered(timeout=120)
+            assert len(report.members) == 8, (version, report.members, pub.evicted)
+        assert pub.evicted == []
+
+
+@pytest.mark.asyncio
 async def test_a_link_taken_down_mid_transfer_is_a_dead_member_survivors_recover(cluster_of) -> None:
     cluster, hosts = cluster_of(200, 200, 200)
     rec = ws.FlightRecorder(capacity=4000)

@@ -47,7 +47,7 @@ class StragglerPolicy:
     """What the publisher does about a member that is slow but alive, and one that died.
 
     A member is *slow* on a version when the time it spent on its own (receiving minus waiting
-    on the collective: copies, checks, a busy host) exceeds ``slow_factor`` times the median
+    on the collective and on the publisher's Seal: copies, checks, a busy host) exceeds ``slow_factor`` times the median
     of the other members' plus ``slow_floor`` seconds. Flagged on ``window`` versions in a
     row, ``on_slow`` applies: ``"keep"`` (recorded only; it holds every push back), ``"evict"``,
     or ``"replace"`` (evict, then ask the orchestrator for a new member; without an

@@ -316,7 +316,8 @@ class Receiver:
         t0 = time.monotonic()
         entry = self._rec.record("receive", generation=announce.generation, version=announce.version,
                                       nbytes=manifest.total_bytes).start()
-        ok, error, waited = False, "", 0.0
+        ok, error, in_move, sealing = False, "", 0.0, 0.0
+        checking = [0.0]  # of the time in move(), what this member spent on its own buckets
         try:
             flat = self._slots.prepare(manifest, self.deadlines.readers())
             ranges = layout.bucket_ranges(manifest.total_bytes, announce.bucket_bytes)
@@ -328,17 +329,22 @@ class Receiver:
             verify = announce.checksum
 
             def after(i: int) -> None:  # bucket i is here; bucket i+1 is on the wire meanwhile
-                self._hooks.after_bucket(announce.version, i, buckets[i], time.monotonic() - last[0])
+                began = time.monotonic()
+                self._hooks.after_bucket(announce.version, i, buckets[i], began - last[0])
                 if verify:
                     sums.append(checksum(buckets[i]))
                 last[0] = time.monotonic()
+                checking[0] += last[0] - began
 
             # anything new in our queue mid-transfer means the publisher gave up on this version
-            waited = self._plane.move(Transfer(announce.version, buckets, self.deadlines.bucket, after=after,
+            moving = time.monotonic()
+            self._plane.move(Transfer(announce.version, buckets, self.deadlines.bucket, after=after,
                                                cancelled=lambda: self.aborting.is_set()
                                                or not self._client.commands.empty()))
-            if verify:
+            in_move = time.monotonic() - moving
+            if verify:  # the Seal comes when the whole broadcast is done: waiting for it is not ours
                 self._verify(announce, sums)
+                sealing = time.monotonic() - moving - in_move
             if self._slots.version is None or announce.version > self._slots.version:
                 self._slots.publish(announce.version)
                 self._rec.record("publish", generation=announce.generation, version=announce.version,
@@ -351,7 +357,13 @@ class Receiver:
             entry.fail(err)
             self._recorder.dump_on_trouble(f"version {announce.version} not received: {err}")
         seconds = time.monotonic() - t0
-        self._acknowledge(announce, ok=ok, error=error, seconds=seconds, own=max(seconds - waited, 0.0))
+        # own time: everything but waiting on others (preparing the slot, checking buckets, a
+        # busy host). Not ours: the collective, and the publisher's Seal, which comes when the
+        # whole broadcast is done; in gloo's tree a leaf finishes early and waits for it.
+        if not in_move:  # move() failed: count what was measured up to the failure
+            in_move = max(seconds - checking[0], 0.0)
+        own = max(seconds - in_move - sealing, 0.0) + checking[0]
+        self._acknowledge(announce, ok=ok, error=error, seconds=seconds, own=own)
 
     def _acknowledge(self, announce: _wire.Announce, *, ok: bool, error: str, seconds: float, own: float = 0.0) -> None:
         ack = _wire.Ack(generation=announce.generation, seq=announce.seq, member_id=self.member_id,
