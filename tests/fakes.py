@@ -34,6 +34,12 @@ class FakeControl:
     def release(self, member_id: str, reason: str) -> None:
         self.released.append((member_id, reason))
 
+    def probe(self, nbytes: int) -> None:
+        """No links here to time."""
+
+    def link_seconds(self, member_id: str) -> tuple[float, int] | None:
+        return None
+
 
 class FakeTable:
     def __init__(self) -> None:

@@ -100,14 +100,12 @@ async def test_subscribers_on_other_hosts_join_by_the_advertised_address(cluster
 
 
 @pytest.mark.asyncio
-async def test_a_generator_behind_a_10x_slower_link_holds_nobody_past_the_deadline_or_wrongly_blamed(
-        cluster_of) -> None:
-    """One link at a tenth of the others' rate. gloo's broadcast is a binomial tree (a member
-    relays to others), so the slow link's time lands on the collective, not on the member's
-    own time: the policy's own-time score flags nobody (docs/benchmarks.md, "the cost model",
-    says why). What must hold: every version reaches every member within its bucket deadline,
-    no fast member is evicted for the slow link, and once the operator evicts the slow one the
-    rest go at the fast links' pace."""
+async def test_a_generator_behind_a_10x_slower_link_is_evicted_as_slow_the_rest_keep_pace(cluster_of) -> None:
+    """One link at a tenth of the others' rate. gloo's broadcast is a binomial tree: a relay
+    waits as long as its slow child, so per-member receive times cannot say whose link it is.
+    The publisher's probes (a padded message straight to each member, timed) can: the slow
+    one is evicted as slow, nobody else, no version is held past its deadline, and then the
+    rest go at their links' pace."""
     cluster, hosts = cluster_of(400, 400, 40)
     timeout = 20.0
     body = torch.zeros(1 << 20)  # 4 MiB: 0.08 s at 400 Mbit/s, 0.8 s at 40
@@ -117,19 +115,22 @@ async def test_a_generator_behind_a_10x_slower_link_holds_nobody_past_the_deadli
             hosts.spawn(h, channel="slowlink", address=pub.address, member=f"gen{h}", until_version=10_000,
                         deadline=150, mode="follow", timeout=timeout)
         await pub.wait_subscribers(3, timeout=90)
-        slow = []
-        for version in range(6):  # twice the policy's window
+        slow, version = [], 0
+        while not pub.evicted:
+            assert version < 12, "the member behind the slow link was never evicted"
             report = await (await pub.put({"w": body + version}, version=version)).delivered(timeout=90)
-            assert sorted(report.members) == ["gen0", "gen1", "gen2"]
-            slow.append(report.seconds)
-        assert pub.evicted == []  # nobody blamed for a link that is not theirs
+            if "gen2" in report.members:
+                slow.append(report.seconds)
+            version += 1
+        assert [(m.member_id, m.reason) for m in pub.evicted] == [("gen2", "slow")]
         assert all(s < timeout + 4 for s in slow)  # held up by the slow link, never past the deadline
-        await pub.evict("gen2")
         fast = []
-        for version in range(6, 10):
+        for _ in range(4):
             report = await (await pub.put({"w": body + version}, version=version)).delivered(timeout=90)
             assert sorted(report.members) == ["gen0", "gen1"]
             fast.append(report.seconds)
+            version += 1
+        assert [m.member_id for m in pub.evicted] == ["gen2"]
     # 40 Mbit/s against 400: with the slow link gone a version goes several times faster
     assert max(fast) * 3 < min(slow), (fast, slow)
 
@@ -188,7 +189,8 @@ def test_the_harness_leaves_nothing_when_its_owner_is_killed_9(tmp_path: Path) -
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         pid = int(owner.stdout.readline())
-        assert [ns for ns in netns.namespaces() if ns.startswith(f"ws-{pid}-")] == [f"ws-{pid}-g0", f"ws-{pid}-g1"]
+        mine = sorted(ns for ns in netns.namespaces() if ns.startswith(f"ws-{pid}-"))
+        assert mine == [f"ws-{pid}-g0", f"ws-{pid}-g1"]
         watchdogs = subprocess.run(["pgrep", "-f", f"benchmarks.netns watch {pid}"], capture_output=True,
                                    text=True).stdout.split()
         assert len(watchdogs) == 1

@@ -130,7 +130,8 @@ async def test_five_times_slower_member_is_evicted_and_replaced(procs: Procs, tm
             while evicted_at is None or report is None or "repl-1" not in report.members:
                 assert time.monotonic() < deadline, f"members {pub.members}, evicted {pub.evicted}"
                 report = await (await put_checked(pub, version, numel)).delivered(timeout=60)
-                assert {"gen0", "gen1"} <= set(report.members)  # healthy members get every version
+                # healthy members get every version
+                assert {"gen0", "gen1"} <= set(report.members), (report, pub.evicted)
                 if evicted_at is None and "gen2" not in pub.members:
                     evicted_at = version
                 version += 1

@@ -25,7 +25,7 @@ from typing import Union
 
 import msgspec
 
-PROTOCOL_VERSION = 2  # 2: settings travel in Admit; checksums are CRC32C
+PROTOCOL_VERSION = 3  # 2: settings travel in Admit; checksums are CRC32C. 3: link probes
 
 
 class TensorSpec(msgspec.Struct, frozen=True, array_like=True):
@@ -195,6 +195,19 @@ class Beat(msgspec.Struct, frozen=True, tag="beat"):
     """Liveness, both ways, every heartbeat interval."""
 
 
+class Probe(msgspec.Struct, frozen=True, tag="probe"):
+    """Publisher -> member: answer at once. The round trip, with ``pad`` on the way out, times
+    this member's own link; the broadcast tree hides it (a relay waits as long as its child)."""
+
+    seq: int
+    pad: bytes
+
+
+class ProbeReply(msgspec.Struct, frozen=True, tag="probe_reply"):
+    member_id: str
+    seq: int
+
+
 class StoreOp(msgspec.Struct, frozen=True, tag="store"):
     """A data-plane rendezvous call (``set``/``get``/``wait``/``add``/``check``/``delete``/``compare_set``)."""
 
@@ -215,8 +228,9 @@ class StoreResult(msgspec.Struct, frozen=True, tag="store_result"):
     error: str = ""
 
 
-ClientMessage = Union[Join, Ready, Ack, Leave, Beat, StoreOp]
-ServerMessage = Union[Challenge, Admit, Deny, Go, Announce, Abandon, Seal, Reconfigure, Shutdown, Beat, StoreResult]
+ClientMessage = Union[Join, Ready, Ack, Leave, Beat, StoreOp, ProbeReply]
+ServerMessage = Union[Challenge, Admit, Deny, Go, Announce, Abandon, Seal, Reconfigure, Shutdown, Beat, StoreResult,
+                      Probe]
 
 
 _encoder = msgspec.msgpack.Encoder()

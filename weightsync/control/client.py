@@ -178,6 +178,12 @@ class ControlClient:
     def _dispatch(self, message: Any) -> None:
         if isinstance(message, _wire.Beat):
             return
+        if isinstance(message, _wire.Probe):  # answered from here, at once: the publisher times it
+            try:
+                self.send(_wire.ProbeReply(member_id=self.member_id, seq=message.seq))
+            except StoreUnreachable:
+                pass  # the connection is going: the reader finds out next
+            return
         if isinstance(message, _wire.StoreResult):
             with self._calls_lock:
                 call = self._calls.get(message.rid)

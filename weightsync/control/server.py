@@ -31,6 +31,7 @@ import queue
 import secrets
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,6 +56,9 @@ MAX_PENDING = 64
 MAX_BACKLOG = 512 << 20
 
 
+PROBE_WINDOW = 3  # a member's link time: the fastest of its last three probes (scheduling noise is one-sided)
+
+
 @dataclass(eq=False)
 class Link:
     """One member connection (an *incarnation*: a rejoin is a new one)."""
@@ -69,6 +73,8 @@ class Link:
     bound: bool = False  # the Sender accepted it as this member's current incarnation
     closed: bool = False
     reported: bool = False
+    probes: dict[int, float] = field(default_factory=dict)  # probe seq -> when it was written
+    link_times: deque[float] = field(default_factory=lambda: deque(maxlen=PROBE_WINDOW))
 
 
 class ControlServer:
@@ -91,6 +97,8 @@ class ControlServer:
         self._links: dict[str, Link] = {}
         self._members: dict[str, Link] = {}  # member id -> its bound incarnation
         self._pending = 0
+        self._probe_seq = 0
+        self._probe_bytes = 0
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._server: asyncio.AbstractServer | None = None
@@ -193,6 +201,23 @@ class ControlServer:
             return None, False
         return link.last_heard, not link.closed
 
+    def probe(self, nbytes: int) -> None:
+        """Send every bound member a Probe carrying ``nbytes``; its answer times that link."""
+        if self._loop is None or nbytes <= 0:
+            return
+        try:
+            self._loop.call_soon_threadsafe(self._probe_all, nbytes)
+        except RuntimeError:
+            pass
+
+    def link_seconds(self, member_id: str) -> tuple[float, int] | None:
+        """(the fastest recent probe round trip, its pad's size) for a member, or None."""
+        with self._lock:
+            link = self._members.get(member_id)
+        if link is None or not link.link_times:
+            return None
+        return min(link.link_times), self._probe_bytes
+
     def stale(self) -> bool:
         """True when the control loop itself has not run lately (a stalled process): no verdicts."""
         return time.monotonic() - self.tick > 2 * self._interval + 0.5
@@ -205,6 +230,21 @@ class ControlServer:
         if link.writer.transport.get_write_buffer_size() > MAX_BACKLOG:
             self._rec.record("control", peers=(link.member_id,)).fail("stopped reading its connection")
             self._drop(link, "stopped reading")
+
+    def _probe_all(self, nbytes: int) -> None:
+        if nbytes != self._probe_bytes:  # another size: older times measured something else
+            self._probe_bytes = nbytes
+            for link in list(self._links.values()):
+                link.link_times.clear()
+        pad = bytes(nbytes)
+        with self._lock:
+            links = [link for link in self._links.values() if link.bound and not link.closed]
+        for link in links:
+            self._probe_seq += 1
+            if len(link.probes) > 4 * PROBE_WINDOW:  # unanswered ones: a member that does not care
+                link.probes.clear()
+            link.probes[self._probe_seq] = time.monotonic()
+            self._write(link, _wire.Probe(self._probe_seq, pad))
 
     def _drop(self, link: Link, reason: str, flush: bool = False) -> None:
         if link.closed:
@@ -281,6 +321,10 @@ class ControlServer:
                         f"{type(message).__name__} for {message.member_id!r} on {link.member_id!r}'s connection")
                     continue
                 self.replies.put(message)
+            elif isinstance(message, _wire.ProbeReply):
+                sent = link.probes.pop(message.seq, None)
+                if sent is not None and message.member_id == link.member_id:
+                    link.link_times.append(time.monotonic() - sent)
             elif isinstance(message, _wire.Leave):
                 if link.bound:
                     link.reported = True  # its connection closing next is a goodbye, not a death

@@ -52,6 +52,9 @@ from weightsync.transport.lifecycle import Latch
 from weightsync.transport.options import Deadlines
 from weightsync.transport.staging import BucketBuffers, Job, Staging, bucket_slices
 
+PROBE_FROM = 256 << 10  # versions smaller than this are not worth timing links for
+PROBE_MAX = 128 << 10
+
 log = logging.getLogger("weightsync")
 PUBLISHER = "publisher"
 
@@ -307,7 +310,7 @@ class Sender:
         except (PeerFailure, Cancelled, ControlFailure) as err:
             return self._abandon(gens, job, gen, seq, members, err)
         job.members_done |= acked
-        self._score(gens, acked, job.version)
+        self._score(gens, acked, job.version, job.manifest.total_bytes)
         if failed:
             self._recorder.dump_on_trouble(f"version {job.version}: no acknowledgement from {sorted(failed)}")
             return failed
@@ -352,12 +355,31 @@ class Sender:
                                                      nbytes=job.manifest.total_bytes,
                                                      seconds=time.monotonic() - (job.started or t0)))
 
-    def _score(self, gens: Generations, acked: set[str], version: int) -> None:
-        """Record receive times and act on members the policy finds slow."""
+    def _score(self, gens: Generations, acked: set[str], version: int, nbytes: int) -> None:
+        """Record receive times and act on members the policy finds slow.
+
+        A member's score is the larger of its own time (what it spent outside the collective)
+        and its link's time for a version this size, extrapolated from the fastest of its last
+        probes and capped at its whole receive time. The broadcast is a tree, so a slow link's
+        wait lands on other members' collective time too: only the probe, which goes straight
+        to each member, says whose link it is. The next round of probes goes out now, sized at
+        1/32 of the version (at most 128 KiB; none below 256 KiB, where links do not matter).
+        """
         timings = gens.last_timings
         own = {m: timings[m][1] for m in acked if m in timings}
         self.membership.note_delivered(acked, version, {m: timings[m][0] for m in own}, own)
-        for member, ratio in self.membership.slow_members(self.policy, own).items():
+        score = dict(own)
+        for member in own:
+            probed = self.control.link_seconds(member)
+            if probed is not None and probed[1] > 0:
+                seconds, probe_bytes = probed
+                # never more than its whole receive took: on fast links the extrapolation is
+                # mostly latency and scheduling noise, which this bounds
+                link = min(seconds * nbytes / probe_bytes, timings[member][0])
+                score[member] = max(score[member], link)
+        if nbytes >= PROBE_FROM:
+            self.control.probe(min(PROBE_MAX, nbytes // 32))
+        for member, ratio in self.membership.slow_members(self.policy, score).items():
             self._rec.record("slow", version=version,
                                   peers=(member,)).fail(f"{ratio:.1f}x the others' receive time")
             if self.policy.on_slow != "keep":
