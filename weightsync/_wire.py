@@ -11,11 +11,12 @@ number and, once admitted, a MAC under the member's session key::
     server -> client   Challenge (first, unauthenticated: a fresh nonce)
     client -> server   Join      (answers it: member id, fingerprint, its own nonce, a proof)
     server -> client   Admit | Deny, then Go, Announce, Seal, Reconfigure, Shutdown, Beat,
-                       StoreResult
-    client -> server   Ready, Ack, Leave, Beat, StoreOp
+                       StoreResult, Probe
+    client -> server   Ready, Ack, Leave, Beat, StoreOp, ProbeReply
 
 ``StoreOp``/``StoreResult`` carry the data plane's own rendezvous (gloo and NCCL exchange
 addresses through a store): the publisher serves it from memory, to admitted members only.
+``Probe``/``ProbeReply`` time each member's own link (the publisher scores slow links with it).
 ``Wake`` never crosses the wire: a thread puts it into a local queue to end another's wait.
 """
 
