@@ -22,7 +22,7 @@ import weightsync as ws
 class GeneratorReport(msgspec.Struct):
     member: str
     versions: list[int]
-    checksums: list[float]
+    exact: list[bool]  # per version seen: every tensor bit-identical to the trainer's at that step
 
 
 def make_policy(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -37,15 +37,32 @@ def make_policy(seed: int = 0) -> dict[str, torch.Tensor]:
     }
 
 
+def train_step(policy: dict[str, torch.Tensor], step: int) -> None:
+    """A stand-in optimizer step: deterministic, so a generator can recompute any version."""
+    with torch.no_grad():
+        policy["mlp.fc1.weight"].mul_(0.99).add_(0.01)
+        policy["step"].fill_(step)
+
+
+def policy_at(version: int) -> dict[str, torch.Tensor]:
+    policy = make_policy()
+    for step in range(version + 1):
+        train_step(policy, step)
+    return policy
+
+
 async def generator(address: str, member: str, last_version: int) -> None:
     async with ws.Subscriber("policy", address=address, member_id=member, timeout=20) as sub:
-        versions, checksums = [], []
+        versions, exact = [], []
         async for weights in sub.updates(timeout=60):
             versions.append(weights.version)
-            checksums.append(float(weights["mlp.fc1.weight"].double().sum()))
+            expected = policy_at(weights.version)  # what the trainer put as this version
+            exact.append(weights.keys() == expected.keys()
+                         and all(torch.equal(weights[k], t) and weights[k].dtype == t.dtype
+                                 for k, t in expected.items()))
             if weights.version >= last_version:
                 break
-    sys.stdout.write(msgspec.json.encode(GeneratorReport(member, versions, checksums)).decode() + "\n")
+    sys.stdout.write(msgspec.json.encode(GeneratorReport(member, versions, exact)).decode() + "\n")
 
 
 async def trainer(steps: int, n_generators: int) -> int:
@@ -62,9 +79,7 @@ async def trainer(steps: int, n_generators: int) -> int:
             print(f"[trainer] generators joined: {', '.join(pub.members)}")
             handles = []
             for step in range(steps):
-                with torch.no_grad():  # a stand-in optimizer step: the weights change every step
-                    policy["mlp.fc1.weight"].mul_(0.99).add_(0.01)
-                    policy["step"].fill_(step)
+                train_step(policy, step)  # the weights change every step
                 t0 = time.perf_counter()
                 handle = await pub.put(policy, version=step)
                 stall = (time.perf_counter() - t0) * 1e3
@@ -81,14 +96,13 @@ async def trainer(steps: int, n_generators: int) -> int:
                 if p.poll() is None:
                     p.kill()
                     p.wait(timeout=10)
-    expected = float(policy["mlp.fc1.weight"].double().sum())
     ok = True
     for out in outputs:
         seen = msgspec.json.decode(out.strip().splitlines()[-1], type=GeneratorReport)
-        exact = abs(seen.checksums[-1] - expected) < 1e-6 * max(1.0, abs(expected))
+        exact = all(seen.exact) and seen.versions[-1] == steps - 1
         ok &= exact and seen.versions == sorted(seen.versions)
-        print(f"[{seen.member}] saw versions {seen.versions}; final weights "
-              f"{'match the trainer bit for bit' if exact else 'DIFFER from the trainer'}")
+        print(f"[{seen.member}] saw versions {seen.versions}; every one "
+              f"{'matches the trainer bit for bit' if exact else 'DIFFERS from the trainer'}")
     print("[demo] done: " + ("every generator ended on the trainer's latest weights" if ok else "MISMATCH"))
     return 0 if ok else 1
 

@@ -211,10 +211,10 @@ async def test_event_loop_stays_responsive_during_256_mib_push() -> None:
         await subs[0].get(timeout=10)
         stop.set()
         await task
-        lags.sort()
-        p99 = lags[int(len(lags) * 0.99)]
-        # a liveness bound, generous for a loaded 2-core CI machine; figures live in benchmarks/
-        assert p99 < 0.25, f"p99 loop lag {p99 * 1e3:.1f} ms (median {statistics.median(lags) * 1e3:.2f} ms)"
+        # the worst tick, not a percentile: one long stall is what an RL loop would feel. A
+        # liveness bound, generous for a loaded 2-core CI machine; figures live in benchmarks/
+        worst = max(lags)
+        assert worst < 0.25, f"worst loop lag {worst * 1e3:.1f} ms (median {statistics.median(lags) * 1e3:.2f} ms)"
     finally:
         await close(pub, subs)
 

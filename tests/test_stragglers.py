@@ -22,7 +22,6 @@ import torch
 import weightsync as ws
 from tests.conftest import REPO, Procs
 from tests.statedicts import digests
-from weightsync.pg.group import reconfigure_enabled
 from weightsync.pg.reaper import drain_retired
 from weightsync.pg.recorder import FlightRecorder
 
@@ -220,7 +219,10 @@ async def test_generations_take_the_path_this_torch_offers(tmp_path: Path) -> No
         assert (await subs[1].get(min_version=5, timeout=10)).version == 5
         await subs[1].aclose()
     ops = [e.op for e in rec.snapshot()]
-    if reconfigure_enabled("gloo"):
+    # what to expect comes from torch's release, not from the library's own probe: 2.14 added
+    # in-place reconfiguration of gloo backends; 2.11 and 2.13 cannot
+    release = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+    if release >= (2, 14):
         assert ops.count("reconfigure") >= 3 and "rebuild" not in ops
     else:
         assert ops.count("rebuild") >= 3 and "reconfigure" not in ops
