@@ -47,3 +47,10 @@ def test_grpo_survives_a_killed_generator(tmp_path: Path) -> None:
     assert "gen-r1" in steps[-1]["members"] and "gen0" not in steps[-1]["members"]
     assert (tmp_path / "grpo.png").stat().st_size > 10_000
     assert "killed generator gen0" in out.stdout and "gen-r1 joined" in out.stdout
+
+
+def test_minimal_push_ends_bit_exact_on_every_generator() -> None:
+    out = run("-m", "rl_examples.minimal_push", "--steps", "4", "--generators", "2")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    lines = [line for line in out.stdout.splitlines() if line.startswith("[gen")]
+    assert len(lines) == 2 and all("matches the trainer bit for bit" in line for line in lines), out.stdout
