@@ -197,8 +197,8 @@ class Beat(msgspec.Struct, frozen=True, tag="beat"):
 
 
 class Probe(msgspec.Struct, frozen=True, tag="probe"):
-    """Publisher -> member: answer at once. The round trip, with ``pad`` on the way out, times
-    this member's own link; the broadcast tree hides it (a relay waits as long as its child)."""
+    """Publisher -> member: ``pad`` times this member's own link, which the broadcast tree
+    hides (a relay waits as long as its slow child)."""
 
     seq: int
     pad: bytes
@@ -207,6 +207,7 @@ class Probe(msgspec.Struct, frozen=True, tag="probe"):
 class ProbeReply(msgspec.Struct, frozen=True, tag="probe_reply"):
     member_id: str
     seq: int
+    seconds: float  # from the probe's first byte to its last, as the member's reader saw them
 
 
 class StoreOp(msgspec.Struct, frozen=True, tag="store"):

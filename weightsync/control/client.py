@@ -159,8 +159,10 @@ class ControlClient:
                 if not header:
                     raise ConnectionError("the publisher closed the connection")
                 sock.settimeout(None if self._send_timeout is None else max(self._send_timeout, READ_SLICE))
+                first = time.monotonic()  # the frame's first bytes are here
                 data = self._read_frame(sock, MAX_FRAME)
                 self.tick = time.monotonic()
+                arriving = self.tick - first  # a busy reader finds them buffered: it can only read less
                 try:
                     message = session.open(data, _wire.server_decoder)
                 except BadFrame as err:
@@ -171,16 +173,16 @@ class ControlClient:
                     message = refusal
                 self._answered = True
                 self.last_heard = time.monotonic()
-                self._dispatch(message)
+                self._dispatch(message, arriving)
         except (OSError, BadFrame) as err:
             self._close(f"{err}" if str(err) else type(err).__name__)
 
-    def _dispatch(self, message: Any) -> None:
+    def _dispatch(self, message: Any, arriving: float = 0.0) -> None:
         if isinstance(message, _wire.Beat):
             return
-        if isinstance(message, _wire.Probe):  # answered from here, at once: the publisher times it
+        if isinstance(message, _wire.Probe):  # how long its bytes took to arrive, on this link
             try:
-                self.send(_wire.ProbeReply(member_id=self.member_id, seq=message.seq))
+                self.send(_wire.ProbeReply(member_id=self.member_id, seq=message.seq, seconds=arriving))
             except StoreUnreachable:
                 pass  # the connection is going: the reader finds out next
             return

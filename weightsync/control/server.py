@@ -56,7 +56,7 @@ MAX_PENDING = 64
 MAX_BACKLOG = 512 << 20
 
 
-PROBE_WINDOW = 3  # a member's link time: the fastest of its last three probes (scheduling noise is one-sided)
+PROBE_WINDOW = 3  # a member's link time: the fastest of its last three probes
 
 
 @dataclass(eq=False)
@@ -211,7 +211,7 @@ class ControlServer:
             pass
 
     def link_seconds(self, member_id: str) -> tuple[float, int] | None:
-        """(the fastest recent probe round trip, its pad's size) for a member, or None."""
+        """(the fastest recent probe's arrival time at the member, its pad's size), or None."""
         with self._lock:
             link = self._members.get(member_id)
         if link is None or not link.link_times:
@@ -322,9 +322,11 @@ class ControlServer:
                     continue
                 self.replies.put(message)
             elif isinstance(message, _wire.ProbeReply):
+                # the member's own measure of the probe's arrival, bounded by the round trip: a
+                # reply can only speak for a probe sent on its own connection, about itself
                 sent = link.probes.pop(message.seq, None)
                 if sent is not None and message.member_id == link.member_id:
-                    link.link_times.append(time.monotonic() - sent)
+                    link.link_times.append(min(max(message.seconds, 0.0), time.monotonic() - sent))
             elif isinstance(message, _wire.Leave):
                 if link.bound:
                     link.reported = True  # its connection closing next is a goodbye, not a death
