@@ -28,19 +28,24 @@ DEADLINE = 270  # the whole driver (two engine starts, ~30 s each, and every ste
 BOUND = driver.FAIL_TIMEOUT + 5.0  # an update that fails must fail within its timeout and the grace
 
 
+def run_bounded(argv: list[str], log: Path, env: dict[str, str] | None = None) -> int | None:
+    """Run ``python ARGV`` in its own process group, output into ``log``; its exit code, or None
+    when it outlived DEADLINE. Whatever it started is killed either way."""
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen([sys.executable, *argv], cwd=REPO, stdout=fh, stderr=subprocess.STDOUT,
+                                env=dict(os.environ, PYTHONPATH=str(REPO), **(env or {})), start_new_session=True)
+        try:
+            return proc.wait(DEADLINE)
+        except subprocess.TimeoutExpired:
+            return None
+        finally:
+            kill_group(proc.pid)
+
+
 def run_driver(role: str, work: Path, env: dict[str, str] | None = None) -> bytes:
     """``python -m tests.vllm_driver ROLE``, bounded by DEADLINE; its report's bytes."""
     result, log = work / "report.json", work / "driver.log"
-    with open(log, "wb") as fh:
-        proc = subprocess.Popen([sys.executable, "-m", "tests.vllm_driver", role, str(result), str(work)],
-                                cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO), **(env or {})), stdout=fh,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            code = proc.wait(DEADLINE)
-        except subprocess.TimeoutExpired:
-            code = None
-        finally:
-            kill_group(proc.pid)
+    code = run_bounded(["-m", "tests.vllm_driver", role, str(result), str(work)], log, env)
     tail = log.read_text(errors="replace")[-6000:]
     assert code == 0 and result.exists(), f"driver {role} exited {code} (deadline {DEADLINE}s); log:\n{tail}"
     return result.read_bytes()
@@ -130,18 +135,8 @@ def test_vllm_trainer_api_switches_backend_by_name(report: driver.Report) -> Non
 
 
 def test_grpo_example_learns_with_the_engine_in_the_loop(tmp_path: Path) -> None:
-    out = tmp_path / "run"
-    log = tmp_path / "example.log"
-    with open(log, "wb") as fh:
-        proc = subprocess.Popen([sys.executable, "-m", "rl_examples.vllm_grpo", "--out", str(out)], cwd=REPO,
-                                env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=fh, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-        try:
-            code = proc.wait(DEADLINE)
-        except subprocess.TimeoutExpired:
-            code = None
-        finally:
-            kill_group(proc.pid)
+    out, log = tmp_path / "run", tmp_path / "example.log"
+    code = run_bounded(["-m", "rl_examples.vllm_grpo", "--out", str(out)], log)
     assert code == 0, f"the example exited {code}; log:\n{log.read_text(errors='replace')[-4000:]}"
     steps = msgspec.json.decode((out / "vllm_grpo.json").read_bytes())
     rewards = [s["reward"] for s in steps]
