@@ -173,3 +173,57 @@ def test_sigusr1_dumps_when_the_application_installed_the_handler(tmp_path: Path
     assert out.returncode == 0, out.stderr
     dump = load_dump(out.stdout.strip())
     assert dump.reason == "signal SIGUSR1" and [e.op for e in dump.entries] == ["put"]
+
+
+def test_automatic_dumps_are_rate_limited_per_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import types
+
+    from weightsync.pg import recorder as recorder_module
+
+    clock = [1000.0]
+    fake = types.SimpleNamespace(monotonic=lambda: clock[0], time=time.time)
+    monkeypatch.setattr(recorder_module, "time", fake)  # this module's clock only
+    rec = FlightRecorder(directory=tmp_path, label="p")
+    rec.record("put", channel="c", member="p").fail("first trouble")
+    assert rec.dump_on_trouble("one") is not None
+    clock[0] += 0.4  # within 0.5 s of the last automatic dump: skipped
+    assert rec.dump_on_trouble("two") is None
+    assert rec.dump_on_trouble("forced", force=True) is not None  # a forced one is not limited
+    clock[0] += 0.6
+    path = rec.dump_on_trouble("three")
+    assert path is not None and load_dump(path).reason == "three"
+
+
+def test_dumps_go_where_the_docs_say(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import tempfile
+
+    monkeypatch.delenv("WEIGHTSYNC_FR_DIR", raising=False)
+    default = FlightRecorder()
+    default.configure(label="gen0", default_directory="chan-host-1234")
+    assert default.directory == Path(tempfile.gettempdir()) / "weightsync-fr" / "chan-host-1234"
+    monkeypatch.setenv("WEIGHTSYNC_FR_DIR", str(tmp_path / "env"))
+    from_env = FlightRecorder()
+    from_env.configure(default_directory="chan-host-1234")  # the environment beats the default
+    assert from_env.directory == tmp_path / "env"
+    explicit = FlightRecorder()
+    explicit.configure(directory=tmp_path / "mine", default_directory="chan-host-1234")
+    explicit.configure(default_directory="other")  # the first explicit setting stays
+    assert explicit.directory == tmp_path / "mine"
+    explicit.configure(label="first")
+    explicit.configure(label="second")
+    assert explicit.label == "first"
+    path = explicit.dump()
+    assert path == tmp_path / "mine" / f"first-{os.getpid()}.wsfr" and load_dump(path).label == "first"
+
+
+def test_torchs_own_trace_is_written_beside_a_dump_when_there_is_one(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    from weightsync.pg import _torch_compat as compat
+
+    rec = FlightRecorder(directory=tmp_path, label="pub")
+    monkeypatch.setattr(compat, "torch_flight_recorder_json", lambda: b"")
+    empty = rec.dump()
+    assert not empty.with_suffix(".torch.json").exists()  # nothing of torch's to write
+    monkeypatch.setattr(compat, "torch_flight_recorder_json", lambda: b'{"version": "2.10", "entries": []}')
+    path = rec.dump()
+    assert path.with_suffix(".torch.json").read_bytes() == b'{"version": "2.10", "entries": []}'
