@@ -69,14 +69,13 @@ class FakePlane:
             raise self.fail_enter
         self.entered.append(spec)
 
-    def move(self, transfer: Transfer) -> float:
+    def move(self, transfer: Transfer) -> None:
         self.calls.append(("move", transfer.version))
         for i in range(len(transfer.buckets)):
             if transfer.before is not None:
                 transfer.before(i)
             if transfer.after is not None:
                 transfer.after(i)
-        return 0.0
 
     def leave(self, reason: str, *, failed: bool = False) -> None:
         self.calls.append(("leave", failed))

@@ -59,7 +59,8 @@ class LoopThread:
             rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
             for task in rest:
                 task.cancel()
-            await asyncio.wait(rest, timeout=bound) if rest else None
+            if rest:
+                await asyncio.wait(rest, timeout=bound)
 
         try:
             self.run(cancel_rest(), bound + 1.0, "stopping the weightsync loop")

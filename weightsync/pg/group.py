@@ -111,24 +111,23 @@ class DedicatedGroup:
         return cls(pg, channel=channel, member=member, generation=spec.generation, rank=spec.rank, size=size,
                    recorder=recorder, store=own)
 
-    def broadcast(self, transfer: Transfer, *, op: str, depth: int = 2) -> float:
+    def broadcast(self, transfer: Transfer, *, op: str, depth: int = 2) -> None:
         """Broadcast each bucket from rank 0, keeping up to ``depth`` buckets in flight.
 
-        Returns the seconds spent waiting on the collective. Raises PeerFailure when a bucket
+        Raises PeerFailure when a bucket
         misses its deadline or the backend fails (the group is then unusable), Cancelled when
         ``transfer.cancelled()`` says so, LocalFailure when a hook fails.
         """
         if self.state != ALIVE:
             raise Cancelled(f"generation {self.generation} of {self.channel!r} was aborted")
         if self._pg is None:
-            return 0.0
+            return
         pending: list[tuple[int, Any, Any, float]] = []  # (bucket, work, recorder entry, deadline)
         issued: list[Any] = []  # every work of this transfer, kept until it is known to be over
-        waited = [0.0]
         try:
             for i, tensor in enumerate(transfer.buckets):
                 if len(pending) >= depth:
-                    self._finish_oldest(pending, transfer, waited)
+                    self._finish_oldest(pending, transfer)
                 _hook(transfer.before, i, "preparing")
                 limit = transfer.deadline(tensor.numel())
                 entry = self._rec.record(op,
@@ -142,7 +141,7 @@ class DedicatedGroup:
                 issued.append(work)
                 pending[-1] = (i, work, entry, time.monotonic() + limit)
             while pending:
-                self._finish_oldest(pending, transfer, waited)
+                self._finish_oldest(pending, transfer)
         except BaseException as err:
             for _, _, entry, _ in pending:  # buckets still in flight will never complete
                 entry.fail(f"abandoned: {err}", aborted=True)
@@ -150,19 +149,14 @@ class DedicatedGroup:
             # receiver stuck for seconds in a plain assignment): the reaper destroys them later
             self._orphans.extend(issued)
             raise
-        return waited[0]
 
-    def _finish_oldest(self, pending: list[tuple[int, Any, Any, float]], transfer: Transfer,
-                       waited: list[float]) -> None:
+    def _finish_oldest(self, pending: list[tuple[int, Any, Any, float]], transfer: Transfer) -> None:
         i, work, entry, limit = pending.pop(0)
-        t0 = time.monotonic()
         try:
             self._wait(work, limit, transfer.cancelled)
         except BaseException as err:
             entry.fail(err)
             raise
-        finally:
-            waited[0] += time.monotonic() - t0
         entry.complete()
         _hook(transfer.after, i, "checking")
 
@@ -294,10 +288,10 @@ class GroupPlane:
                                               backend=self.backend, device=self.device, recorder=self._recorder,
                                               host=self.host)
 
-    def move(self, transfer: Transfer) -> float:
+    def move(self, transfer: Transfer) -> None:
         if self.group is None:
             raise Cancelled("no generation entered")
-        return self.group.broadcast(transfer, op="bucket_send" if self.group.rank == 0 else "bucket_recv")
+        self.group.broadcast(transfer, op="bucket_send" if self.group.rank == 0 else "bucket_recv")
 
     def leave(self, reason: str, *, failed: bool = False) -> None:
         if self.group is not None:

@@ -10,8 +10,8 @@ owning thread (the publisher's sender thread, or a subscriber's receiver thread)
 2. ``enter(spec)``: form generation ``spec.generation`` with ``spec.members``, bounded by
    ``spec.timeout``; the publisher's ``Go`` carries what every member offered;
 3. ``move(transfer)``: rank 0 sends ``transfer.buckets``, everyone else receives into them,
-   each bucket bounded by ``transfer.deadline(nbytes)``; returns the seconds spent waiting on
-   peers (the rest was this end's own time, which straggler scoring uses);
+   each bucket bounded by ``transfer.deadline(nbytes)`` (the receiver times its own work in
+   ``transfer.after``: straggler scoring counts that, not the wait on peers);
 4. ``leave(reason, failed=...)``: end the generation (a hung operation must return); with
    ``failed`` the next ``enter`` starts from fresh resources;
 5. ``close()``: for good. ``leave`` and ``close`` are idempotent and never raise.
@@ -75,7 +75,7 @@ class DataPlane(Protocol):
 
     def enter(self, spec: GenerationSpec) -> None: ...
 
-    def move(self, transfer: Transfer) -> float: ...
+    def move(self, transfer: Transfer) -> None: ...
 
     def leave(self, reason: str, *, failed: bool = False) -> None: ...
 

@@ -338,10 +338,12 @@ class Receiver:
 
             # anything new in our queue mid-transfer means the publisher gave up on this version
             moving = time.monotonic()
-            self._plane.move(Transfer(announce.version, buckets, self.deadlines.bucket, after=after,
-                                               cancelled=lambda: self.aborting.is_set()
-                                               or not self._client.commands.empty()))
-            in_move = time.monotonic() - moving
+            try:
+                self._plane.move(Transfer(announce.version, buckets, self.deadlines.bucket, after=after,
+                                          cancelled=lambda: self.aborting.is_set()
+                                          or not self._client.commands.empty()))
+            finally:
+                in_move = time.monotonic() - moving
             if verify:  # the Seal comes when the whole broadcast is done: waiting for it is not ours
                 self._verify(announce, sums)
                 sealing = time.monotonic() - moving - in_move
@@ -360,8 +362,6 @@ class Receiver:
         # own time: everything but waiting on others (preparing the slot, checking buckets, a
         # busy host). Not ours: the collective, and the publisher's Seal, which comes when the
         # whole broadcast is done; in gloo's tree a leaf finishes early and waits for it.
-        if not in_move:  # move() failed: count what was measured up to the failure
-            in_move = max(seconds - checking[0], 0.0)
         own = max(seconds - in_move - sealing, 0.0) + checking[0]
         self._acknowledge(announce, ok=ok, error=error, seconds=seconds, own=own)
 
