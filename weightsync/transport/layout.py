@@ -127,8 +127,15 @@ def views(flat: torch.Tensor, manifest: Manifest) -> dict[str, torch.Tensor]:
 
 
 def pack_into(flat: torch.Tensor, manifest: Manifest, items: list[tuple[str, torch.Tensor]]) -> None:
-    """Copy every tensor into its range of ``flat`` (strided sources are fine)."""
-    for spec, (_, tensor) in zip(manifest.tensors, items, strict=True):
+    """Copy every tensor into its range of ``flat`` (strided sources are fine).
+
+    Each source is checked again first: a ``copy=False`` tensor the caller freed or resized
+    since ``put`` would be read through a dangling pointer (a crash, not an exception).
+    """
+    for spec, (name, tensor) in zip(manifest.tensors, items, strict=True):
+        problem = _unsendable(tensor)
+        if problem or tuple(tensor.shape) != spec.shape or dtype_name(tensor.dtype) != spec.dtype:
+            raise ValueError(f"{name!r} changed since it was put: {problem or 'its shape or dtype differs'}")
         if spec.nbytes:
             tensor_view(flat, spec).copy_(tensor, non_blocking=True)
 
