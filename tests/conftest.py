@@ -22,6 +22,13 @@ except ImportError:  # pragma: no cover - uvloop is a dependency; keep collectio
     uvloop = None
 
 LOOPS = ["asyncio", "uvloop"] if uvloop is not None else ["asyncio"]
+
+# Most tests are about the process group (broadcasts, buckets on the wire, link probes,
+# generations) and run their generators on this host, where "auto" would take shared memory:
+# they ask for the group unless the run says otherwise. tests/test_shm.py asks for each
+# transport explicitly, and `make test` runs the end-to-end modules again with
+# WEIGHTSYNC_TRANSPORT=auto (the default users get).
+os.environ.setdefault("WEIGHTSYNC_TRANSPORT", "group")
 REPO = Path(__file__).resolve().parent.parent
 
 

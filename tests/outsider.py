@@ -58,7 +58,7 @@ class Outsider:
         self.sock.sendall(data)
 
     def join(self, member_id: str, fingerprint: _wire.Fingerprint, secret: bytes | None,
-             proof: bytes | None = None) -> Any:
+             proof: bytes | None = None, transport: str = "group") -> Any:
         """Answer the challenge (with the right proof for ``secret``, or ``proof`` as given); the reply."""
         self.challenge = self.read()
         assert isinstance(self.challenge, _wire.Challenge)
@@ -66,7 +66,7 @@ class Outsider:
         if proof is None:
             proof = auth.join_proof(secret, channel=self.challenge.channel, server_nonce=self.challenge.nonce,
                                     client_nonce=nonce, member_id=member_id, fp=fingerprint)
-        join = _wire.Join(member_id=member_id, fingerprint=fingerprint, nonce=nonce, proof=proof)
+        join = _wire.Join(member_id=member_id, fingerprint=fingerprint, nonce=nonce, proof=proof, transport=transport)
         self.last_join = join
         self.send(join)
         self.session.key = auth.session_key(secret, server_nonce=self.challenge.nonce, client_nonce=nonce,

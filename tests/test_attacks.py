@@ -93,6 +93,9 @@ async def test_without_the_secret_nothing_but_a_join_is_heard() -> None:
         wrong = Outsider(pub.address)
         reply = await in_thread(wrong.join, "mallory", fingerprint(pub), b"not-the-secret")
         assert isinstance(reply, _wire.Deny) and reply.kind == "token"
+        odd = Outsider(pub.address)  # the right secret, a transport nobody serves
+        reply = await in_thread(odd.join, "odd", fingerprint(pub), SECRET.encode(), None, "telepathy")
+        assert isinstance(reply, _wire.Deny) and reply.kind == "handshake" and "telepathy" in reply.reason
         assert pub.members == ("gen0",) and pub.evicted == []
         failures = [e for e in rec.snapshot() if e.op == "admit" and e.state == "failed"]
         assert len(failures) >= 5  # every attempt recorded

@@ -26,9 +26,11 @@ async def subscriber(spec: dict) -> dict:
     """Join, collect versions until ``until_version``, digest each one seen."""
     seen: dict[int, dict[str, str]] = {}
     order: list[int] = []
+    error = ""
     mode = spec.get("mode", "get")
     sub = ws.Subscriber(spec["channel"], address=spec["address"], member_id=spec["member"],
-                        timeout=spec.get("timeout", 10.0), flight_recorder_dir=spec.get("fr_dir"))
+                        timeout=spec.get("timeout", 10.0), flight_recorder_dir=spec.get("fr_dir"),
+                        transport=spec.get("transport"))
     if spec.get("faults"):  # a fault plan for this worker (see weightsync.testing)
         inject(sub, Faults(**spec["faults"]))
     async with sub:
@@ -40,7 +42,8 @@ async def subscriber(spec: dict) -> dict:
             while time.monotonic() < deadline:
                 try:
                     w = await sub.get(min_version=last + 1, timeout=deadline - time.monotonic())
-                except ws.PublisherGone:
+                except (ws.PublisherGone, ws.Evicted) as err:
+                    error = type(err).__name__
                     break
                 order.append(w.version)
                 seen[w.version] = digests(w)
@@ -60,7 +63,8 @@ async def subscriber(spec: dict) -> dict:
                 order.append(w.version)
                 seen[w.version] = digests(w)
                 last = w.version
-    return {"member": spec["member"], "order": order, "digests": {str(k): v for k, v in seen.items()}}
+    return {"member": spec["member"], "order": order, "digests": {str(k): v for k, v in seen.items()},
+            "transport": sub.transport, "error": error}
 
 
 async def coexist(spec: dict) -> dict:

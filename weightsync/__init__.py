@@ -12,6 +12,7 @@ from weightsync.errors import (
     ManifestMismatch,
     PublisherGone,
     SyncTimeout,
+    TransportUnavailable,
     WeightSyncError,
 )
 from weightsync.orchestrator import LocalProcessOrchestrator, Orchestrator
@@ -41,6 +42,7 @@ __all__ = [
     "StragglerPolicy",
     "Subscriber",
     "SyncTimeout",
+    "TransportUnavailable",
     "WeightStream",
     "Weights",
     "WeightSyncError",

@@ -26,7 +26,7 @@ from typing import Union
 
 import msgspec
 
-PROTOCOL_VERSION = 3  # 2: settings travel in Admit; checksums are CRC32C. 3: link probes
+PROTOCOL_VERSION = 4  # 2: settings travel in Admit; checksums are CRC32C. 3: link probes. 4: same-host shm
 
 
 class TensorSpec(msgspec.Struct, frozen=True, array_like=True):
@@ -65,12 +65,32 @@ class Frame(msgspec.Struct, frozen=True, array_like=True):
     body: bytes
 
 
+class ShmOffer(msgspec.Struct, frozen=True):
+    """Where a same-host member finds the publisher's shared memory (``transport.shm``)."""
+
+    pid: int
+    fd: int  # the door: a one-page segment holding ``token``
+    token: bytes
+    boot_id: str  # the kernel's boot id: another host (or boot) has another
+
+
+class ShmRef(msgspec.Struct, frozen=True):
+    """Where an announced version's bytes lie: segment ``fd`` of the publisher, from ``offset``."""
+
+    fd: int
+    token: bytes  # the segment's own random token (its first page), checked at each mapping
+    offset: int
+    nbytes: int  # the segment's data bytes
+    epoch: int = 0  # the segment's write count when announced: a member that reads another stops
+
+
 class Challenge(msgspec.Struct, frozen=True, tag="challenge"):
     """The server's first frame on a new connection: answer with a Join that proves the secret."""
 
     protocol: int
     channel: str
     nonce: bytes  # fresh per connection: a recorded Join is worthless on another one
+    shm: ShmOffer | None = None  # the publisher's shared memory, for members on its host
 
 
 class Join(msgspec.Struct, frozen=True, tag="join"):
@@ -80,6 +100,7 @@ class Join(msgspec.Struct, frozen=True, tag="join"):
     proof: bytes = b""  # HMAC over both nonces, channel, member id and fingerprint; b"" when open
     pid: int = 0
     host: str = ""
+    transport: str = "group"  # "group" | "shm" (the member opened the Challenge's door)
 
 
 class Leave(msgspec.Struct, frozen=True, tag="leave"):
@@ -128,6 +149,7 @@ class Go(msgspec.Struct, frozen=True, tag="go"):
     uuid: int = 0  # with handles: reconfigure the long-lived backend in place under this uuid
     handles: tuple[str, ...] = ()  # rank-ordered reconfigure handles; empty: build a fresh group
     rendezvous: str = ""  # the generation's unpredictable rendezvous prefix (fresh random token)
+    group: tuple[str, ...] = ()  # the members that form the group, in rank order (the others read shm)
 
 
 class Announce(msgspec.Struct, frozen=True, tag="announce"):
@@ -141,6 +163,7 @@ class Announce(msgspec.Struct, frozen=True, tag="announce"):
     num_buckets: int
     resend: bool = False
     checksum: bool = True  # a Seal with this version's per-bucket digests follows its buckets
+    segment: ShmRef | None = None  # same-host members copy the version from here
 
 
 class Seal(msgspec.Struct, frozen=True, tag="seal"):

@@ -11,7 +11,8 @@ the boundary with ``raise ... from err`` so callers never match on backend messa
      ├── PublisherGone                     the publisher shut down or died
      ├── Evicted                           this subscriber was removed from the channel
      ├── AdmissionDenied                   the join token was missing or wrong
-     └── HandshakeMismatch                 environment fingerprints disagree
+     ├── HandshakeMismatch                 environment fingerprints disagree
+     └── TransportUnavailable              the transport asked for cannot work here
 
 Each carries optional context (``channel``, ``generation``, ``member``, ``version``) that
 appears in its message and stays available as attributes.
@@ -27,6 +28,7 @@ __all__ = [
     "ManifestMismatch",
     "PublisherGone",
     "SyncTimeout",
+    "TransportUnavailable",
     "WeightSyncError",
 ]
 
@@ -87,3 +89,7 @@ class AdmissionDenied(WeightSyncError):
 
 class HandshakeMismatch(WeightSyncError):
     """Publisher and subscriber environments disagree (torch, NCCL, device kind, NCCL_* vars)."""
+
+
+class TransportUnavailable(WeightSyncError):
+    """The transport asked for cannot work here (``transport="shm"`` with a publisher on another host)."""

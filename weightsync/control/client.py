@@ -41,7 +41,9 @@ from weightsync.control.framing import (
     frame_length,
     open_refusal,
 )
+from weightsync.errors import TransportUnavailable
 from weightsync.pg.recorder import RecorderScope
+from weightsync.transport import shm
 
 READ_SLICE = 0.5  # the reader wakes this often to show it is alive (``tick``)
 
@@ -50,10 +52,14 @@ class ControlClient:
     """One member incarnation's connection (see the module docstring)."""
 
     def __init__(self, channel: str, member_id: str, *, host: str, port: int, secret: bytes | None,
-                 fingerprint: _wire.Fingerprint, recorder: RecorderScope, send_timeout: float) -> None:
+                 fingerprint: _wire.Fingerprint, recorder: RecorderScope, send_timeout: float,
+                 transport: str = "group") -> None:
         self.channel, self.member_id, self._host, self._port = channel, member_id, host, port
         self._secret, self._fingerprint, self._rec = secret, fingerprint, recorder
         self._send_timeout = send_timeout
+        self.requested = transport  # "auto" | "group" | "shm"
+        self.transport = "group"  # what this connection joined with (decided on the Challenge)
+        self.shm_pid = 0
         self.commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.seals: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.last_heard = time.monotonic()
@@ -87,16 +93,20 @@ class ControlClient:
             challenge = session.open(self._read_frame(sock, HANDSHAKE_FRAME), _wire.server_decoder)
             if not isinstance(challenge, _wire.Challenge) or challenge.channel != self.channel:
                 raise BadFrame(f"not this channel's challenge: {challenge!r:.120}")
+            self.transport = self._choose_transport(challenge.shm)
             nonce = auth.new_nonce()
             proof = auth.join_proof(self._secret, channel=self.channel, server_nonce=challenge.nonce,
                                     client_nonce=nonce, member_id=self.member_id, fp=self._fingerprint)
             sock.sendall(session.seal(_wire.Join(self.member_id, self._fingerprint, nonce, proof, pid=os.getpid(),
-                                                 host=socket.gethostname())))
+                                                 host=socket.gethostname(), transport=self.transport)))
             session.key = auth.session_key(self._secret, server_nonce=challenge.nonce, client_nonce=nonce,
                                            member_id=self.member_id)
         except (OSError, BadFrame) as err:
             sock.close()
             raise StoreUnreachable(f"the publisher did not answer the handshake: {err}") from err
+        except TransportUnavailable:
+            sock.close()
+            raise
         # the reader has its own descriptor: a socket's timeout is per object, and the reader's
         # short slices must never cut a sender's sendall short
         self._sock, self._rsock, self._session = sock, sock.dup(), session
@@ -104,6 +114,20 @@ class ControlClient:
         self.last_heard = time.monotonic()
         self._reader = threading.Thread(target=self._read_loop, name=f"ws-{self.channel}-control", daemon=True)
         self._reader.start()
+
+    def _choose_transport(self, offer: _wire.ShmOffer | None) -> str:
+        """``"shm"`` when asked for (or ``"auto"``) and this process can read the publisher's memory."""
+        if self.requested == "group":
+            return "group"
+        problem = shm.door_problem(offer)
+        if problem is None:
+            assert offer is not None
+            self.shm_pid = offer.pid
+            return "shm"
+        if self.requested == "shm":
+            raise TransportUnavailable(f"transport='shm' is impossible: {problem}", channel=self.channel,
+                                       member=self.member_id)
+        return "group"
 
     @staticmethod
     def _read_frame(sock: socket.socket, limit: int) -> bytes:

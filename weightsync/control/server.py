@@ -75,6 +75,7 @@ class Link:
     reported: bool = False
     probes: dict[int, float] = field(default_factory=dict)  # probe seq -> when it was written
     link_times: deque[float] = field(default_factory=lambda: deque(maxlen=PROBE_WINDOW))
+    transport: str = "group"  # "shm": a same-host member that reads the publisher's shared memory
 
 
 class ControlServer:
@@ -87,11 +88,13 @@ class ControlServer:
     def __init__(self, channel: str, *, host: str, port: int, secret: bytes | None, mine: _wire.Fingerprint,
                  table: KeyValue, recorder: RecorderScope, heartbeat_interval: float, dead_after: float,
                  handshake_timeout: float, closing: Callable[[], bool], on_join: Callable[[Link], None],
-                 on_leave: Callable[[Link], None], on_dead: Callable[[str, str], None]) -> None:
+                 on_leave: Callable[[Link], None], on_dead: Callable[[str, str], None],
+                 shm_offer: Callable[[], _wire.ShmOffer | None] = lambda: None) -> None:
         self.channel, self._host, self._port = channel, host, port
         self._secret, self._mine, self._table, self._rec = secret, mine, table, recorder
         self._interval, self._dead_after, self._handshake_timeout = heartbeat_interval, dead_after, handshake_timeout
         self._closing, self._on_join, self._on_leave, self._on_dead = closing, on_join, on_leave, on_dead
+        self._shm_offer = shm_offer
         self.replies: queue.SimpleQueue[Any] = queue.SimpleQueue()  # Ready | Ack | Wake, for the Sender
         self.tick = time.monotonic()  # the control loop's own last sign of life
         self._links: dict[str, Link] = {}
@@ -285,13 +288,17 @@ class ControlServer:
     async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> Link | None:
         nonce = auth.new_nonce()
         session = Session(outgoing=TO_CLIENT, incoming=TO_SERVER)
-        writer.write(session.seal(_wire.Challenge(_wire.PROTOCOL_VERSION, self.channel, nonce)))
+        writer.write(session.seal(_wire.Challenge(_wire.PROTOCOL_VERSION, self.channel, nonce,
+                                                            shm=self._shm_offer())))
         length = frame_length(await reader.readexactly(HEADER.size), HANDSHAKE_FRAME)
         join = session.open(await reader.readexactly(length), _wire.client_decoder)
         if not isinstance(join, _wire.Join):
             raise BadFrame(f"expected a Join, got {type(join).__name__}")
         deny = auth.admission_problem(join, channel=self.channel, server_nonce=nonce, secret=self._secret,
                                       mine=self._mine, closing=self._closing())
+        if deny is None and (join.transport not in ("group", "shm")
+                             or (join.transport == "shm" and self._shm_offer() is None)):
+            deny = _wire.Deny(reason=f"transport {join.transport[:16]!r} is not served here", kind="handshake")
         if deny is not None:
             self._rec.record("admit", peers=(join.member_id[:64],)).fail(deny.reason)  # recorded before answered
             writer.write(session.seal(deny))
@@ -299,7 +306,8 @@ class ControlServer:
             return None
         session.key = auth.session_key(self._secret, server_nonce=nonce, client_nonce=join.nonce,
                                        member_id=join.member_id)
-        link = Link(secrets.token_hex(8), join.member_id, join.host[:256], join.pid, session, writer)
+        link = Link(secrets.token_hex(8), join.member_id, join.host[:256], join.pid, session, writer,
+                    transport=join.transport)
         with self._lock:
             self._links[link.incarnation] = link
         self._on_join(link)

@@ -87,15 +87,25 @@ class Generations:
         self._incarnation: dict[str, str] = {}  # member -> its connection (a rejoin is a new one)
         self._info: dict[str, MemberInfo] = {}
         self._slots: dict[str, int] = {}
+        self._transport: dict[str, str] = {}  # member -> "group" | "shm" (same host: no group)
         self._next_slot = itertools.count(1)  # 0 is the publisher's
         self._seq = itertools.count()
         self.last_timings: dict[str, tuple[float, float]] = {}  # member -> (seconds, own seconds)
 
-    def register(self, member_id: str, incarnation: str, host: str = "", pid: int = 0) -> None:
-        """A joiner's own connection, where everything for it goes."""
+    def register(self, member_id: str, incarnation: str, host: str = "", pid: int = 0,
+                 transport: str = "group") -> None:
+        """A joiner's own connection, where everything for it goes, and how it receives."""
         self._incarnation[member_id] = incarnation
+        self._transport[member_id] = transport
         self._info[member_id] = MemberInfo(member_id, host=host, pid=pid)
         self._slots[member_id] = next(self._next_slot)  # a rejoin is a new incarnation: a new slot
+
+    def transport_of(self, member: str) -> str:
+        return self._transport.get(member, "group")
+
+    def group_of(self, members: Iterable[str]) -> tuple[str, ...]:
+        """The members (in order) that form the data plane's group; the others read shared memory."""
+        return tuple(m for m in members if self.transport_of(m) == "group")
 
     def next_seq(self) -> int:
         """The sequence number of the next command in the current generation."""
@@ -161,6 +171,7 @@ class Generations:
         self._incarnation.pop(member, None)
         self.control.release(member, reason)
         self._slots.pop(member, None)
+        self._transport.pop(member, None)
         return self._info.pop(member, None)
 
     def _form(self, plan: Plan, offers: dict[str, str]) -> None:
@@ -172,13 +183,14 @@ class Generations:
         timeout = self.deadlines.rendezvous()
         self.table.begin_generation(plan.generation)
         token = secrets.token_hex(8)
-        spec = GenerationSpec(plan.generation, plan.members, rank=0, timeout=timeout, rendezvous=token)
-        if self.settings.in_place and plan.members:
-            ordered = (self.plane.offer(), *(offers[m] for m in plan.members))
-            spec = GenerationSpec(plan.generation, plan.members, rank=0, timeout=timeout, uuid=secrets.randbits(62),
+        group = self.group_of(plan.members)  # same-host members read shared memory: not in the group
+        spec = GenerationSpec(plan.generation, group, rank=0, timeout=timeout, rendezvous=token)
+        if self.settings.in_place and group:
+            ordered = (self.plane.offer(), *(offers[m] for m in group))
+            spec = GenerationSpec(plan.generation, group, rank=0, timeout=timeout, uuid=secrets.randbits(62),
                                   offers=ordered, rendezvous=token)
         self.tell(plan.members, _wire.Go(generation=plan.generation, uuid=spec.uuid, handles=spec.offers,
-                                         rendezvous=token))
+                                         rendezvous=token, group=group))
         self.plane.enter(spec)
 
     def _await_ready(self, plan: Plan, offers: dict[str, str]) -> set[str]:
@@ -206,7 +218,7 @@ class Generations:
                 extended, deadline = True, time.monotonic() + self.deadlines.rendezvous()
                 continue
             if isinstance(message, _wire.Ready) and message.generation == plan.generation:
-                if self.settings.in_place and not message.handle:
+                if self.settings.in_place and not message.handle and self.transport_of(message.member_id) == "group":
                     self._rec.record("rendezvous",
                                      peers=(message.member_id,)).fail("Ready without a reconfigure handle")
                     continue  # it will not come: it is counted missing when the deadline passes

@@ -24,8 +24,10 @@ How the planned planes plug in (docs/architecture.md has the picture):
 
 - the dedicated group (:class:`weightsync.pg.group.GroupPlane`): gloo/NCCL broadcast of each
   bucket from rank 0; ``offer`` is the reconfigure handle on torch 2.14+;
-- same host: a plane whose ``offer`` names a shared-memory segment (or CUDA IPC handle) and
-  whose ``move`` copies from it, so the sender keeps driving the same five calls;
+- same host (:class:`weightsync.transport.shm.ShmPlane`, built): the publisher's snapshot lives
+  in shared memory; a same-host member's ``move`` copies each bucket out of the segment its
+  Announce names (``transfer.source``) and joins no group; the publisher's group plane serves
+  the other members of the same generation;
 - sharded trainers: one plane per trainer rank ("lanes"), each its own group with one
   communicator; a version is readable when every lane's ``move`` has returned and verified;
 - one-sided (``torch.distributed._transport``, torch 2.15): ``offer`` publishes a memory
@@ -36,7 +38,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -64,6 +66,7 @@ class Transfer:
     before: Callable[[int], None] | None = None  # runs before bucket i is issued (packing)
     after: Callable[[int], None] | None = None  # runs once bucket i completed (checksums)
     cancelled: Callable[[], bool] | None = None  # polled while waiting: True gives up (Cancelled)
+    source: Any = None  # where a plane that reads (not receives) finds the bytes: an Announce's segment
 
 
 class DataPlane(Protocol):

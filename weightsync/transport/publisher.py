@@ -40,7 +40,7 @@ from weightsync.orchestrator import Orchestrator, Replacements
 from weightsync.pg.group import GroupPlane, reconfigure_enabled, resolve_backend
 from weightsync.pg.membership import MemberInfo, Membership, StragglerPolicy
 from weightsync.pg.recorder import FlightRecorder, process_recorder
-from weightsync.transport import layout, lifecycle
+from weightsync.transport import layout, lifecycle, shm
 from weightsync.transport.handles import PutHandle
 from weightsync.transport.lifecycle import EndState, call_soon
 from weightsync.transport.options import (
@@ -115,7 +115,11 @@ class Publisher:
         self.orchestrator = orchestrator
         self.settings = self.options.settings(checksum=checksum, in_place=reconfigure_enabled(self.backend))
         deadlines = Deadlines(self.settings)
-        self._staging = Staging(max_snapshots)
+        # on a CPU publisher staging lives in shared memory: same-host members copy from it
+        self._segments = shm.SegmentPool(name) if self._slot_device.type == "cpu" and shm.available() else None
+        self._staging = (Staging(max_snapshots, allocate=self._segments.allocate, drop=self._segments.drop,
+                                 reuse=self._segments.reuse)
+                         if self._segments is not None else Staging(max_snapshots))
         self._state = EndState.NEW
         self._stop = threading.Event()  # everything stops (after the sender drained, or at once)
         self._table = KeyValue()
@@ -125,7 +129,7 @@ class Publisher:
             heartbeat_interval=self.options.heartbeat_interval, dead_after=deadlines.member_silence(),
             handshake_timeout=self.options.timeout, closing=lambda: self._state is not EndState.RUNNING,
             on_join=self._on_join, on_leave=lambda link: self._sender.submit(Leave(link.member_id)),
-            on_dead=self._on_dead)
+            on_dead=self._on_dead, shm_offer=self._segments.offer if self._segments is not None else lambda: None)
         self.membership = Membership(name, self._recorder, self.options.heartbeat_interval,
                                      dead_after=deadlines.member_silence(), heard=self._control.heard,
                                      stale=self._control.stale)
@@ -134,7 +138,8 @@ class Publisher:
         self._sender = Sender(name, settings=self.settings, staging=self._staging, membership=self.membership,
                               recorder=self._recorder, policy=self.policy, control=self._control, table=self._table,
                               make_plane=self._make_plane, slot_device=self._slot_device,
-                              on_change=self._notify_members, on_evicted=self._replacements.member_dropped)
+                              on_change=self._notify_members, on_evicted=self._replacements.member_dropped,
+                              segments=self._segments)
         self._last_version: int | None = None
         self._put_lock: asyncio.Lock | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -158,7 +163,8 @@ class Publisher:
 
     def _on_join(self, link: Link) -> None:
         """Control thread: a connection passed the door; the Sender decides the rest."""
-        self._sender.submit(Join(link.member_id, link.incarnation, host=link.host, pid=link.pid))
+        self._sender.submit(Join(link.member_id, link.incarnation, host=link.host, pid=link.pid,
+                                 transport=link.transport))
 
     def _on_dead(self, member_id: str, reason: str) -> None:
         """Control thread: a member's connection closed, or it fell silent."""
@@ -185,9 +191,13 @@ class Publisher:
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"ws-{self.name}-snapshot")
         host = self._bind[0]
         try:
+            if self._segments is not None:
+                self._segments.open()
             port = await self._loop.run_in_executor(
                 self._executor, self._control.start, self.options.timeout)
         except (OSError, ControlFailure) as err:
+            if self._segments is not None:
+                self._segments.close()
             self._executor.shutdown(wait=False)
             self._state = EndState.CLOSED
             raise WeightSyncError(f"could not listen on {host}:{self._bind[1]}: {err}", channel=self.name) from err
@@ -226,6 +236,9 @@ class Publisher:
         for job in self._staging.drain():
             job.handle.resolve_threadsafe(error=Closed("publisher closed before sending", channel=self.name,
                                                        version=job.version))
+        self._staging.clear()  # the snapshots' memory goes now, not when this object is collected
+        if self._segments is not None:  # members that still map a segment keep it until they unmap
+            self._segments.close()
         await self._replacements.finish(self.options.timeout)
         await lifecycle.finish_close(self._loop, self._executor, self._recorder, self.options.timeout * 3)
         self._state = EndState.CLOSED

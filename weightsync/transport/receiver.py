@@ -69,9 +69,10 @@ from weightsync.pg.recorder import FlightRecorder
 from weightsync.testing import Hooks
 from weightsync.transport import layout
 from weightsync.transport.checksum import checksum
-from weightsync.transport.dataplane import GenerationSpec, Transfer
+from weightsync.transport.dataplane import DataPlane, GenerationSpec, Transfer
 from weightsync.transport.lifecycle import Latch
 from weightsync.transport.options import Deadlines
+from weightsync.transport.shm import ShmPlane
 from weightsync.transport.slots import SlotPair
 
 #: what a receive may fail with and still be acknowledged (as failed): the wire, not a bug
@@ -109,7 +110,7 @@ class Receiver:
 
     def __init__(self, channel: str, member_id: str, *, host: str, port: int, backend: str, device: torch.device,
                  secret: bytes | None, own_timeout: float, join_timeout: float, recorder: FlightRecorder,
-                 slots: SlotPair, on_publish: Callable[[], None], hooks: Hooks) -> None:
+                 slots: SlotPair, on_publish: Callable[[], None], hooks: Hooks, transport: str = "auto") -> None:
         self.channel, self.member_id = channel, member_id
         self.backend, self.device, self._secret = backend, device, secret
         self.own_timeout, self.join_timeout = own_timeout, join_timeout
@@ -122,11 +123,12 @@ class Receiver:
         self.deadlines: Deadlines | None = None
         self._recorder, self._slots, self._on_publish, self._hooks = recorder, slots, on_publish, hooks
         self._rec = recorder.scope(channel, member_id)
-        self._plane: GroupPlane | None = None
+        self._plane: DataPlane | None = None
         self._clean_shutdown = False
         self._client = ControlClient(channel, member_id, host=host, port=port, secret=secret,
                                      fingerprint=auth.fingerprint(backend, device), recorder=self._rec,
-                                     send_timeout=own_timeout)
+                                     send_timeout=own_timeout,
+                                     transport=transport if slots.device.type == "cpu" else "group")
 
     # terminal state ------------------------------------------------------------------------
     def end(self, error: WeightSyncError) -> None:
@@ -136,6 +138,11 @@ class Receiver:
             if not isinstance(error, Closed) and not self._clean_shutdown:
                 self._recorder.dump_on_trouble(f"{type(error).__name__}: {error}")
         self._on_publish()  # wake readers: they raise it
+
+    @property
+    def transport(self) -> str:
+        """How this member receives: ``"group"`` or ``"shm"`` (decided when it connects)."""
+        return self._client.transport
 
     @property
     def over(self) -> bool:
@@ -220,6 +227,10 @@ class Receiver:
             entry.fail(f"unexpected {type(reply).__name__}")
             raise WeightSyncError(f"unexpected reply to join: {type(reply).__name__}", channel=self.channel)
         self.deadlines = Deadlines(reply.settings)
+        if self._client.transport == "shm":  # the publisher's shared memory: no group to join
+            self._plane = ShmPlane(self._client.shm_pid, self._rec)
+            entry.complete()
+            return reply.generation, reply.members
         store = RemoteStore(self._client, self.deadlines.rendezvous())
         self._plane = GroupPlane(store, channel=self.channel, member=self.member_id, backend=self.backend,
                                  device=self._slots.device, recorder=self._recorder,
@@ -238,7 +249,7 @@ class Receiver:
         and waits for the publisher's next plan.
         """
         assert self._plane is not None and self.deadlines is not None
-        self.generation, self.rank = generation, members.index(self.member_id) + 1
+        self.generation = generation
         try:
             offer = self._plane.offer()
         except PeerFailure as err:
@@ -254,8 +265,13 @@ class Receiver:
             if message is None or not isinstance(message, _wire.Go):
                 return False, message
             if message.generation == generation:
+                if self.transport == "shm":
+                    return True, None  # nothing to enter: versions are read from shared memory
+                if self.member_id not in message.group:
+                    raise ProtocolError(f"generation {generation}'s group leaves out this member")
+                self.rank = message.group.index(self.member_id) + 1
                 try:
-                    self._plane.enter(GenerationSpec(generation, members, rank=self.rank,
+                    self._plane.enter(GenerationSpec(generation, message.group, rank=self.rank,
                                                      timeout=self.deadlines.rendezvous(), uuid=message.uuid,
                                                      offers=message.handles, rendezvous=message.rendezvous))
                 except PeerFailure as err:
@@ -341,7 +357,7 @@ class Receiver:
             try:
                 self._plane.move(Transfer(announce.version, buckets, self.deadlines.bucket, after=after,
                                           cancelled=lambda: self.aborting.is_set()
-                                          or not self._client.commands.empty()))
+                                          or not self._client.commands.empty(), source=announce.segment))
             finally:
                 in_move = time.monotonic() - moving
             if verify:  # the Seal comes when the whole broadcast is done: waiting for it is not ours
@@ -363,6 +379,8 @@ class Receiver:
         # busy host). Not ours: the collective, and the publisher's Seal, which comes when the
         # whole broadcast is done; in gloo's tree a leaf finishes early and waits for it.
         own = max(seconds - in_move - sealing, 0.0) + checking[0]
+        if self.transport == "shm":  # the copy out of shared memory is all this member's own work
+            own = max(seconds - sealing, 0.0)
         self._acknowledge(announce, ok=ok, error=error, seconds=seconds, own=own)
 
     def _acknowledge(self, announce: _wire.Announce, *, ok: bool, error: str, seconds: float, own: float = 0.0) -> None:

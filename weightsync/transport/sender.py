@@ -50,6 +50,7 @@ from weightsync.transport.dataplane import DataPlane, Transfer
 from weightsync.transport.handles import DeliveryReport
 from weightsync.transport.lifecycle import Latch
 from weightsync.transport.options import Deadlines
+from weightsync.transport.shm import SegmentPool
 from weightsync.transport.staging import BucketBuffers, Job, Staging, bucket_slices
 
 PROBE_FROM = 256 << 10  # versions smaller than this are not worth timing links for
@@ -78,6 +79,7 @@ class Join:
     incarnation: str  # the member's control connection
     host: str = ""
     pid: int = 0
+    transport: str = "group"
 
 
 @dataclass(frozen=True)
@@ -129,13 +131,14 @@ class Sender:
         slot_device: where bucket buffers for ``copy=False`` puts live.
         on_change: called after every generation change (wakes ``wait_subscribers``).
         on_evicted: called for every member dropped (the orchestrator may replace it).
+        segments: the shared-memory segments staging allocates from (None: no same-host path).
     """
 
     def __init__(self, channel: str, *, settings: _wire.ChannelSettings, staging: Staging, membership: Membership,
                  recorder: FlightRecorder, policy: StragglerPolicy, control: Control, table: Rendezvous,
                  make_plane: Callable[[], DataPlane],
                  slot_device: torch.device, on_change: Callable[[], None],
-                 on_evicted: Callable[[MemberInfo], None]) -> None:
+                 on_evicted: Callable[[MemberInfo], None], segments: SegmentPool | None = None) -> None:
         self.channel = channel
         self.settings = settings
         self.checksum = settings.checksum  # per version: the publisher may turn it off and on
@@ -154,6 +157,7 @@ class Sender:
         self._on_evicted_cb = on_evicted
         self._events: queue.SimpleQueue[Event] = queue.SimpleQueue()
         self._buckets = BucketBuffers(slot_device)
+        self._segments = segments
         self._evicted_lock = threading.Lock()
         self._evicted: list[MemberInfo] = []
         self._gens: Generations | None = None
@@ -239,7 +243,8 @@ class Sender:
             # from now on the control server speaks for this member through this connection;
             # one that hung up meanwhile is found dead by the next plan
             self.control.bind(event.incarnation)
-            self._gens.register(event.member_id, event.incarnation, host=event.host, pid=event.pid)
+            self._gens.register(event.member_id, event.incarnation, host=event.host, pid=event.pid,
+                                transport=event.transport)
         elif isinstance(event, Leave):
             self.membership.request_leave(event.member_id)
         elif isinstance(event, Evict):
@@ -273,18 +278,28 @@ class Sender:
         self._finish(job, time.monotonic(), error)
 
     def _send_once(self, gens: Generations, job: Job) -> set[str] | None:
-        """Announce and move ``job`` once; None on success, else the members to blame."""
+        """Announce and move ``job`` once; None on success, else the members to blame.
+
+        Group members receive the buckets through the data plane; same-host members copy them
+        out of the shared-memory segment the Announce names, meanwhile. Both check the Seal.
+        """
         self._wait_snapshot(job)
         members = tuple(self.membership.members)
+        group = gens.group_of(members)
         gen, seq = self.membership.generation, gens.next_seq()
         ranges = layout.bucket_ranges(job.manifest.total_bytes, self.settings.bucket_bytes)
         verify = self.checksum
+        t0 = time.monotonic()
+        try:
+            segment = self._segment_for(job) if len(group) < len(members) else None
+        except LocalFailure as err:
+            self._rec.record("send", generation=gen, version=job.version).fail(err)
+            raise _PutFailed(str(err)) from err
         announce = _wire.Announce(generation=gen, seq=seq, version=job.version, manifest=job.manifest,
                                   bucket_bytes=self.settings.bucket_bytes, num_buckets=len(ranges),
-                                  resend=job.resends > 0, checksum=verify)
+                                  resend=job.resends > 0, checksum=verify, segment=segment)
         job.resends += 1
         job.started = job.started or time.monotonic()
-        t0 = time.monotonic()
         entry = self._rec.record("announce", generation=gen,
                                       version=job.version, nbytes=job.manifest.total_bytes, peers=members).start()
         try:
@@ -293,12 +308,16 @@ class Sender:
             if members:
                 slices, before = bucket_slices(job, ranges, self._buckets, self.settings.bucket_bytes)
                 sums: list[int] = []
-                # each bucket's digest is taken once it is on the wire, while the next one transfers
-                after = (lambda i: sums.append(checksum(slices[i]))) if verify else None
-                # a member known dead (its connection closed, or silent past its bound) ends the wait
-                # for it now: the transfer is abandoned and re-sent to the rest, not left to time out
-                gens.plane.move(Transfer(job.version, slices, self.deadlines.bucket, before=before, after=after,
-                                         cancelled=self._generation_broken))
+                if group:
+                    # each bucket's digest is taken once it is on the wire, while the next one
+                    # transfers; a member known dead (its connection closed, or silent past its
+                    # bound) ends the wait for it now: the transfer is abandoned and re-sent to
+                    # the rest, not left to time out
+                    after = (lambda i: sums.append(checksum(slices[i]))) if verify else None
+                    gens.plane.move(Transfer(job.version, slices, self.deadlines.bucket, before=before, after=after,
+                                             cancelled=self._generation_broken))
+                elif verify:  # same-host members only: they copy while the digests are taken
+                    sums.extend(checksum(piece) for piece in slices)
                 if verify:
                     gens.tell(members, _wire.Seal(generation=gen, seq=seq, version=job.version, checksums=tuple(sums)))
             if job.flat is None:
@@ -316,6 +335,24 @@ class Sender:
             return failed
         self._finish(job, t0)
         return None
+
+    def _segment_for(self, job: Job) -> _wire.ShmRef:
+        """Where same-host members read ``job``: its snapshot, or (``copy=False``) a buffer it is packed into."""
+        if self._segments is None:
+            raise LocalFailure("same-host members, but no shared memory to serve them")
+        if job.flat is None:
+            assert job.items is not None
+            flat = self.staging.buffer_for(job, self._buckets.device)
+            try:
+                layout.pack_into(flat, job.manifest, job.items)
+            except Exception as err:  # noqa: BLE001 - the caller's tensors: this put fails, nobody is blamed
+                raise LocalFailure(f"packing version {job.version} for same-host members: {err}") from err
+            job.flat = flat
+            job.release()  # packed: the caller's tensors are free again
+        ref = self._segments.ref(job.flat)
+        if ref is None:
+            raise LocalFailure(f"version {job.version}'s snapshot is not in shared memory")
+        return ref
 
     def _generation_broken(self) -> bool:
         return self.aborting.is_set() or self.membership.has_dead_members()
@@ -379,7 +416,13 @@ class Sender:
                 score[member] = max(score[member], link)
         if nbytes >= PROBE_FROM:
             self.control.probe(min(PROBE_MAX, nbytes // 32))
-        for member, ratio in self.membership.slow_members(self.policy, score).items():
+        # a member is compared with members of its own transport only: copies out of shared
+        # memory are an order of magnitude faster than any socket
+        flagged: dict[str, float] = {}
+        for kind in {gens.transport_of(m) for m in score}:
+            flagged.update(self.membership.slow_members(
+                self.policy, {m: t for m, t in score.items() if gens.transport_of(m) == kind}))
+        for member, ratio in flagged.items():
             self._rec.record("slow", version=version,
                                   peers=(member,)).fail(f"{ratio:.1f}x the others' receive time")
             if self.policy.on_slow != "keep":

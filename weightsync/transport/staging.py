@@ -56,8 +56,21 @@ class Job:
         self.handle.release_threadsafe()
 
 
+Allocate = Callable[[int, torch.device, bool], torch.Tensor]
+
+
+def _empty(nbytes: int, device: torch.device, pin: bool) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8, device=device, pin_memory=pin)
+
+
 class Staging:
-    def __init__(self, max_snapshots: int = 2) -> None:
+    """Args: ``allocate(nbytes, device, pin)`` makes a buffer (shared memory on a CPU publisher);
+    ``drop(buf)`` is told of every buffer staging lets go of, ``reuse(buf)`` of every buffer it
+    hands out again, before anything writes it."""
+
+    def __init__(self, max_snapshots: int = 2, allocate: Allocate = _empty,
+                 drop: Callable[[torch.Tensor], None] = lambda _b: None,
+                 reuse: Callable[[torch.Tensor], None] = lambda _b: None) -> None:
         if max_snapshots < 2:
             raise ValueError(f"max_snapshots must be >= 2 (one in flight, one pending), got {max_snapshots}")
         self.max_snapshots = max_snapshots
@@ -67,6 +80,7 @@ class Staging:
         self.retained: Job | None = None
         self._free: list[torch.Tensor] = []
         self.peak_buffers = 0
+        self._allocate, self._drop, self._reuse = allocate, drop, reuse
 
     def buffers_in_use(self) -> int:
         jobs = {id(j): j for j in (self.pending, self.in_flight, self.retained) if j is not None}
@@ -86,10 +100,35 @@ class Staging:
             self._free = []
             buf = next((b for b in candidates if b.numel() >= nbytes and b.device == device), None)
             # whatever we do not reuse is dropped, so at most max_snapshots exist
+            for other in candidates:
+                if other is not buf:
+                    self._drop(other)
             if buf is None:
-                buf = torch.empty(nbytes, dtype=torch.uint8, device=device, pin_memory=pin)
+                buf = self._allocate(nbytes, device, pin)
+            else:
+                self._reuse(buf)
             self.peak_buffers = max(self.peak_buffers, self.buffers_in_use() + 1)
             return buf, displaced
+
+    def buffer_for(self, job: Job, device: torch.device) -> torch.Tensor:
+        """Sender: a buffer to pack the in-flight ``copy=False`` job into (same-host members read it).
+
+        It comes from the spare (or is allocated): with the pending snapshot, still at most
+        ``max_snapshots`` buffers; it is retained with the job like a snapshot.
+        """
+        nbytes = job.manifest.total_bytes
+        with self.lock:
+            spare = [b for b in self._free if b.numel() >= nbytes and b.device == device]
+            for other in self._free:
+                if not spare or other is not spare[0]:
+                    self._drop(other)
+            self._free = []
+        buf = spare[0] if spare else self._allocate(nbytes, device, False)
+        if spare:
+            self._reuse(buf)
+        with self.lock:
+            self.peak_buffers = max(self.peak_buffers, self.buffers_in_use() + 1)
+        return buf[:nbytes]
 
     def give_back(self, buf: torch.Tensor) -> None:
         with self.lock:
@@ -111,6 +150,8 @@ class Staging:
             self.in_flight = job
             if self.retained is not None and self.retained.flat is not None:
                 self._free.append(self.retained.flat)
+                for other in self._free[:-1]:
+                    self._drop(other)
                 self._free = self._free[-1:]  # keep one spare: the next put reuses it
             self.retained = None
             return job
@@ -122,6 +163,17 @@ class Staging:
                 self.in_flight = None
             if job.flat is not None:
                 self.retained = job
+
+    def clear(self) -> None:
+        """Close: let go of every buffer (their memory, shared or not, goes with the last view)."""
+        with self.lock:
+            for job in (self.pending, self.in_flight, self.retained):
+                if job is not None:
+                    job.flat = None
+            for buf in self._free:
+                self._drop(buf)
+            self.pending = self.in_flight = self.retained = None
+            self._free = []
 
     def drain(self) -> list[Job]:
         """Close: every job not yet sent (not the one in flight), removed from staging."""

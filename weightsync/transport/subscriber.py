@@ -31,7 +31,7 @@ import torch
 
 from weightsync import _wire
 from weightsync.control import auth
-from weightsync.errors import Closed, SyncTimeout
+from weightsync.errors import Closed, SyncTimeout, TransportUnavailable
 from weightsync.pg.group import resolve_backend
 from weightsync.pg.recorder import FlightRecorder, process_recorder
 from weightsync.testing import Hooks
@@ -42,6 +42,7 @@ from weightsync.transport.options import parse_address, resolve_device
 from weightsync.transport.receiver import Receiver, ReceiverState
 from weightsync.transport.slots import Slot, SlotPair
 
+TRANSPORTS = ("auto", "group", "shm", "cuda_ipc")
 
 class Subscriber:
     """Receives every version of channel ``name`` in the background; reads never tear.
@@ -68,13 +69,24 @@ class Subscriber:
         secret: shared secret (default ``$WEIGHTSYNC_TOKEN``).
         flight_recorder_dir: where dumps go (default ``$WEIGHTSYNC_FR_DIR``, else the same
             per-run directory under the system temp dir as a publisher on this host).
+        transport: (default ``$WEIGHTSYNC_TRANSPORT``, else ``"auto"``) ``"auto"``: the
+            publisher's shared memory when it is on this host and
+            stages in host memory, else the group; ``"group"``: always the process group;
+            ``"shm"``: shared memory, or :class:`TransportUnavailable` at ``start``;
+            ``"cuda_ipc"`` is not built yet and raises :class:`TransportUnavailable`.
     """
 
     def __init__(self, name: str, *, address: str, backend: str = "auto",
                  device: str | torch.device | None = None, member_id: str | None = None, timeout: float = 30.0,
                  secret: str | bytes | None = None, recorder: FlightRecorder | None = None,
-                 flight_recorder_dir: str | os.PathLike[str] | None = None) -> None:
+                 flight_recorder_dir: str | os.PathLike[str] | None = None, transport: str | None = None) -> None:
         lifecycle.validate_name("channel name", name)
+        transport = transport or os.environ.get("WEIGHTSYNC_TRANSPORT") or "auto"
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+        if transport == "cuda_ipc":
+            raise TransportUnavailable("transport='cuda_ipc' is not built yet: CUDA subscribers receive through "
+                                       "the group (NCCL); see docs/architecture.md", channel=name)
         if not isinstance(address, str):
             raise ValueError(f"address must be the publisher's 'host:port', got {address!r}")
         if not timeout > 0:
@@ -94,6 +106,10 @@ class Subscriber:
         self._recorder.configure(directory=flight_recorder_dir, label=self.member_id, default_directory=default_dir)
         self._rec = self._recorder.scope(name, self.member_id)
         self._slots = SlotPair(self.device if self.backend == "nccl" else torch.device("cpu"))
+        if transport == "shm" and self._slots.device.type != "cpu":
+            raise TransportUnavailable(f"transport='shm' receives into host memory; device={self.device} with "
+                                       f"backend={self.backend!r} receives on the GPU", channel=name)
+        self._transport = transport
         self._state = EndState.NEW
         self._started = False
         self._hooks = Hooks()
@@ -127,7 +143,7 @@ class Subscriber:
         receiver = Receiver(self.name, self.member_id, host=self._connect[0], port=self._connect[1],
                             backend=self.backend, device=self.device, secret=self._secret, own_timeout=self.timeout,
                             join_timeout=limit, recorder=self._recorder, slots=self._slots, on_publish=self._wake,
-                            hooks=self._hooks)
+                            hooks=self._hooks, transport=self._transport)
         self._receiver = receiver
         self._threads = lifecycle.launch(((receiver.heartbeat_main, "heartbeat"), (receiver.main, "receiver")),
                                          f"ws-{self.name}")
@@ -139,6 +155,11 @@ class Subscriber:
                 raise error
             raise SyncTimeout(f"not admitted within {limit:.3g}s" if not joined else "admission failed",
                               channel=self.name, member=self.member_id)
+
+    @property
+    def transport(self) -> str:
+        """How versions arrive: ``"shm"`` (the publisher's shared memory, same host) or ``"group"``."""
+        return "group" if self._receiver is None else self._receiver.transport
 
     @property
     def evicted(self) -> bool:

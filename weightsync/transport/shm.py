@@ -1,0 +1,305 @@
+"""The same-host data path: snapshots in shared memory that same-host members copy from.
+
+On a CPU publisher every staging buffer is a *segment*: an anonymous ``memfd`` (never a name
+in ``/dev/shm``), mapped by the publisher read-write. A member on the same host opens it
+read-only through ``/proc/<publisher pid>/fd/<fd>``, maps it, and copies each bucket into its
+own receive slot; the bytes never cross a socket. The memory belongs to the kernel's count
+of open descriptors and mappings, so nothing can leak: when the publisher drops a buffer (or
+dies, even by ``kill -9``) and the members unmap it (or die), it is gone. There is no name to
+unlink.
+
+How a member knows it is on the same host: the publisher's first frame (``Challenge``) names
+its *door*, a one-page segment holding a random token. A member that can open the door and
+read that token is on the same host, in the same pid namespace, with the rights to map the
+publisher's segments; it then joins with ``transport="shm"``. Every segment starts with its own
+random token, checked at each mapping, so a descriptor number reused for another file is
+never read as a snapshot.
+
+What keeps it safe (the group path's guarantees, here):
+
+- a version is readable only after its buckets match the publisher's per-bucket digests (the
+  Seal), checked on the member's own copy, so a torn read of a buffer the publisher reused
+  (a frozen member that resumed late) is caught, never published; with checksums off, each
+  segment's *epoch* (bumped by the publisher before it writes a buffer again, read by the
+  member before each bucket and after the last) catches the same;
+- the publisher never waits for a member's mapping: buffers are reused by the staging rules
+  alone (latest wins, at most ``max_snapshots``), and a member that does not acknowledge in
+  time is evicted as on the group path;
+- members map at most :data:`MAPPED` segments and unmap the rest, so a member holds at most
+  that many of the publisher's buffers alive (in steady state, the very two it stages in);
+  a member unmaps everything when it stops (evicted, closed, or the publisher gone).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import secrets
+import struct
+import threading
+import warnings
+from collections import OrderedDict
+from collections.abc import Callable
+
+import torch
+
+from weightsync import _wire
+from weightsync._errors import Cancelled, LocalFailure, ProtocolError
+from weightsync.pg.recorder import RecorderScope
+from weightsync.transport.dataplane import GenerationSpec, Transfer
+
+HEADER = 4096  # a segment's first page: magic, token, data bytes; the data starts page-aligned
+MAGIC = b"WSSHM001"
+_HEAD = struct.Struct("<8s16sQ")  # magic, token, data bytes
+_EPOCH = struct.Struct("<q")  # at EPOCH_AT: bumped before the publisher writes the data again
+EPOCH_AT = 64
+MAPPED = 2  # segments a member keeps mapped: the publisher's two staging buffers, in turn
+CHUNK = 32 << 20  # a member checks for cancellation between copies of at most this many bytes
+
+
+def available() -> bool:
+    """True where the same-host path can work: Linux memfds and a /proc to open them through."""
+    return hasattr(os, "memfd_create") and os.path.isdir("/proc/self/fd")
+
+
+def boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as fh:
+            return fh.read().strip()
+    except OSError:
+        return ""
+
+
+def _create(name: str, nbytes: int, token: bytes) -> tuple[int, torch.Tensor]:
+    """A new memfd segment of ``nbytes`` data bytes: its descriptor and the whole mapping."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, HEADER + nbytes)
+        whole = torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=HEADER + nbytes, dtype=torch.uint8)
+    except BaseException:
+        os.close(fd)
+        raise
+    whole[: _HEAD.size] = torch.frombuffer(bytearray(_HEAD.pack(MAGIC, token, nbytes)), dtype=torch.uint8)
+    return fd, whole
+
+
+class SegmentPool:
+    """The publisher's segments: the door, and one per staging buffer (``allocate``/``drop``)."""
+
+    def __init__(self, channel: str) -> None:
+        self.channel = channel
+        self._lock = threading.Lock()
+        self._segments: dict[int, tuple[int, bytes, torch.Tensor]] = {}  # data pointer -> fd, token, whole
+        self._door_token = secrets.token_bytes(16)
+        self._door_fd = -1
+        self._door: torch.Tensor | None = None
+
+    def open(self) -> None:
+        """Create the door (the publisher starts); nothing is created before."""
+        self._door_fd, self._door = _create(f"weightsync-{self.channel}-door", 0, self._door_token)
+
+    def offer(self) -> _wire.ShmOffer | None:
+        """What the Challenge tells connecting members (how to find the door); None once closed."""
+        if self._door_fd < 0:
+            return None
+        return _wire.ShmOffer(pid=os.getpid(), fd=self._door_fd, token=self._door_token, boot_id=boot_id())
+
+    def allocate(self, nbytes: int, device: torch.device, pin: bool) -> torch.Tensor:
+        """Staging's allocator: a buffer of ``nbytes`` in a fresh segment (host memory only)."""
+        if device.type != "cpu":
+            return torch.empty(nbytes, dtype=torch.uint8, device=device)
+        token = secrets.token_bytes(16)
+        fd, whole = _create(f"weightsync-{self.channel}", nbytes, token)
+        data = whole[HEADER:]
+        with self._lock:
+            self._segments[data.data_ptr()] = (fd, token, whole)
+        return data
+
+    def ref(self, buf: torch.Tensor) -> _wire.ShmRef | None:
+        """Where a member finds ``buf`` (a staging buffer or a slice of one), or None if not ours."""
+        ptr = buf.data_ptr()
+        with self._lock:
+            for base, (fd, token, whole) in self._segments.items():
+                if base <= ptr and ptr + buf.numel() <= base + whole.numel() - HEADER:
+                    epoch = int(whole[EPOCH_AT:EPOCH_AT + 8].view(torch.int64)[0])
+                    return _wire.ShmRef(fd=fd, token=token, offset=ptr - base, nbytes=whole.numel() - HEADER,
+                                        epoch=epoch)
+        return None
+
+    def reuse(self, buf: torch.Tensor) -> None:
+        """Staging is about to write ``buf`` again: bump its epoch first, so a member still copying
+        the previous contents (one frozen mid-copy, say) sees the change and publishes nothing."""
+        with self._lock:
+            found = self._segments.get(buf.data_ptr())
+        if found is not None:
+            found[2][EPOCH_AT:EPOCH_AT + 8].view(torch.int64)[0] += 1
+
+    def drop(self, buf: torch.Tensor) -> None:
+        """Staging no longer holds ``buf``: close its descriptor (the mapping goes with the tensor)."""
+        with self._lock:
+            found = self._segments.pop(buf.data_ptr(), None)
+        if found is not None:
+            os.close(found[0])
+
+    def close(self) -> None:
+        with self._lock:
+            fds = [fd for fd, _, _ in self._segments.values()] + [self._door_fd]
+            self._segments.clear()
+            self._door_fd, self._door = -1, None
+        for fd in fds:
+            if fd >= 0:
+                os.close(fd)
+
+
+def _map(pid: int, fd: int, token: bytes) -> tuple[mmap.mmap, int, int]:
+    """Map another process's segment read-only: (mapping, address of its data, data bytes)."""
+    try:
+        handle = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as err:
+        raise ProtocolError(f"cannot open the publisher's segment (pid {pid}, fd {fd}): {err}") from err
+    try:
+        size = os.fstat(handle).st_size
+        if size < HEADER:
+            raise ProtocolError(f"the publisher's segment (fd {fd}) is {size} bytes, not a segment")
+        # pre-faulted: the kernel maps every page at once instead of one fault per page later
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        mapping = mmap.mmap(handle, size, flags=flags, prot=mmap.PROT_READ)
+    finally:
+        os.close(handle)
+    magic, found, nbytes = _HEAD.unpack_from(mapping, 0)
+    if magic != MAGIC or found != token or nbytes + HEADER > size:
+        mapping.close()
+        raise ProtocolError(f"fd {fd} of pid {pid} is not the announced segment")
+    with warnings.catch_warnings():  # a read-only buffer: torch warns that it must not be written
+        warnings.simplefilter("ignore")
+        address = torch.frombuffer(mapping, dtype=torch.uint8).data_ptr()
+    return mapping, address + HEADER, nbytes
+
+
+def door_problem(offer: _wire.ShmOffer | None) -> str | None:
+    """Why this process cannot read the publisher's segments (None: it can)."""
+    if offer is None:
+        return "the publisher offers no shared memory (it stages on a GPU, or runs where memfds do not exist)"
+    if not available():
+        return "this process has no memfd and /proc"
+    if offer.boot_id and offer.boot_id != boot_id():
+        return "the publisher runs on another host"
+    try:
+        mapping, _, _ = _map(offer.pid, offer.fd, offer.token)
+    except ProtocolError as err:
+        return f"the publisher's shared memory is out of reach ({err})"
+    mapping.close()
+    return None
+
+
+class ShmPlane:
+    """A same-host member's data plane: ``move`` copies each bucket out of the announced segment.
+
+    It joins no group (``offer``/``enter``/``leave`` do nothing); the publisher sends nothing to
+    it on the wire but the Announce naming the segment and the Seal. Owned by the receiver
+    thread.
+    """
+
+    kind = "shm"
+
+    def __init__(self, pid: int, recorder: RecorderScope | None = None) -> None:
+        self.pid = pid
+        self._rec = recorder
+        self._mapped: OrderedDict[bytes, tuple[mmap.mmap, int, int]] = OrderedDict()
+
+    def offer(self) -> str:
+        return ""
+
+    def enter(self, spec: GenerationSpec) -> None:
+        return None
+
+    def leave(self, reason: str, *, failed: bool = False) -> None:
+        return None
+
+    def _segment(self, ref: _wire.ShmRef) -> tuple[int, int]:
+        found = self._mapped.get(ref.token)
+        if found is None:
+            found = _map(self.pid, ref.fd, ref.token)
+            self._mapped[ref.token] = found
+            while len(self._mapped) > MAPPED:
+                self._unmap(next(iter(self._mapped)))
+        self._mapped.move_to_end(ref.token)
+        return found[1], found[2]
+
+    def _unmap(self, token: bytes) -> None:
+        mapping, _, _ = self._mapped.pop(token)
+        try:
+            mapping.close()
+        except BufferError:  # a view still refers to it: it goes when that view does
+            pass
+
+    def move(self, transfer: Transfer) -> None:
+        ref = transfer.source
+        if not isinstance(ref, _wire.ShmRef):
+            raise ProtocolError(f"version {transfer.version} was announced without a segment to read")
+        base, size = self._segment(ref)
+        total = sum(b.numel() for b in transfer.buckets)
+        if ref.offset < 0 or ref.offset + total > size:
+            raise ProtocolError(f"version {transfer.version}: {total} bytes at {ref.offset} overrun the segment")
+        src = base + ref.offset
+        for i, bucket in enumerate(transfer.buckets):
+            # each copy is a "bucket_recv" in the flight recorder, as on the group path, so the
+            # analyzer names the bucket a frozen same-host member stopped in
+            entry = None if self._rec is None else self._rec.record(
+                "bucket_recv", version=transfer.version, bucket=i, nbytes=bucket.numel()).start()
+            try:
+                self._check_epoch(ref, transfer.version)
+                _copy(bucket, src, transfer.cancelled)
+            except BaseException as err:
+                if entry is not None:
+                    entry.fail(err)
+                raise
+            if entry is not None:
+                entry.complete()
+            src += bucket.numel()
+            if transfer.after is not None:
+                try:
+                    transfer.after(i)
+                except Exception as err:  # noqa: BLE001 - this end's own failure, as the DataPlane says
+                    raise LocalFailure(f"after bucket {i}: {err}") from err
+        # read after the copies: a publisher that started writing meanwhile bumped it first
+        self._check_epoch(ref, transfer.version)
+
+    def _check_epoch(self, ref: _wire.ShmRef, version: int) -> None:
+        mapping = self._mapped[ref.token][0]
+        (epoch,) = _EPOCH.unpack_from(mapping, EPOCH_AT)
+        if epoch != ref.epoch:
+            raise Cancelled(f"version {version}'s segment was reused while this member copied it")
+
+    def close(self) -> None:
+        for token in list(self._mapped):
+            self._unmap(token)
+
+
+def _copy(dest: torch.Tensor, src: int, cancelled: Callable[[], bool] | None) -> None:
+    """Copy ``dest.numel()`` bytes from address ``src`` in chunks (ctypes.memmove drops the GIL)."""
+    out, n = dest.data_ptr(), dest.numel()
+    for lo in range(0, n, CHUNK):
+        if cancelled is not None and cancelled():
+            raise Cancelled("the publisher gave up on this version")
+        ctypes.memmove(out + lo, src + lo, min(CHUNK, n - lo))
+
+
+def mapped_segments() -> int:
+    """Memfd mappings of this process (tests count them before and after)."""
+    with open("/proc/self/maps") as fh:
+        return sum(1 for line in fh if "/memfd:weightsync" in line)
+
+
+def open_segments(pid: int | None = None) -> int:
+    """Memfd descriptors of process ``pid`` (default: this one) that are weightsync segments."""
+    base = f"/proc/{pid or os.getpid()}/fd"
+    count = 0
+    for name in os.listdir(base):
+        try:
+            if os.readlink(f"{base}/{name}").startswith("/memfd:weightsync"):
+                count += 1
+        except OSError:
+            continue
+    return count
