@@ -66,14 +66,14 @@ async def measure(path: str, cycles: int, members: int, tmp: Path) -> PathResult
 
     async with ws.Publisher(f"gens-{path}", timeout=10, heartbeat_interval=0.25, recorder=rec) as pub:
         base = [ws.Subscriber(pub.name, address=pub.address, member_id=f"m{i}", timeout=10,
-                              recorder=FlightRecorder(capacity=0)) for i in range(members)]
+                              recorder=FlightRecorder(capacity=0), transport="group") for i in range(members)]
         for sub in base:
             await sub.start()
         await pub.wait_subscribers(members, timeout=60)
         await deliver(pub, members)
         for cycle in range(cycles):
             newcomer = ws.Subscriber(pub.name, address=pub.address, member_id=f"new{cycle}", timeout=10,
-                                     recorder=FlightRecorder(capacity=0))
+                                     recorder=FlightRecorder(capacity=0), transport="group")
             t0 = time.perf_counter()
             await newcomer.start()
             await pub.wait_subscribers(members + 1, timeout=60)

@@ -71,6 +71,7 @@ class Report(msgspec.Struct):
     ceiling: Ceiling
     rows: list[Row]
     targets: dict[str, bool]
+    transport: str = "auto"
 
 
 # ceilings --------------------------------------------------------------------------------------
@@ -150,13 +151,14 @@ async def run_baselines(sizes: list[int], n: int, reps: int, packed_bytes: int, 
 
 # weightsync ----------------------------------------------------------------------------------------
 async def run_weightsync(sizes: list[int], n: int, reps: int, step_ms: float, tmp: Path,
-                         progress) -> list[Row]:  # type: ignore[no-untyped-def]
+                         progress, transport: str = "auto") -> list[Row]:  # type: ignore[no-untyped-def]
     rows = []
     workers = Workers(tmp)
     last_version = len(sizes) * len(WS_MODES) * (reps + 1) - 1
     async with ws.Publisher("bench", timeout=120, bucket_bytes=64 << 20) as pub:
         for i in range(n):
-            workers.spawn(role="subscriber", address=pub.address, member=f"gen{i}", last_version=last_version)
+            workers.spawn(role="subscriber", address=pub.address, member=f"gen{i}", last_version=last_version,
+                          transport=transport)
         try:
             await pub.wait_subscribers(n, timeout=300)
             version = 0
@@ -286,7 +288,8 @@ def plot(report: Report, path: Path) -> None:
     plt.close(fig)
 
 
-async def bench(sizes: list[int], subscribers: list[int], reps: int, step_ms: float, packed_bytes: int) -> Report:
+async def bench(sizes: list[int], subscribers: list[int], reps: int, step_ms: float, packed_bytes: int,
+                transport: str = "auto") -> Report:
     print("ceilings: memcpy and loopback TCP, measured now ...", flush=True)
     ceiling = Ceiling(memcpy_gbps=memcpy_gbps(), loopback_gbps=loopback_gbps())
     print(f"  memcpy {ceiling.memcpy_gbps:.1f} GB/s, loopback TCP {ceiling.loopback_gbps:.2f} GB/s", flush=True)
@@ -301,11 +304,11 @@ async def bench(sizes: list[int], subscribers: list[int], reps: int, step_ms: fl
     with tempfile.TemporaryDirectory(prefix="ws-bench-") as tmp:
         for n in subscribers:
             await run_baselines(sizes, n, reps, packed_bytes, Path(tmp), progress)
-            await run_weightsync(sizes, n, reps, step_ms, Path(tmp), progress)
+            await run_weightsync(sizes, n, reps, step_ms, Path(tmp), progress, transport)
     add_ratios(rows)
     return Report(when=time.strftime("%Y-%m-%d %H:%M:%S"), torch=str(torch.__version__), cores=os.cpu_count() or 0,
                   step_ms=step_ms, packed_bytes=packed_bytes, reps=reps, ceiling=ceiling, rows=rows,
-                  targets=check_targets(rows))
+                  targets=check_targets(rows), transport=transport)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -315,6 +318,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=3, help="measured pushes per point (plus one warm-up)")
     parser.add_argument("--step-ms", type=float, default=300.0, help="synthetic training step for ws_nocopy")
     parser.add_argument("--packed-mib", type=int, default=1024, help="the packed baseline's buffer size")
+    parser.add_argument("--transport", default="auto", choices=("auto", "group", "shm"),
+                        help="the generators' transport (auto: shared memory, they run on this host)")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args(argv)
     try:
@@ -329,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
           f"(peak memory about {need:.1f} GiB)", flush=True)
     import uvloop
 
-    report = uvloop.run(bench(sizes, subscribers, args.reps, args.step_ms, args.packed_mib << 20))
+    report = uvloop.run(bench(sizes, subscribers, args.reps, args.step_ms, args.packed_mib << 20, args.transport))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench.json").write_bytes(msgspec.json.format(msgspec.json.encode(report)))

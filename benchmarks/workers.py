@@ -52,7 +52,7 @@ async def subscriber(spec: dict) -> WorkerResult:
     meter = LagMeter()
     meter.start()
     async with ws.Subscriber(spec.get("channel", "bench"), address=spec["address"], member_id=spec["member"],
-                             timeout=120) as sub:
+                             timeout=120, transport=spec.get("transport")) as sub:
         await sub.get(min_version=spec["last_version"], timeout=3600)
     p99 = await meter.stop()
     lags = sorted(meter.samples)

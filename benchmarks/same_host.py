@@ -1,0 +1,207 @@
+"""Same-host delivery (shared memory) against the group path, and against memcpy, in one run.
+
+    python -m benchmarks.same_host [--sizes 64,256,512,1024] [--subscribers 1,2,4] [--reps 3]
+
+For each generator count, one publisher pushes the same LLM-shaped state dict
+(``benchmarks.model``) to N generator processes on this host, first with ``transport="shm"``
+and then with ``transport="group"`` (gloo over loopback), checksums on (the default) and off.
+Each point is the median time from ``put`` until every generator acknowledged, over ``--reps``
+pushes after one warm-up. The memcpy ceiling (one thread, ``ctypes.memmove``: what one
+generator's copy can reach) is measured in the same run.
+
+Targets (issue 14), at 512 MiB (the nearest size run) and 2 generators: shared memory at most
+0.25x the group path's time, and its delivered GB/s (bytes x generators / time) at least 0.4x
+the memcpy ceiling. Exits 1 when a target is missed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import msgspec
+import torch
+
+import weightsync as ws
+from benchmarks.model import make_state_dict, nbytes
+from benchmarks.procs import Workers
+
+TRANSPORTS = ("shm", "group")
+
+
+class Point(msgspec.Struct):
+    transport: str
+    checksum: bool
+    mib: float
+    subscribers: int
+    to_all_ms: float
+    gbps: float
+
+
+class Report(msgspec.Struct):
+    when: str
+    torch: str
+    cores: int
+    reps: int
+    memcpy_gbps: float
+    points: list[Point]
+    targets: dict[str, bool]
+
+
+def memmove_gbps(mib: int = 512) -> float:
+    """One thread copying, as a generator's receive does (best of 3; the pages touched first)."""
+    src = torch.ones(mib << 20, dtype=torch.uint8)
+    dst = torch.zeros_like(src)
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        ctypes.memmove(dst.data_ptr(), src.data_ptr(), src.numel())
+        best = min(best, time.perf_counter() - t0)
+    return src.numel() / best / 1e9
+
+
+async def run(transport: str, sizes: list[int], n: int, reps: int, tmp: Path, progress) -> list[Point]:  # type: ignore[no-untyped-def]
+    points = []
+    workers = Workers(tmp)
+    last_version = len(sizes) * 2 * (reps + 1) - 1
+    async with ws.Publisher(f"same-{transport}", timeout=120, bucket_bytes=64 << 20) as pub:
+        for i in range(n):
+            workers.spawn(role="subscriber", channel=f"same-{transport}", address=pub.address, member=f"gen{i}",
+                          last_version=last_version, transport=transport)
+        try:
+            await pub.wait_subscribers(n, timeout=300)
+            version = 0
+            for mib in sizes:
+                sd = make_state_dict(mib)
+                for check in (True, False):
+                    pub.checksum = check
+                    times = []
+                    for rep in range(reps + 1):
+                        t0 = time.perf_counter()
+                        report = await (await pub.put(sd, version=version)).delivered(timeout=600)
+                        elapsed = time.perf_counter() - t0
+                        if len(report.members) != n:
+                            raise RuntimeError(f"version {version} reached {report.members} only")
+                        version += 1
+                        if rep:
+                            times.append(elapsed)
+                    done = statistics.median(times)
+                    points.append(Point(transport=transport, checksum=check, mib=nbytes(sd) / 2**20, subscribers=n,
+                                        to_all_ms=done * 1e3, gbps=nbytes(sd) * n / done / 1e9))
+                    progress(points[-1])
+                del sd
+            workers.results(timeout=600)
+        finally:
+            workers.kill()
+    return points
+
+
+def check_targets(points: list[Point], memcpy: float) -> dict[str, bool]:
+    n = min({p.subscribers for p in points}, key=lambda k: abs(k - 2))
+    size = min({p.mib for p in points}, key=lambda m: abs(m - 496))
+    targets = {}
+    for check in (True, False):
+        pick = {p.transport: p for p in points if p.subscribers == n and p.mib == size and p.checksum == check}
+        ratio = pick["shm"].to_all_ms / pick["group"].to_all_ms
+        share = pick["shm"].gbps / memcpy
+        crc = "checksums on" if check else "checksums off"
+        targets[f"{crc}: shm <= 0.25 x group at {size:.0f} MiB x {n} ({ratio:.3f})"] = ratio <= 0.25
+        targets[f"{crc}: shm >= 0.4 x memcpy ({pick['shm'].gbps:.2f} GB/s = {share:.2f} x)"] = share >= 0.4
+    return targets
+
+
+def table(points: list[Point], memcpy: float) -> str:
+    lines = [f"{'MiB':>6} {'gens':>4} {'crc':>4} {'shm ms':>9} {'group ms':>9} {'shm/grp':>8} {'shm GB/s':>9} "
+             f"{'of memcpy':>9}", "-" * 66]
+    keyed = {(p.transport, p.checksum, p.mib, p.subscribers): p for p in points}
+    for (transport, check, mib, n), p in sorted(keyed.items(), key=lambda kv: (kv[0][3], kv[0][2], not kv[0][1])):
+        if transport != "shm":
+            continue
+        g = keyed[("group", check, mib, n)]
+        lines.append(f"{mib:6.0f} {n:4d} {'on' if check else 'off':>4} {p.to_all_ms:9.1f} {g.to_all_ms:9.1f} "
+                     f"{p.to_all_ms / g.to_all_ms:8.3f} {p.gbps:9.2f} {p.gbps / memcpy:9.2f}")
+    return "\n".join(lines)
+
+
+def plot(report: Report, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    subs = sorted({p.subscribers for p in report.points})
+    fig, axes = plt.subplots(1, len(subs), figsize=(4.2 * len(subs), 3.6), squeeze=False)
+    for ax, n in zip(axes[0], subs, strict=True):
+        for transport in TRANSPORTS:
+            for check in (True, False):
+                pts = sorted((p.mib, p.gbps) for p in report.points
+                             if p.transport == transport and p.checksum == check and p.subscribers == n)
+                ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", linestyle="-" if check else "--",
+                        label=f"{transport}{'' if check else ', no checksum'}")
+        ax.axhline(report.memcpy_gbps, color="grey", linestyle=":", label="memcpy (one thread)")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("state dict (MiB)")
+        ax.set_ylabel("delivered GB/s (bytes x generators / time)")
+        ax.set_title(f"{n} generator{'s' if n > 1 else ''}")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(f"same host: shared memory vs gloo group (CPU, {report.cores} cores, torch {report.torch})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+async def bench(sizes: list[int], subscribers: list[int], reps: int) -> Report:
+    memcpy = memmove_gbps()
+    print(f"memcpy ceiling (one thread): {memcpy:.1f} GB/s", flush=True)
+    points: list[Point] = []
+
+    def progress(p: Point) -> None:
+        print(f"  {p.mib:6.0f} MiB x {p.subscribers} {p.transport:<5} checksum {'on ' if p.checksum else 'off'} "
+              f"{p.to_all_ms:8.1f} ms  {p.gbps:6.2f} GB/s", flush=True)
+
+    with tempfile.TemporaryDirectory(prefix="ws-same-host-") as tmp:
+        for n in subscribers:
+            for transport in TRANSPORTS:
+                points += await run(transport, sizes, n, reps, Path(tmp), progress)
+    return Report(when=time.strftime("%Y-%m-%d %H:%M:%S"), torch=str(torch.__version__), cores=os.cpu_count() or 0,
+                  reps=reps, memcpy_gbps=memcpy, points=points, targets=check_targets(points, memcpy))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.same_host", description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="64,256,512,1024", help="MiB, comma-separated")
+    parser.add_argument("--subscribers", default="1,2,4", help="generator processes, comma-separated")
+    parser.add_argument("--reps", type=int, default=3, help="measured pushes per point (plus one warm-up)")
+    parser.add_argument("--out", default="benchmarks/results")
+    args = parser.parse_args(argv)
+    try:
+        sizes = [int(s) for s in args.sizes.split(",")]
+        subscribers = [int(s) for s in args.subscribers.split(",")]
+    except ValueError:
+        parser.error("--sizes and --subscribers take comma-separated integers")
+    if min(sizes) < 1 or min(subscribers) < 1 or args.reps < 1:
+        parser.error("sizes, subscribers and reps must be >= 1")
+    import uvloop
+
+    report = uvloop.run(bench(sizes, subscribers, args.reps))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "same_host.json").write_bytes(msgspec.json.format(msgspec.json.encode(report)))
+    plot(report, out / "same_host.png")
+    print()
+    print(table(report.points, report.memcpy_gbps))
+    print()
+    for name, ok in report.targets.items():
+        print(f"  {'PASS' if ok else 'FAIL'}  {name}")
+    print(f"\nwrote {out / 'same_host.json'} and {out / 'same_host.png'}")
+    return 0 if all(report.targets.values()) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
