@@ -219,8 +219,9 @@ async def test_kill_9_and_sigstop_members_never_hold_the_publisher(procs: Procs,
 
 def test_a_reused_segment_is_never_read_as_the_announced_version() -> None:
     """The publisher writes a buffer again while a member copies it (a member frozen mid-copy
-    that resumed): the member's copy stops with Cancelled, however the checksums are set. And a
-    segment whose token is not the announced one is refused."""
+    that resumed): the member's copy stops with Cancelled, however the checksums are set; so
+    does one whose snapshot failed. A segment whose token is not the announced one, or a range
+    past its end, is refused."""
     from weightsync._errors import Cancelled, ProtocolError
     from weightsync.transport.dataplane import Transfer
 
@@ -230,6 +231,8 @@ def test_a_reused_segment_is_never_read_as_the_announced_version() -> None:
     try:
         buf = pool.allocate(4 << 20, torch.device("cpu"), False)
         buf.fill_(7)
+        mark = pool.marker(buf)
+        mark(buf.numel())  # the snapshot is complete
         ref = pool.ref(buf)
         assert ref is not None and ref.epoch == 0
         dest = torch.zeros(4 << 20, dtype=torch.uint8)
@@ -244,6 +247,11 @@ def test_a_reused_segment_is_never_read_as_the_announced_version() -> None:
 
         with pytest.raises(Cancelled, match="reused"):
             plane.move(Transfer(2, buckets, lambda n: 10.0, after=overwrite, source=ref))
+        ref = pool.ref(buf)
+        assert ref is not None
+        mark(-1)  # the publisher's snapshot failed: nobody reads it
+        with pytest.raises(Cancelled, match="failed"):
+            plane.move(Transfer(3, buckets, lambda n: 10.0, source=ref))
         with pytest.raises(ProtocolError, match="not the announced segment"):
             plane.move(Transfer(3, buckets, lambda n: 10.0, source=_wire.ShmRef(
                 fd=ref.fd, token=b"y" * 16, offset=0, nbytes=ref.nbytes, epoch=1)))
@@ -256,3 +264,41 @@ def test_a_reused_segment_is_never_read_as_the_announced_version() -> None:
         plane.close()
         pool.close()
     assert shm.open_segments() == 0
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("transport", ["auto", "group"])
+async def test_pipelined_snapshot_is_bit_exact_and_a_cancelled_one_is_never_read(transport: str) -> None:
+    """pipeline=True: the version is announced before its snapshot is taken, and bucket i goes
+    out once copied. Members get it bit-exact; a put cancelled mid-snapshot (its copy fails
+    half-way) is never made readable by anyone, and the channel goes on."""
+    rec = ws.FlightRecorder(capacity=4000)
+    async with ws.Publisher("pipe", timeout=10, heartbeat_interval=0.25, bucket_bytes=1 << 20, recorder=rec,
+                            pipeline=True) as pub:
+        async with ws.Subscriber("pipe", address=pub.address, member_id="a", timeout=10, transport=transport,
+                                 recorder=rec) as a:
+            await pub.wait_subscribers(1, timeout=20)
+            assert a.transport == ("shm" if transport == "auto" else "group")
+            for v in range(3):
+                sd = mixed_state_dict(v, mib=8.0, seed=v)
+                await (await pub.put(sd, version=v)).delivered(timeout=30)
+                assert digests(await a.get(min_version=v, timeout=10)) == digests(sd)
+            announced = [e for e in rec.snapshot() if e.op == "announce" and e.version == 2]
+            puts = [e for e in rec.snapshot() if e.op == "put" and e.version == 2]
+            assert announced[0].t_started < puts[0].t_ended  # announced while the snapshot was taken
+            # and each read on the first try: nobody read bytes before they were copied
+            assert [e.version for e in rec.snapshot() if e.op == "announce"] == [0, 1, 2]
+            assert not [e for e in rec.snapshot() if e.op in ("checksum", "nack") or e.state == "failed"]
+            big = {f"t{i}": torch.full((1 << 20,), float(i)) for i in range(64)}  # 256 MiB, 64 tensors
+            task = asyncio.ensure_future(pub.put(big, version=3))
+            while not any(e.op == "announce" and e.version == 3 for e in rec.snapshot()):
+                await asyncio.sleep(0.001)  # until version 3 is on its way, snapshot unfinished
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            sd = mixed_state_dict(4, mib=1.0, seed=4)
+            await (await pub.put(sd, version=4)).delivered(timeout=30)
+            w = await a.get(min_version=4, timeout=10)
+            assert digests(w) == digests(sd)
+            published = [e.version for e in rec.snapshot() if e.op == "publish" and e.member == "a"]
+            assert 3 not in published and published[-1] == 4

@@ -54,7 +54,16 @@ from weightsync.transport.options import (
     warn_open_channel,
 )
 from weightsync.transport.sender import Abort, Drain, Evict, Join, Leave, MemberDied, PutCommitted, Sender, SenderState
-from weightsync.transport.staging import Job, Staging, cuda_snapshot, superseded_report
+from weightsync.transport.staging import (
+    Job,
+    Progress,
+    Staging,
+    cuda_snapshot,
+    pack_progressively,
+    superseded_report,
+)
+
+PIPELINE_CPUS = 4  # usable CPUs from which a host snapshot is sent while it is taken
 
 
 class Publisher:
@@ -89,6 +98,11 @@ class Publisher:
             :class:`LocalProcessOrchestrator`); without one, dropped members are not replaced.
         checksum: send per-bucket digests; a subscriber never makes a version readable whose
             buckets do not match (default on: computed while the next bucket is on the wire).
+        pipeline: send a host snapshot while it is being taken (bucket i leaves once its bytes
+            are copied; ``put`` still returns after the whole snapshot). Default: on where this
+            process may use at least 4 CPUs. With fewer, the copies of the send and of same-host
+            members compete with the snapshot for the cores and ``put`` itself gets slower
+            (measured on 2 cores: docs/benchmarks.md), so the snapshot completes first.
     """
 
     def __init__(self, name: str, *, address: str | None = None, backend: str = "auto",
@@ -96,7 +110,8 @@ class Publisher:
                  min_bandwidth: float = 50e6, heartbeat_interval: float = 1.0, secret: str | bytes | None = None,
                  max_snapshots: int = 2, recorder: FlightRecorder | None = None,
                  flight_recorder_dir: str | os.PathLike[str] | None = None, policy: StragglerPolicy | None = None,
-                 orchestrator: Orchestrator | None = None, checksum: bool = True) -> None:
+                 orchestrator: Orchestrator | None = None, checksum: bool = True,
+                 pipeline: bool | None = None) -> None:
         lifecycle.validate_name("channel name", name)
         if orchestrator is not None and not callable(getattr(orchestrator, "replace", None)):
             raise TypeError("orchestrator must have an async replace(member) method (see weightsync.Orchestrator)")
@@ -114,6 +129,7 @@ class Publisher:
         self.policy = policy or StragglerPolicy()
         self.orchestrator = orchestrator
         self.settings = self.options.settings(checksum=checksum, in_place=reconfigure_enabled(self.backend))
+        self.pipeline = pipeline if pipeline is not None else len(os.sched_getaffinity(0)) >= PIPELINE_CPUS
         deadlines = Deadlines(self.settings)
         # on a CPU publisher staging lives in shared memory: same-host members copy from it
         self._segments = shm.SegmentPool(name) if self._slot_device.type == "cpu" and shm.available() else None
@@ -346,14 +362,13 @@ class Publisher:
             if copy:
                 pin = self._slot_device.type == "cpu" and torch.cuda.is_available()
                 buf, displaced = self._staging.acquire(manifest.total_bytes, self._slot_device, pin=pin)
+                if self.pipeline and not any(t.is_cuda for _, t in items):
+                    return await self._put_pipelined(job, buf, displaced, items, entry)
                 try:
                     job.flat, job.ready = await self._snapshot(buf, manifest, items)
                 except BaseException as err:
                     self._staging.give_back(buf)
-                    if displaced is not None:  # its buffer may be half overwritten: it cannot go out
-                        displaced.handle.resolve_threadsafe(error=WeightSyncError(
-                            f"version {displaced.version} was displaced by version {version}, whose snapshot "
-                            f"failed: {err}", channel=self.name, version=displaced.version))
+                    self._fail_displaced(displaced, version, err)
                     raise
             else:
                 job.items = items
@@ -364,6 +379,38 @@ class Publisher:
             if displaced is not None:
                 displaced.handle.resolve_threadsafe(superseded_report(displaced))
             return handle
+
+    async def _put_pipelined(self, job: Job, buf: torch.Tensor, displaced: Job | None,
+                             items: list[tuple[str, torch.Tensor]], entry: Any) -> PutHandle:
+        """A host snapshot, sent while it is taken: the version is committed first, and bucket i
+        goes out (to the group, or to same-host members through the segment header) as soon as
+        its bytes are copied. Returns, as every put, once the whole snapshot is taken."""
+        assert self._loop is not None
+        flat = buf[: job.manifest.total_bytes]
+        mark = self._segments.marker(flat) if self._segments is not None else (lambda _n: None)
+        job.flat, job.progress = flat, Progress(job.manifest.total_bytes, mark)
+        displaced = self._staging.commit(job) or displaced
+        self._sender.submit(PutCommitted(job.version))
+        try:
+            await self._loop.run_in_executor(self._executor, pack_progressively, flat, job.manifest, items,
+                                             job.progress)
+        except BaseException as err:
+            # the sender gives the version up when its wait fails: the handle fails from there
+            job.progress.fail(err)
+            entry.fail(err)
+            self._fail_displaced(displaced, job.version, err)
+            raise
+        self._last_version = job.version
+        entry.complete()
+        if displaced is not None:
+            displaced.handle.resolve_threadsafe(superseded_report(displaced))
+        return job.handle
+
+    def _fail_displaced(self, displaced: Job | None, version: int, err: BaseException) -> None:
+        if displaced is not None:  # its buffer may be half overwritten: it cannot go out
+            displaced.handle.resolve_threadsafe(error=WeightSyncError(
+                f"version {displaced.version} was displaced by version {version}, whose snapshot "
+                f"failed: {err}", channel=self.name, version=displaced.version))
 
     async def _snapshot(self, buf: torch.Tensor, manifest: _wire.Manifest,
                         items: list[tuple[str, torch.Tensor]]) -> tuple[torch.Tensor, Any]:

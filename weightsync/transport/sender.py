@@ -307,6 +307,7 @@ class Sender:
             entry.complete()
             if members:
                 slices, before = bucket_slices(job, ranges, self._buckets, self.settings.bucket_bytes)
+                before = self._after_snapshot(job, ranges, before)
                 sums: list[int] = []
                 if group:
                     # each bucket's digest is taken once it is on the wire, while the next one
@@ -317,7 +318,10 @@ class Sender:
                     gens.plane.move(Transfer(job.version, slices, self.deadlines.bucket, before=before, after=after,
                                              cancelled=self._generation_broken))
                 elif verify:  # same-host members only: they copy while the digests are taken
-                    sums.extend(checksum(piece) for piece in slices)
+                    for i, piece in enumerate(slices):
+                        if before is not None:
+                            before(i)
+                        sums.append(checksum(piece))
                 if verify:
                     gens.tell(members, _wire.Seal(generation=gen, seq=seq, version=job.version, checksums=tuple(sums)))
             if job.flat is None:
@@ -336,6 +340,21 @@ class Sender:
         self._finish(job, t0)
         return None
 
+    def _after_snapshot(self, job: Job, ranges: list[tuple[int, int]],
+                        before: Callable[[int], None] | None) -> Callable[[int], None] | None:
+        """``before`` preceded by a wait for bucket i's bytes, while the snapshot is being taken."""
+        progress = job.progress
+        if progress is None or progress.done >= progress.total:
+            return before
+
+        def wait_then(i: int) -> None:
+            lo, hi = ranges[i]
+            progress.wait(hi, self.deadlines.bucket(hi - lo))
+            if before is not None:
+                before(i)
+
+        return wait_then
+
     def _segment_for(self, job: Job) -> _wire.ShmRef:
         """Where same-host members read ``job``: its snapshot, or (``copy=False``) a buffer it is packed into."""
         if self._segments is None:
@@ -349,6 +368,8 @@ class Sender:
                 raise LocalFailure(f"packing version {job.version} for same-host members: {err}") from err
             job.flat = flat
             job.release()  # packed: the caller's tensors are free again
+        if job.progress is None:  # taken in full before it was committed (_wait_snapshot ran)
+            self._segments.marker(job.flat)(job.manifest.total_bytes)
         ref = self._segments.ref(job.flat)
         if ref is None:
             raise LocalFailure(f"version {job.version}'s snapshot is not in shared memory")
@@ -382,7 +403,7 @@ class Sender:
         return failed or set(members) - acked
 
     def _finish(self, job: Job, t0: float, error: BaseException | None = None) -> None:
-        self.staging.finish(job)
+        self.staging.finish(job, retain=error is None)  # a failed version is never re-sent
         if error is not None:
             job.handle.resolve_threadsafe(error=WeightSyncError(
                 f"version {job.version} could not be sent: {error}", channel=self.channel, version=job.version))

@@ -38,6 +38,7 @@ import os
 import secrets
 import struct
 import threading
+import time
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable
@@ -45,7 +46,7 @@ from collections.abc import Callable
 import torch
 
 from weightsync import _wire
-from weightsync._errors import Cancelled, LocalFailure, ProtocolError
+from weightsync._errors import Cancelled, LocalFailure, PeerFailure, ProtocolError
 from weightsync.pg.recorder import RecorderScope
 from weightsync.transport.dataplane import GenerationSpec, Transfer
 
@@ -54,8 +55,10 @@ MAGIC = b"WSSHM001"
 _HEAD = struct.Struct("<8s16sQ")  # magic, token, data bytes
 _EPOCH = struct.Struct("<q")  # at EPOCH_AT: bumped before the publisher writes the data again
 EPOCH_AT = 64
+READY_AT = 72  # bytes of the data copied in so far (-1: the copy failed); members wait on it
 MAPPED = 2  # segments a member keeps mapped: the publisher's two staging buffers, in turn
 CHUNK = 32 << 20  # a member checks for cancellation between copies of at most this many bytes
+POLL_MIN, POLL_MAX = 50e-6, 2e-3  # seconds between looks at a snapshot still being taken
 
 
 def available() -> bool:
@@ -133,7 +136,22 @@ class SegmentPool:
         with self._lock:
             found = self._segments.get(buf.data_ptr())
         if found is not None:
-            found[2][EPOCH_AT:EPOCH_AT + 8].view(torch.int64)[0] += 1
+            header = found[2][EPOCH_AT:READY_AT + 8].view(torch.int64)
+            header[0] += 1
+            header[1] = 0
+
+    def marker(self, buf: torch.Tensor) -> Callable[[int], None]:
+        """Tells same-host members how much of ``buf`` is copied (a snapshot in progress)."""
+        with self._lock:
+            found = self._segments.get(buf.data_ptr())
+        if found is None:
+            return lambda _n: None
+        ready = found[2][READY_AT:READY_AT + 8].view(torch.int64)
+
+        def mark(nbytes: int) -> None:
+            ready[0] = nbytes  # after the bytes it counts: a reader that sees it sees them
+
+        return mark
 
     def drop(self, buf: torch.Tensor) -> None:
         """Staging no longer holds ``buf``: close its descriptor (the mapping goes with the tensor)."""
@@ -249,6 +267,7 @@ class ShmPlane:
             entry = None if self._rec is None else self._rec.record(
                 "bucket_recv", version=transfer.version, bucket=i, nbytes=bucket.numel()).start()
             try:
+                self._await_ready(ref, src - base + bucket.numel(), transfer)
                 self._check_epoch(ref, transfer.version)
                 _copy(bucket, src, transfer.cancelled)
             except BaseException as err:
@@ -265,6 +284,28 @@ class ShmPlane:
                     raise LocalFailure(f"after bucket {i}: {err}") from err
         # read after the copies: a publisher that started writing meanwhile bumped it first
         self._check_epoch(ref, transfer.version)
+
+    def _await_ready(self, ref: _wire.ShmRef, end: int, transfer: Transfer) -> None:
+        """Until the publisher's snapshot has copied the first ``end`` bytes of the segment."""
+        mapping = self._mapped[ref.token][0]
+        deadline = None
+        pause = POLL_MIN
+        while True:
+            (ready,) = _EPOCH.unpack_from(mapping, READY_AT)
+            if ready >= end:
+                return
+            if ready < 0:
+                raise Cancelled(f"the publisher's snapshot of version {transfer.version} failed")
+            self._check_epoch(ref, transfer.version)
+            if transfer.cancelled is not None and transfer.cancelled():
+                raise Cancelled("the publisher gave up on this version")
+            now = time.monotonic()
+            if deadline is None:
+                deadline = now + transfer.deadline(end - max(ready, 0))
+            elif now > deadline:
+                raise PeerFailure(f"the publisher's snapshot of version {transfer.version} stopped at byte {ready}")
+            time.sleep(pause)  # a snapshot copies about a bucket per few ms: a short poll is enough
+            pause = min(pause * 2, POLL_MAX)
 
     def _check_epoch(self, ref: _wire.ShmRef, version: int) -> None:
         mapping = self._mapped[ref.token][0]

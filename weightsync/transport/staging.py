@@ -22,15 +22,71 @@ Also here: :func:`cuda_snapshot` (the stream-ordered device copy behind ``put`` 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from weightsync._errors import LocalFailure
 from weightsync._wire import Manifest
 from weightsync.transport import layout
 from weightsync.transport.handles import DeliveryReport, PutHandle
+
+
+class Progress:
+    """How far a snapshot's copy has come: the version is sent while it is being taken.
+
+    ``put`` commits the version before copying it and advances this after each tensor; the
+    sender sends bucket i to the group only once its bytes are in (``wait``), and same-host
+    members read the same count from the segment's header (``mark``). A failed copy fails it:
+    whoever waits gives the version up.
+    """
+
+    def __init__(self, total: int, mark: Callable[[int], None] = lambda _n: None) -> None:
+        self.total = total
+        self.done = 0
+        self.error: BaseException | None = None
+        self._cond = threading.Condition()
+        self._mark = mark
+
+    def advance(self, done: int) -> None:
+        with self._cond:
+            self.done = done
+            self._cond.notify_all()
+        self._mark(done)
+
+    def fail(self, error: BaseException) -> None:
+        with self._cond:
+            self.error = error
+            self._cond.notify_all()
+        self._mark(-1)
+
+    def wait(self, nbytes: int, timeout: float) -> None:
+        """Until the first ``nbytes`` are copied; LocalFailure if the copy failed or stalled."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self.done < nbytes and self.error is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise LocalFailure(f"the snapshot did not reach byte {nbytes} within {timeout:.3g}s")
+                self._cond.wait(left)
+            if self.error is not None:
+                raise LocalFailure(f"the snapshot failed: {self.error}")
+
+
+def pack_progressively(flat: torch.Tensor, manifest: Manifest, items: list[tuple[str, torch.Tensor]],
+                       progress: Progress) -> None:
+    """``layout.pack_into``, telling ``progress`` after each tensor (and failing it on an error)."""
+    try:
+        for spec, item, end in zip(manifest.tensors, items, [*(t.offset for t in manifest.tensors[1:]),
+                                                               manifest.total_bytes], strict=True):
+            layout.pack_into(flat, Manifest(tensors=(spec,), total_bytes=end), [item])
+            progress.advance(end)
+    except BaseException as err:
+        progress.fail(err)
+        raise
 
 
 @dataclass(eq=False)
@@ -43,6 +99,7 @@ class Job:
     flat: torch.Tensor | None = None  # the snapshot (copy=True)
     items: list[tuple[str, torch.Tensor]] | None = None  # borrowed tensors (copy=False)
     ready: Any = None  # a CUDA event the snapshot completes on, or None
+    progress: Progress | None = None  # a host snapshot still being taken (see Progress)
     resends: int = 0
     started: float = 0.0  # monotonic time of the first send attempt
     members_done: set[str] = field(default_factory=set)
@@ -156,13 +213,18 @@ class Staging:
             self.retained = None
             return job
 
-    def finish(self, job: Job) -> None:
-        """Sender: the in-flight job is done; a snapshot stays retained for newcomers."""
+    def finish(self, job: Job, retain: bool = True) -> None:
+        """Sender: the in-flight job is done; a snapshot stays retained for newcomers (unless it failed)."""
         with self.lock:
             if self.in_flight is job:
                 self.in_flight = None
-            if job.flat is not None:
+            if job.flat is not None and retain:
                 self.retained = job
+            elif job.flat is not None:
+                self._free.append(job.flat)
+                for other in self._free[:-1]:
+                    self._drop(other)
+                self._free = self._free[-1:]
 
     def clear(self) -> None:
         """Close: let go of every buffer (their memory, shared or not, goes with the last view)."""
