@@ -9,6 +9,9 @@ Each point is the median time from ``put`` until every generator acknowledged, o
 pushes after one warm-up. The memcpy ceiling (one thread, ``ctypes.memmove``: what one
 generator's copy can reach) is measured in the same run.
 
+``--pipeline both`` runs every point also with ``Publisher(pipeline=True)`` (the snapshot sent
+while it is taken) and adds the trainer's stall (``put``) to the table.
+
 Targets (issue 14), at 512 MiB (the nearest size run) and 2 generators: shared memory at most
 0.25x the group path's time, and its delivered GB/s (bytes x generators / time) at least 0.4x
 the memcpy ceiling. Exits 1 when a target is missed.
@@ -41,6 +44,8 @@ class Point(msgspec.Struct):
     subscribers: int
     to_all_ms: float
     gbps: float
+    put_ms: float = 0.0  # the trainer's stall: put() until it returned
+    pipeline: bool = False
 
 
 class Report(msgspec.Struct):
@@ -65,11 +70,12 @@ def memmove_gbps(mib: int = 512) -> float:
     return src.numel() / best / 1e9
 
 
-async def run(transport: str, sizes: list[int], n: int, reps: int, tmp: Path, progress) -> list[Point]:  # type: ignore[no-untyped-def]
+async def run(transport: str, sizes: list[int], n: int, reps: int, tmp: Path, progress,  # type: ignore[no-untyped-def]
+              pipeline: bool = False) -> list[Point]:
     points = []
     workers = Workers(tmp)
     last_version = len(sizes) * 2 * (reps + 1) - 1
-    async with ws.Publisher(f"same-{transport}", timeout=120, bucket_bytes=64 << 20) as pub:
+    async with ws.Publisher(f"same-{transport}", timeout=120, bucket_bytes=64 << 20, pipeline=pipeline) as pub:
         for i in range(n):
             workers.spawn(role="subscriber", channel=f"same-{transport}", address=pub.address, member=f"gen{i}",
                           last_version=last_version, transport=transport)
@@ -80,19 +86,23 @@ async def run(transport: str, sizes: list[int], n: int, reps: int, tmp: Path, pr
                 sd = make_state_dict(mib)
                 for check in (True, False):
                     pub.checksum = check
-                    times = []
+                    times, puts = [], []
                     for rep in range(reps + 1):
                         t0 = time.perf_counter()
-                        report = await (await pub.put(sd, version=version)).delivered(timeout=600)
+                        handle = await pub.put(sd, version=version)
+                        stall = time.perf_counter() - t0
+                        report = await handle.delivered(timeout=600)
                         elapsed = time.perf_counter() - t0
                         if len(report.members) != n:
                             raise RuntimeError(f"version {version} reached {report.members} only")
                         version += 1
                         if rep:
                             times.append(elapsed)
+                            puts.append(stall)
                     done = statistics.median(times)
                     points.append(Point(transport=transport, checksum=check, mib=nbytes(sd) / 2**20, subscribers=n,
-                                        to_all_ms=done * 1e3, gbps=nbytes(sd) * n / done / 1e9))
+                                        to_all_ms=done * 1e3, gbps=nbytes(sd) * n / done / 1e9,
+                                        put_ms=statistics.median(puts) * 1e3, pipeline=pipeline))
                     progress(points[-1])
                 del sd
             workers.results(timeout=600)
@@ -105,8 +115,10 @@ def check_targets(points: list[Point], memcpy: float) -> dict[str, bool]:
     n = min({p.subscribers for p in points}, key=lambda k: abs(k - 2))
     size = min({p.mib for p in points}, key=lambda m: abs(m - 496))
     targets = {}
+    pipe = all(p.pipeline for p in points)  # the targets read the default (not pipelined) where it ran
     for check in (True, False):
-        pick = {p.transport: p for p in points if p.subscribers == n and p.mib == size and p.checksum == check}
+        pick = {p.transport: p for p in points
+                if p.subscribers == n and p.mib == size and p.checksum == check and p.pipeline == pipe}
         ratio = pick["shm"].to_all_ms / pick["group"].to_all_ms
         share = pick["shm"].gbps / memcpy
         crc = "checksums on" if check else "checksums off"
@@ -116,15 +128,17 @@ def check_targets(points: list[Point], memcpy: float) -> dict[str, bool]:
 
 
 def table(points: list[Point], memcpy: float) -> str:
-    lines = [f"{'MiB':>6} {'gens':>4} {'crc':>4} {'shm ms':>9} {'group ms':>9} {'shm/grp':>8} {'shm GB/s':>9} "
-             f"{'of memcpy':>9}", "-" * 66]
-    keyed = {(p.transport, p.checksum, p.mib, p.subscribers): p for p in points}
-    for (transport, check, mib, n), p in sorted(keyed.items(), key=lambda kv: (kv[0][3], kv[0][2], not kv[0][1])):
-        if transport != "shm":
+    lines = [f"{'MiB':>6} {'gens':>4} {'crc':>4} {'pipe':>4} {'shm ms':>9} {'group ms':>9} {'shm/grp':>8} "
+             f"{'shm GB/s':>9} {'of memcpy':>9} {'put shm':>8} {'put grp':>8}", "-" * 92]
+    keyed = {(p.transport, p.checksum, p.mib, p.subscribers, p.pipeline): p for p in points}
+    for (transport, check, mib, n, pipe), p in sorted(keyed.items(),
+                                                      key=lambda kv: (kv[0][3], kv[0][2], not kv[0][1], kv[0][4])):
+        g = keyed.get(("group", check, mib, n, pipe))
+        if transport != "shm" or g is None:
             continue
-        g = keyed[("group", check, mib, n)]
-        lines.append(f"{mib:6.0f} {n:4d} {'on' if check else 'off':>4} {p.to_all_ms:9.1f} {g.to_all_ms:9.1f} "
-                     f"{p.to_all_ms / g.to_all_ms:8.3f} {p.gbps:9.2f} {p.gbps / memcpy:9.2f}")
+        lines.append(f"{mib:6.0f} {n:4d} {'on' if check else 'off':>4} {'on' if pipe else 'off':>4} "
+                     f"{p.to_all_ms:9.1f} {g.to_all_ms:9.1f} {p.to_all_ms / g.to_all_ms:8.3f} {p.gbps:9.2f} "
+                     f"{p.gbps / memcpy:9.2f} {p.put_ms:8.1f} {g.put_ms:8.1f}")
     return "\n".join(lines)
 
 
@@ -140,7 +154,8 @@ def plot(report: Report, path: Path) -> None:
         for transport in TRANSPORTS:
             for check in (True, False):
                 pts = sorted((p.mib, p.gbps) for p in report.points
-                             if p.transport == transport and p.checksum == check and p.subscribers == n)
+                             if p.transport == transport and p.checksum == check and p.subscribers == n
+                             and p.pipeline == all(q.pipeline for q in report.points))
                 ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", linestyle="-" if check else "--",
                         label=f"{transport}{'' if check else ', no checksum'}")
         ax.axhline(report.memcpy_gbps, color="grey", linestyle=":", label="memcpy (one thread)")
@@ -156,19 +171,21 @@ def plot(report: Report, path: Path) -> None:
     plt.close(fig)
 
 
-async def bench(sizes: list[int], subscribers: list[int], reps: int) -> Report:
+async def bench(sizes: list[int], subscribers: list[int], reps: int, pipelines: tuple[bool, ...] = (False,)) -> Report:
     memcpy = memmove_gbps()
     print(f"memcpy ceiling (one thread): {memcpy:.1f} GB/s", flush=True)
     points: list[Point] = []
 
     def progress(p: Point) -> None:
         print(f"  {p.mib:6.0f} MiB x {p.subscribers} {p.transport:<5} checksum {'on ' if p.checksum else 'off'} "
-              f"{p.to_all_ms:8.1f} ms  {p.gbps:6.2f} GB/s", flush=True)
+              f"pipeline {'on ' if p.pipeline else 'off'} {p.to_all_ms:8.1f} ms  {p.gbps:6.2f} GB/s  "
+              f"put {p.put_ms:6.1f} ms", flush=True)
 
     with tempfile.TemporaryDirectory(prefix="ws-same-host-") as tmp:
         for n in subscribers:
-            for transport in TRANSPORTS:
-                points += await run(transport, sizes, n, reps, Path(tmp), progress)
+            for pipeline in pipelines:
+                for transport in TRANSPORTS:
+                    points += await run(transport, sizes, n, reps, Path(tmp), progress, pipeline)
     return Report(when=time.strftime("%Y-%m-%d %H:%M:%S"), torch=str(torch.__version__), cores=os.cpu_count() or 0,
                   reps=reps, memcpy_gbps=memcpy, points=points, targets=check_targets(points, memcpy))
 
@@ -178,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", default="64,256,512,1024", help="MiB, comma-separated")
     parser.add_argument("--subscribers", default="1,2,4", help="generator processes, comma-separated")
     parser.add_argument("--reps", type=int, default=3, help="measured pushes per point (plus one warm-up)")
+    parser.add_argument("--pipeline", choices=("off", "on", "both"), default="off",
+                        help="Publisher(pipeline=...): off (the default on < 4 CPUs), on, or both side by side")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args(argv)
     try:
@@ -189,7 +208,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("sizes, subscribers and reps must be >= 1")
     import uvloop
 
-    report = uvloop.run(bench(sizes, subscribers, args.reps))
+    pipelines = {"off": (False,), "on": (True,), "both": (False, True)}[args.pipeline]
+    report = uvloop.run(bench(sizes, subscribers, args.reps, pipelines))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "same_host.json").write_bytes(msgspec.json.format(msgspec.json.encode(report)))
