@@ -38,6 +38,7 @@ from benchmarks.baseline import BlockingBroadcast
 from benchmarks.lag import LagMeter
 from benchmarks.model import make_state_dict, nbytes
 from benchmarks.procs import Workers
+from benchmarks.report import verdict, write_json
 
 MODES = ("naive", "packed", "ws_copy", "ws_nocrc", "ws_nocopy")
 WS_MODES = ("ws_copy", "ws_nocrc", "ws_nocopy")
@@ -335,18 +336,14 @@ def main(argv: list[str] | None = None) -> int:
     import uvloop
 
     report = uvloop.run(bench(sizes, subscribers, args.reps, args.step_ms, args.packed_mib << 20, args.transport))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench.json").write_bytes(msgspec.json.format(msgspec.json.encode(report)))
-    plot(report, out / "bench.png")
+    json_path = write_json(args.out, "bench", report)
+    plot(report, Path(args.out) / "bench.png")
     print()
     print(table(report.rows, report.ceiling))
     print()
-    for name, ok in report.targets.items():
-        print(f"  {'PASS' if ok else 'FAIL'}  {name}")
-    print(f"\nwrote {out / 'bench.json'} and {out / 'bench.png'}")
-    return 0 if all(report.targets.values()) else 1
-
+    status = verdict(report.targets)
+    print(f"\nwrote {json_path} and {Path(args.out) / 'bench.png'}")
+    return status
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -36,3 +36,10 @@ def save(fig: Any, out: str | Path, name: str, json_path: Path) -> None:
     png = Path(out) / f"{name}.png"
     fig.savefig(png, dpi=120)
     print(f"wrote {json_path} and {png}")
+
+
+def verdict(targets: dict[str, bool]) -> int:
+    """Print each target as PASS or FAIL; the program's exit status (1 when one missed)."""
+    for name, ok in targets.items():
+        print(f"  {'PASS' if ok else 'FAIL'}  {name}")
+    return 0 if all(targets.values()) else 1

@@ -33,6 +33,7 @@ import torch
 import weightsync as ws
 from benchmarks.model import make_state_dict, nbytes
 from benchmarks.procs import Workers
+from benchmarks.report import verdict, write_json
 
 TRANSPORTS = ("shm", "group")
 
@@ -210,18 +211,14 @@ def main(argv: list[str] | None = None) -> int:
 
     pipelines = {"off": (False,), "on": (True,), "both": (False, True)}[args.pipeline]
     report = uvloop.run(bench(sizes, subscribers, args.reps, pipelines))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "same_host.json").write_bytes(msgspec.json.format(msgspec.json.encode(report)))
-    plot(report, out / "same_host.png")
+    json_path = write_json(args.out, "same_host", report)
+    plot(report, Path(args.out) / "same_host.png")
     print()
     print(table(report.points, report.memcpy_gbps))
     print()
-    for name, ok in report.targets.items():
-        print(f"  {'PASS' if ok else 'FAIL'}  {name}")
-    print(f"\nwrote {out / 'same_host.json'} and {out / 'same_host.png'}")
-    return 0 if all(report.targets.values()) else 1
-
+    status = verdict(report.targets)
+    print(f"\nwrote {json_path} and {Path(args.out) / 'same_host.png'}")
+    return status
 
 if __name__ == "__main__":
     raise SystemExit(main())

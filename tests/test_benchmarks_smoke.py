@@ -31,6 +31,17 @@ def test_bench_runs_every_mode_and_writes_json_and_plot(tmp_path: Path) -> None:
     assert "PASS" in out.stdout or "FAIL" in out.stdout
 
 
+def test_same_host_bench_runs_both_transports_and_both_pipelines(tmp_path: Path) -> None:
+    out = run("-m", "benchmarks.same_host", "--sizes", "8", "--subscribers", "1", "--reps", "1", "--pipeline", "both",
+              "--out", str(tmp_path))
+    assert out.returncode in (0, 1), out.stderr[-3000:]  # 1: a target missed at this toy size
+    report = msgspec.json.decode((tmp_path / "same_host.json").read_bytes())
+    kinds = {(p["transport"], p["checksum"], p["pipeline"]) for p in report["points"]}
+    assert kinds == {(t, c, pipe) for t in ("shm", "group") for c in (True, False) for pipe in (True, False)}
+    assert all(p["to_all_ms"] > 0 and p["put_ms"] > 0 for p in report["points"])
+    assert report["memcpy_gbps"] > 0 and (tmp_path / "same_host.png").stat().st_size > 10_000
+
+
 def test_train_loop_and_recorder_overhead_run(tmp_path: Path) -> None:
     out = run("-m", "benchmarks.train_loop", "--mib", "8", "--steps", "2", "--step-ms", "20", "--subscribers", "1",
               "--out", str(tmp_path))
