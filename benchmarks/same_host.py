@@ -33,7 +33,7 @@ import torch
 import weightsync as ws
 from benchmarks.model import make_state_dict, nbytes
 from benchmarks.procs import Workers
-from benchmarks.report import verdict, write_json
+from benchmarks.report import pyplot, verdict, write_json
 
 TRANSPORTS = ("shm", "group")
 
@@ -144,11 +144,9 @@ def table(points: list[Point], memcpy: float) -> str:
 
 
 def plot(report: Report, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
+    if plt is None:
+        return
     subs = sorted({p.subscribers for p in report.points})
     fig, axes = plt.subplots(1, len(subs), figsize=(4.2 * len(subs), 3.6), squeeze=False)
     for ax, n in zip(axes[0], subs, strict=True):
