@@ -21,6 +21,7 @@ def _doctor() -> int:
     import torch
 
     from weightsync.pg import _torch_compat as compat
+    from weightsync.transport import shm
 
     rows = [
         ("torch", torch.__version__),
@@ -30,6 +31,8 @@ def _doctor() -> int:
         ("gloo in-place reconfigure", compat.gloo_options_reconfigurable()),
         ("NCCL version", compat.nccl_version() or "-"),
         ("CUDA devices", torch.cuda.device_count() if torch.cuda.is_available() else 0),
+        ("same-host shared memory (memfd, /proc)", shm.available()),
+        ("shared-memory huge pages (shmem_enabled)", shm.huge_pages()),
     ]
     width = max(len(name) for name, _ in rows)
     for name, value in rows:

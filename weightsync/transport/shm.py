@@ -66,6 +66,16 @@ def available() -> bool:
     return hasattr(os, "memfd_create") and os.path.isdir("/proc/self/fd")
 
 
+def huge_pages() -> str:
+    """The kernel's transparent-huge-page mode for shared memory (``never`` makes snapshots slower)."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/shmem_enabled") as fh:
+            modes = fh.read().split()
+    except OSError:
+        return "unknown"
+    return next((m.strip("[]") for m in modes if m.startswith("[")), "unknown")
+
+
 def boot_id() -> str:
     try:
         with open("/proc/sys/kernel/random/boot_id") as fh:
