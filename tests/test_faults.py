@@ -116,3 +116,42 @@ async def test_fingerprint_mismatch_is_denied_naming_the_difference() -> None:
             await pub.wait_subscribers(1, timeout=10)  # the publisher kept serving
             await (await pub.put({"x": torch.ones(2)}, version=1)).delivered(timeout=10)
             assert (await sub.get(timeout=5)).version == 1
+
+
+async def test_a_subscriber_resubscribes_to_a_restarted_publisher(procs: Procs, tmp_path) -> None:
+    """fault-tolerance.md's recipe, as written: serve from ``updates()``; on PublisherGone (the
+    trainer killed with -9 and started again elsewhere) join the new channel. The loop goes on
+    with the restarted publisher's versions, every one exactly what it put."""
+    files = [tmp_path / "first", tmp_path / "second"]
+    starts = iter(files)
+    killed = asyncio.Event()
+
+    async def discover_publisher() -> str:
+        path = next(starts)
+        procs.spawn("publisher", channel="restart", address_file=str(path), subscribers=1, deadline=60)
+        deadline = time.monotonic() + 60
+        while not path.exists():
+            assert time.monotonic() < deadline, "the publisher never wrote its address"
+            await asyncio.sleep(0.05)  # polling for the worker's address file
+        return path.read_text()
+
+    served: list[tuple[str, int]] = []
+    while len([a for a, _ in served if a == "second"]) < 3:
+        address = await discover_publisher()
+        which = "first" if not killed.is_set() else "second"
+        async with ws.Subscriber("restart", address=address, timeout=4) as sub:
+            try:
+                async for w in sub.updates(timeout=60):
+                    assert torch.equal(w["w"], torch.full((1000,), float(w.version)))
+                    served.append((which, w.version))
+                    if which == "first" and w.version >= 2:
+                        procs.signal(0, signal.SIGKILL)  # the trainer dies mid-run
+                        killed.set()
+                    if len([a for a, _ in served if a == "second"]) >= 3:
+                        break
+            except ws.PublisherGone:
+                assert which == "first"
+                continue  # the trainer restarted: join its new channel
+    assert [a for a, _ in served][0] == "first" and killed.is_set()
+    second = [v for a, v in served if a == "second"]
+    assert second == sorted(second) and len(second) >= 3
