@@ -19,6 +19,7 @@ from tests.conftest import LOOPS, Procs, loop_policy
 from tests.statedicts import digests
 from weightsync.cli import main as cli
 from weightsync.pg.recorder import FlightRecorder, load_dump
+from weightsync.testing import Faults, inject
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -227,3 +228,34 @@ def test_torchs_own_trace_is_written_beside_a_dump_when_there_is_one(tmp_path: P
     monkeypatch.setattr(compat, "torch_flight_recorder_json", lambda: b'{"version": "2.10", "entries": []}')
     path = rec.dump()
     assert path.with_suffix(".torch.json").read_bytes() == b'{"version": "2.10", "entries": []}'
+
+
+@pytest.mark.asyncio
+async def test_aclose_after_trouble_dumps_the_whole_story_and_a_quiet_channel_dumps_nothing(tmp_path: Path) -> None:
+    """flight-recorder.md: a dump "again at aclose() if there was trouble, so the file has the
+    whole story". A corrupted version is trouble (an automatic dump); what happens after it (a
+    later put) is in the file once the publisher closes. A channel without trouble writes no
+    file at all."""
+    quiet_dir, trouble_dir = tmp_path / "quiet", tmp_path / "trouble"
+    quiet = FlightRecorder(capacity=1000, directory=quiet_dir, label="pub")
+    async with ws.Publisher("quiet", timeout=5, heartbeat_interval=0.25, recorder=quiet) as pub:
+        async with ws.Subscriber("quiet", address=pub.address, timeout=5, recorder=FlightRecorder(capacity=0)):
+            await pub.wait_subscribers(1, timeout=10)
+            await (await pub.put({"x": torch.ones(8)}, version=0)).delivered(timeout=10)
+    assert not quiet_dir.exists() or not list(quiet_dir.iterdir())
+
+    rec = FlightRecorder(capacity=1000, directory=trouble_dir, label="pub")
+    async with ws.Publisher("trouble", timeout=5, heartbeat_interval=0.25, recorder=rec) as pub:
+        sub = ws.Subscriber("trouble", address=pub.address, member_id="m", timeout=5,
+                            recorder=FlightRecorder(capacity=0))
+        inject(sub, Faults(corrupt={0}))  # version 0 arrives corrupted once: nacked, dumped, re-sent
+        async with sub:
+            await pub.wait_subscribers(1, timeout=10)
+            await (await pub.put({"x": torch.ones(8)}, version=0)).delivered(timeout=10)
+            assert rec.last_dump_path is not None
+            first = load_dump(rec.last_dump_path)
+            assert not any(e.op == "put" and e.version == 1 for e in first.entries)
+            await (await pub.put({"x": torch.ones(8)}, version=1)).delivered(timeout=10)  # after the dump
+    final = load_dump(trouble_dir / f"pub-{os.getpid()}.wsfr")
+    assert final.reason == "closed after trouble"
+    assert any(e.op == "put" and e.version == 1 and e.state == "completed" for e in final.entries)
