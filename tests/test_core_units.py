@@ -14,7 +14,7 @@ import torch
 from tests.fakes import FakeControl, FakePlane, FakeTable
 from weightsync import _wire
 from weightsync._errors import PeerFailure
-from weightsync.pg.analyze import analyze
+from weightsync.pg.analyze import analyze, render
 from weightsync.pg.generations import Generations
 from weightsync.pg.membership import Membership
 from weightsync.pg.recorder import Dump, Entry, FlightRecorder
@@ -228,3 +228,63 @@ def test_analyzer_blames_a_member_without_a_dump_at_the_stalled_bucket() -> None
     assert result.missing_dumps == ["killed"]
     assert [(c.member, c.bucket) for c in result.culprits] == [("killed", 1)]
     assert "dump is missing" in result.culprits[0].reason
+
+
+def failed(seq: int, op: str, member: str, error: str, **kw: object) -> Entry:
+    return Entry(seq=seq, op=op, channel="ch", member=member, t_scheduled=float(seq), **kw).start().fail(error)
+
+
+def started(seq: int, op: str, member: str, **kw: object) -> Entry:
+    return Entry(seq=seq, op=op, channel="ch", member=member, t_scheduled=float(seq), **kw).start()
+
+
+def test_analyzer_blames_a_frozen_member_whose_dump_is_there_by_its_heartbeats() -> None:
+    """Heartbeats stopped, dump present (SIGSTOP, then dumped on SIGCONT): the silent member is
+    the culprit at the bucket the publisher's send stalled in; the member waiting beside it is
+    a victim, and the text says so for people."""
+    pub = [entry(0, "announce", "publisher", version=1, generation=1, peers=("a", "frozen")),
+           entry(1, "bucket_send", "publisher", version=1, generation=1, bucket=0),
+           started(2, "bucket_send", "publisher", version=1, generation=1, bucket=1),
+           failed(3, "heartbeat", "publisher", "silent for 2.0s", peers=("frozen",)),
+           failed(4, "ack", "publisher", "silent: ['frozen']", version=1, generation=1, peers=("a", "frozen"))]
+    a = [entry(0, "bucket_recv", "a", version=1, generation=1, bucket=0),
+         failed(1, "bucket_recv", "a", "a bucket missed its deadline", version=1, generation=1, bucket=1)]
+    frozen = [entry(0, "bucket_recv", "frozen", version=1, generation=1, bucket=0),
+              started(1, "bucket_recv", "frozen", version=1, generation=1, bucket=1)]
+    result = analyze([dump("publisher", pub), dump("a", a), dump("frozen", frozen)])
+    assert not result.ok and result.missing_dumps == []
+    assert [(c.member, c.version, c.bucket) for c in result.culprits] == [("frozen", 1, 1)]
+    assert "heartbeats stopped" in result.culprits[0].reason and "dump is missing" not in result.culprits[0].reason
+    assert result.versions[0].members["frozen"] == "waiting in bucket 1"
+    text = render(result)
+    assert "LIKELY CULPRIT: frozen at ch v1 bucket 1" in text and text.endswith("stall or failure found")
+
+
+def test_analyzer_a_member_silent_after_its_last_bucket_and_a_clean_run() -> None:
+    """Every bucket went out and arrived, but one member never published nor acknowledged: the
+    divergence is after the last bucket and the culprit is named there. A run where everyone
+    acknowledged is found clean; without the publisher's dump, that is what is missing. Same-host
+    members record their copies without a generation (-1): they count the same."""
+    pub = [entry(0, "announce", "publisher", version=2, generation=3, peers=("a", "late")),
+           entry(1, "bucket_send", "publisher", version=2, generation=3, bucket=0),
+           entry(2, "bucket_send", "publisher", version=2, generation=3, bucket=1),
+           failed(3, "ack_missing", "publisher", "no acknowledgement", version=2, generation=3, peers=("late",))]
+    a = [entry(0, "bucket_recv", "a", version=2, bucket=0), entry(1, "bucket_recv", "a", version=2, bucket=1),
+         entry(2, "publish", "a", version=2, generation=3)]
+    late = [entry(0, "bucket_recv", "late", version=2, generation=3, bucket=0),
+            entry(1, "bucket_recv", "late", version=2, generation=3, bucket=1)]
+    result = analyze([dump("publisher", pub), dump("a", a), dump("late", late)])
+    assert [(c.member, c.bucket) for c in result.culprits] == [("late", -1)]
+    d = result.first_divergence
+    assert d is not None and (d.bucket, d.finished, d.not_finished) == (2, ["a"], ["late"])
+    assert "LIKELY CULPRIT: late at ch v2 after its last bucket" in render(result)
+
+    clean = [entry(0, "announce", "publisher", version=4, generation=1, peers=("a",)),
+             entry(1, "bucket_send", "publisher", version=4, generation=1, bucket=0),
+             entry(2, "ack", "publisher", version=4, generation=1, peers=("a",))]
+    got = [entry(0, "bucket_recv", "a", version=4, bucket=0), entry(1, "publish", "a", version=4)]
+    result = analyze([dump("publisher", clean), dump("a", got)])
+    assert result.ok and not result.culprits and result.versions[0].members == {"a": "published"}
+    assert render(result).endswith("nothing wrong found")
+    result = analyze([dump("a", got)])
+    assert not result.ok and result.missing_dumps == ["publisher"]
