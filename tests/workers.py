@@ -34,6 +34,7 @@ async def subscriber(spec: dict) -> dict:
     if spec.get("faults"):  # a fault plan for this worker (see weightsync.testing)
         inject(sub, Faults(**spec["faults"]))
     async with sub:
+        baseline = _status_mib("VmRSS")  # joined, nothing received yet
         if spec.get("ready_file"):
             open(spec["ready_file"], "w").close()
         deadline = time.monotonic() + spec.get("deadline", 60)
@@ -64,7 +65,21 @@ async def subscriber(spec: dict) -> dict:
                 seen[w.version] = digests(w)
                 last = w.version
     return {"member": spec["member"], "order": order, "digests": {str(k): v for k, v in seen.items()},
-            "transport": sub.transport, "error": error}
+            "transport": sub.transport, "error": error,
+            # the kernel's own count, not the library's: the most memory this process ever held
+            "rss_baseline_mib": baseline, "rss_peak_mib": _status_mib("VmHWM")}
+
+
+def _status_mib(field: str) -> float:
+    """A memory figure of this process from /proc/self/status, in MiB (0 where there is none)."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
 
 
 async def coexist(spec: dict) -> dict:
