@@ -32,13 +32,24 @@ async def test_one_rank_nccl_channel() -> None:
         assert any(e.op == "rebuild" and e.state == "completed" for e in entries)
 
 
-async def test_cuda_snapshot_does_not_wait_for_the_host() -> None:
+@pytest.mark.parametrize("transport", ["group", "auto"])
+async def test_cuda_snapshot_is_ordered_before_the_callers_next_write(transport: str) -> None:
+    """put() enqueues the device copy on a side stream and returns without waiting for it; a
+    write the caller makes right after is ordered after the copy on the device, so the
+    subscriber gets the values that were put, over gloo and over the same-host segment (whose
+    ready count is set only once the copy's event completed)."""
     async with ws.Publisher("gpu-snap", backend="gloo", device="cuda", timeout=30) as pub:
-        big = torch.randn(64 << 20, device="cuda")  # 256 MiB
-        torch.cuda.synchronize()
-        handle = await pub.put({"big": big}, version=1)
-        big.fill_(3.0)  # ordered after the snapshot copy on the device
-        await handle.delivered(timeout=60)
+        async with ws.Subscriber("gpu-snap", address=pub.address, backend="gloo", timeout=30,
+                                 transport=transport) as sub:
+            await pub.wait_subscribers(1, timeout=60)
+            assert sub.transport == ("group" if transport == "group" else "shm")
+            big = torch.randn(64 << 20, device="cuda")  # 256 MiB
+            expected = digests({"big": big})
+            torch.cuda.synchronize()
+            handle = await pub.put({"big": big}, version=1)
+            big.fill_(3.0)  # ordered after the snapshot copy on the device
+            await handle.delivered(timeout=60)
+            assert digests(await sub.get(min_version=1, timeout=30)) == expected
 
 
 async def test_two_process_gloo_channel_with_cuda_tensors(procs: Procs) -> None:
