@@ -35,13 +35,16 @@ async def test_aclose_sends_what_is_pending_before_it_stops() -> None:
 
 
 async def test_abort_fails_unsent_puts_with_closed() -> None:
-    pub = ws.Publisher("abort", **FAST, max_snapshots=2)
+    rec = ws.FlightRecorder(capacity=1000)
+    pub = ws.Publisher("abort", **FAST, max_snapshots=2, recorder=rec)
     await pub.start()
     sub = ws.Subscriber("abort", address=pub.address, timeout=FAST["timeout"])
     inject(sub, Faults(slow=50))  # version 1 occupies the wire; version 2 waits its turn
     await sub.start()
     await pub.wait_subscribers(1, timeout=10)
     first = await pub.put({"w": torch.zeros(1 << 20)}, version=1)
+    while not any(e.op == "announce" and e.version == 1 for e in rec.snapshot()):
+        await asyncio.sleep(0.005)  # until the recorder shows version 1 on its way (else 2 supersedes it)
     second = await pub.put({"w": torch.ones(1 << 20)}, version=2)
     await pub.abort()
     with pytest.raises(ws.Closed):
