@@ -217,6 +217,11 @@ def test_admission_names_each_reason_to_refuse() -> None:
     alien = msgspec.structs.replace(mine, backend="nccl")
     assert problem(Join(member_id="g0", fingerprint=alien, nonce=client, proof=join_proof(
         b"s", channel="c", server_nonce=server, client_nonce=client, member_id="g0", fp=alien))).kind == "handshake"
+    same_host = msgspec.structs.replace(good, transport="shm")  # not in the proof: the door decides it
+    assert problem(same_host).kind == "handshake"  # a publisher that offered no shared memory
+    assert problem(same_host, transports=("group", "shm")) is None
+    assert "telepathy" in problem(msgspec.structs.replace(good, transport="telepathy"),
+                                  transports=("group", "shm")).reason
 
 
 def test_checksum_catches_flips_and_swaps_and_ignores_alignment() -> None:

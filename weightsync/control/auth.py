@@ -95,7 +95,7 @@ def session_key(secret: bytes | None, *, server_nonce: bytes, client_nonce: byte
 
 
 def admission_problem(join: Join, *, channel: str, server_nonce: bytes, secret: bytes | None, mine: Fingerprint,
-                      closing: bool) -> Deny | None:
+                      closing: bool, transports: tuple[str, ...] = ("group",)) -> Deny | None:
     """Why the publisher must refuse ``join``, or None to admit it (duplicates are the Sender's call).
 
     Args:
@@ -105,6 +105,7 @@ def admission_problem(join: Join, *, channel: str, server_nonce: bytes, secret: 
         secret: the shared secret, or None for an open channel.
         mine: the publisher's own fingerprint.
         closing: the publisher is shutting down.
+        transports: what the publisher serves (``"shm"`` only where it offered its shared memory).
     """
     if closing:
         return Deny(reason="the publisher is shutting down", kind="closed")
@@ -118,4 +119,6 @@ def admission_problem(join: Join, *, channel: str, server_nonce: bytes, secret: 
     diffs = compare(mine, join.fingerprint)
     if diffs:
         return Deny(reason="; ".join(diffs), kind="handshake")
+    if join.transport not in transports:
+        return Deny(reason=f"transport {join.transport[:16]!r} is not served here", kind="handshake")
     return None

@@ -288,17 +288,15 @@ class ControlServer:
     async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> Link | None:
         nonce = auth.new_nonce()
         session = Session(outgoing=TO_CLIENT, incoming=TO_SERVER)
-        writer.write(session.seal(_wire.Challenge(_wire.PROTOCOL_VERSION, self.channel, nonce,
-                                                            shm=self._shm_offer())))
+        offer = self._shm_offer()
+        writer.write(session.seal(_wire.Challenge(_wire.PROTOCOL_VERSION, self.channel, nonce, shm=offer)))
         length = frame_length(await reader.readexactly(HEADER.size), HANDSHAKE_FRAME)
         join = session.open(await reader.readexactly(length), _wire.client_decoder)
         if not isinstance(join, _wire.Join):
             raise BadFrame(f"expected a Join, got {type(join).__name__}")
         deny = auth.admission_problem(join, channel=self.channel, server_nonce=nonce, secret=self._secret,
-                                      mine=self._mine, closing=self._closing())
-        if deny is None and (join.transport not in ("group", "shm")
-                             or (join.transport == "shm" and self._shm_offer() is None)):
-            deny = _wire.Deny(reason=f"transport {join.transport[:16]!r} is not served here", kind="handshake")
+                                      mine=self._mine, closing=self._closing(),
+                                      transports=("group", "shm") if offer is not None else ("group",))
         if deny is not None:
             self._rec.record("admit", peers=(join.member_id[:64],)).fail(deny.reason)  # recorded before answered
             writer.write(session.seal(deny))

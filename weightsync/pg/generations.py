@@ -218,7 +218,8 @@ class Generations:
                 extended, deadline = True, time.monotonic() + self.deadlines.rendezvous()
                 continue
             if isinstance(message, _wire.Ready) and message.generation == plan.generation:
-                if self.settings.in_place and not message.handle and self.transport_of(message.member_id) == "group":
+                in_group = self.transport_of(message.member_id) == "group"  # same-host members bring none
+                if self.settings.in_place and in_group and not message.handle:
                     self._rec.record("rendezvous",
                                      peers=(message.member_id,)).fail("Ready without a reconfigure handle")
                     continue  # it will not come: it is counted missing when the deadline passes

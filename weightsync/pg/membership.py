@@ -47,11 +47,12 @@ class StragglerPolicy:
     """What the publisher does about a member that is slow but alive, and one that died.
 
     A member is *slow* on a version when the time it spent on its own (receiving minus waiting
-    on the collective and on the publisher's Seal: copies, checks, a busy host) exceeds ``slow_factor`` times the median
-    of the other members' plus ``slow_floor`` seconds. Flagged on ``window`` versions in a
-    row, ``on_slow`` applies: ``"keep"`` (recorded only; it holds every push back), ``"evict"``,
-    or ``"replace"`` (evict, then ask the orchestrator for a new member; without an
-    orchestrator the same as evict). ``on_dead`` is ``"evict"`` or ``"replace"``.
+    on the collective and on the publisher's Seal: copies, checks, a busy host) exceeds
+    ``slow_factor`` times the median of the other members' (of its own transport) plus
+    ``slow_floor`` seconds. Flagged on ``window`` versions in a row, ``on_slow`` applies:
+    ``"keep"`` (recorded only; it holds every push back), ``"evict"``, or ``"replace"`` (evict,
+    then ask the orchestrator for a new member; without an orchestrator the same as evict).
+    ``on_dead`` is ``"evict"`` or ``"replace"``.
     """
 
     slow_factor: float = 3.0

@@ -66,6 +66,12 @@ from weightsync.transport.staging import (
 PIPELINE_CPUS = 4  # usable CPUs from which a host snapshot is sent while it is taken
 
 
+def _usable_cpus() -> int:
+    """CPUs this process may run on (its affinity where the OS has one, else all of them)."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    return len(affinity(0)) if affinity is not None else os.cpu_count() or 1
+
+
 class Publisher:
     """Pushes versions of a set of tensors to every subscriber of channel ``name``.
 
@@ -129,7 +135,7 @@ class Publisher:
         self.policy = policy or StragglerPolicy()
         self.orchestrator = orchestrator
         self.settings = self.options.settings(checksum=checksum, in_place=reconfigure_enabled(self.backend))
-        self.pipeline = pipeline if pipeline is not None else len(os.sched_getaffinity(0)) >= PIPELINE_CPUS
+        self.pipeline = pipeline if pipeline is not None else _usable_cpus() >= PIPELINE_CPUS
         deadlines = Deadlines(self.settings)
         # on a CPU publisher staging lives in shared memory: same-host members copy from it
         self._segments = shm.SegmentPool(name) if self._slot_device.type == "cpu" and shm.available() else None

@@ -306,8 +306,8 @@ class Sender:
             gens.tell(members, announce)
             entry.complete()
             if members:
-                slices, before = bucket_slices(job, ranges, self._buckets, self.settings.bucket_bytes)
-                before = self._after_snapshot(job, ranges, before)
+                slices, before = bucket_slices(job, ranges, self._buckets, self.settings.bucket_bytes,
+                                               self.deadlines.bucket)
                 sums: list[int] = []
                 if group:
                     # each bucket's digest is taken once it is on the wire, while the next one
@@ -339,21 +339,6 @@ class Sender:
             return failed
         self._finish(job, t0)
         return None
-
-    def _after_snapshot(self, job: Job, ranges: list[tuple[int, int]],
-                        before: Callable[[int], None] | None) -> Callable[[int], None] | None:
-        """``before`` preceded by a wait for bucket i's bytes, while the snapshot is being taken."""
-        progress = job.progress
-        if progress is None or progress.done >= progress.total:
-            return before
-
-        def wait_then(i: int) -> None:
-            lo, hi = ranges[i]
-            progress.wait(hi, self.deadlines.bucket(hi - lo))
-            if before is not None:
-                before(i)
-
-        return wait_then
 
     def _segment_for(self, job: Job) -> _wire.ShmRef:
         """Where same-host members read ``job``: its snapshot, or (``copy=False``) a buffer it is packed into."""
@@ -428,6 +413,8 @@ class Sender:
         self.membership.note_delivered(acked, version, {m: timings[m][0] for m in own}, own)
         score = dict(own)
         for member in own:
+            if gens.transport_of(member) != "group":
+                continue  # its bytes never cross a link: the copy is all in its own time
             probed = self.control.link_seconds(member)
             if probed is not None and probed[1] > 0:
                 seconds, probe_bytes = probed

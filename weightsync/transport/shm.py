@@ -107,16 +107,18 @@ class SegmentPool:
         self._door_token = secrets.token_bytes(16)
         self._door_fd = -1
         self._door: torch.Tensor | None = None
+        self._boot_id = ""
 
     def open(self) -> None:
         """Create the door (the publisher starts); nothing is created before."""
         self._door_fd, self._door = _create(f"weightsync-{self.channel}-door", 0, self._door_token)
+        self._boot_id = boot_id()
 
     def offer(self) -> _wire.ShmOffer | None:
         """What the Challenge tells connecting members (how to find the door); None once closed."""
         if self._door_fd < 0:
             return None
-        return _wire.ShmOffer(pid=os.getpid(), fd=self._door_fd, token=self._door_token, boot_id=boot_id())
+        return _wire.ShmOffer(pid=os.getpid(), fd=self._door_fd, token=self._door_token, boot_id=self._boot_id)
 
     def allocate(self, nbytes: int, device: torch.device, pin: bool) -> torch.Tensor:
         """Staging's allocator: a buffer of ``nbytes`` in a fresh segment (host memory only)."""
@@ -130,15 +132,14 @@ class SegmentPool:
         return data
 
     def ref(self, buf: torch.Tensor) -> _wire.ShmRef | None:
-        """Where a member finds ``buf`` (a staging buffer or a slice of one), or None if not ours."""
-        ptr = buf.data_ptr()
+        """Where a member finds ``buf`` (a staging buffer, or its first bytes), or None if not ours."""
         with self._lock:
-            for base, (fd, token, whole) in self._segments.items():
-                if base <= ptr and ptr + buf.numel() <= base + whole.numel() - HEADER:
-                    epoch = int(whole[EPOCH_AT:EPOCH_AT + 8].view(torch.int64)[0])
-                    return _wire.ShmRef(fd=fd, token=token, offset=ptr - base, nbytes=whole.numel() - HEADER,
-                                        epoch=epoch)
-        return None
+            found = self._segments.get(buf.data_ptr())
+        if found is None:
+            return None
+        fd, token, whole = found
+        epoch = int(whole[EPOCH_AT:EPOCH_AT + 8].view(torch.int64)[0])
+        return _wire.ShmRef(fd=fd, token=token, offset=0, nbytes=whole.numel() - HEADER, epoch=epoch)
 
     def reuse(self, buf: torch.Tensor) -> None:
         """Staging is about to write ``buf`` again: bump its epoch first, so a member still copying

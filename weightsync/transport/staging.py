@@ -278,16 +278,26 @@ class BucketBuffers:
         return self._bufs
 
 
-def bucket_slices(job: Job, ranges: list[tuple[int, int]], buffers: BucketBuffers,
-                  bucket_bytes: int) -> tuple[list[torch.Tensor], Callable[[int], None] | None]:
+def bucket_slices(job: Job, ranges: list[tuple[int, int]], buffers: BucketBuffers, bucket_bytes: int,
+                  deadline: Callable[[int], float]) -> tuple[list[torch.Tensor], Callable[[int], None] | None]:
     """What the sender broadcasts for ``job``, and what to run before each bucket.
 
-    With a snapshot: slices of it, nothing to run. With ``copy=False``: two bucket buffers
-    taking turns, bucket i+1 packed while bucket i is on the wire; the caller's tensors are
-    released once the last bucket is packed.
+    With a snapshot: slices of it, and nothing to run, or, while a pipelined snapshot is still
+    being taken, a wait (bounded by ``deadline(nbytes)``) until bucket i's bytes are in. With
+    ``copy=False``: two bucket buffers taking turns, bucket i+1 packed while bucket i is on the
+    wire; the caller's tensors are released once the last bucket is packed.
     """
     if job.flat is not None:
-        return [job.flat[lo:hi] for lo, hi in ranges], None
+        slices = [job.flat[lo:hi] for lo, hi in ranges]
+        progress = job.progress
+        if progress is None or progress.done >= progress.total:
+            return slices, None
+
+        def copied(i: int) -> None:
+            lo, hi = ranges[i]
+            progress.wait(hi, deadline(hi - lo))
+
+        return slices, copied
     bufs = buffers.get(min(bucket_bytes, job.manifest.total_bytes))
     items = job.items
     assert items is not None
