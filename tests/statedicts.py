@@ -40,3 +40,20 @@ def digest(t: torch.Tensor) -> str:
 
 def digests(sd) -> dict[str, str]:
     return {name: digest(t) for name, t in sd.items()}
+
+
+def fsdp_model(mesh: object) -> torch.nn.Module:
+    """A small model FSDP2 shards unevenly on 2 and 4 ranks (13, 7, 37 rows), in float32,
+    bfloat16 and float16, with a plain (unsharded) buffer; the same on every rank (seeded)."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(11, 13), torch.nn.Linear(13, 7, bias=False),
+                                torch.nn.Embedding(37, 9))
+    model[1].to(torch.bfloat16)
+    model[2].to(torch.float16)
+    model.register_buffer("counts", torch.arange(5, dtype=torch.int64))
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model

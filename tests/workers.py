@@ -120,6 +120,77 @@ async def publisher(spec: dict) -> dict:
     return {"versions": version}
 
 
+async def sharded_trainer(spec: dict) -> dict:
+    """One rank of an FSDP2 trainer (gloo, CPU): every rank puts ``model.state_dict()`` itself.
+
+    The model has uneven shards (dims not divisible by the world), mixed dtypes, a replicated
+    DTensor and a plain buffer; with ``mesh=[R, S]`` it is HSDP (Replicate, Shard(0)). The
+    full tensors each version should be are digested (``full_tensor()``) before it is put.
+    """
+    import datetime as dt
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    from tests.statedicts import digest, fsdp_model
+
+    rank, world = spec["rank"], spec["world"]
+    store = dist.TCPStore("127.0.0.1", spec["store_port"], is_master=False, timeout=dt.timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=dt.timedelta(seconds=60))
+    shape = tuple(spec.get("mesh") or (world,))
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard") if len(shape) == 2 else ("shard",))
+    model = fsdp_model(mesh)
+    flat_mesh = init_device_mesh("cpu", (world,))
+    replicated = distribute_tensor(torch.arange(10, dtype=torch.float64), flat_mesh, [Replicate()])
+    address = spec.get("address")
+    if rank and not address and not spec.get("use_group"):  # rank 0's pub.address, handed over as users do
+        deadline = time.monotonic() + 60
+        while not os.path.exists(spec["address_file"]) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        with open(spec["address_file"]) as fh:
+            address = fh.read()
+    kwargs = {"group": dist.group.WORLD} if spec.get("use_group") else {
+        "rank": rank, "world_size": world, "address": address if rank else "127.0.0.1:0"}
+    expected: dict[str, dict[str, str]] = {}
+    error = ""
+    sent_full = 0
+    async with ws.Publisher(spec["channel"], timeout=spec.get("timeout", 10.0), heartbeat_interval=0.25,
+                            bucket_bytes=spec.get("bucket_bytes", 64 << 10), **kwargs) as pub:
+        if rank == 0 and not spec.get("use_group") and spec.get("address_file"):
+            tmp = spec["address_file"] + ".tmp"
+            with open(tmp, "w") as fh:
+                fh.write(pub.address or "")
+            os.replace(tmp, spec["address_file"])
+        if rank == 0 and spec.get("use_group") and spec.get("address_file"):
+            with open(spec["address_file"] + ".tmp", "w") as fh:
+                fh.write(pub.address or "")
+            os.replace(spec["address_file"] + ".tmp", spec["address_file"])
+        await pub.wait_subscribers(spec.get("subscribers", 1), timeout=60)
+        for version in range(spec["versions"]):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.to_local().add_(1)
+            sd = dict(model.state_dict())
+            sd["shared.replicated"] = replicated + version
+            sd["plain.step"] = torch.tensor([version, rank * 0], dtype=torch.int32)
+            full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in sd.items()}
+            expected[str(version)] = {k: digest(v) for k, v in full.items()}
+            sent_full = max(sent_full, sum(v.numel() * v.element_size() for v in full.values()))
+            if spec.get("die_at") == version and rank == spec.get("die_rank"):
+                os.kill(os.getpid(), signal.SIGKILL)
+            try:
+                handle = await pub.put(sd, version=version)
+                await handle.delivered(timeout=60)
+            except ws.WeightSyncError as err:
+                error = f"{type(err).__name__}: {err}"
+                break
+        if spec.get("dump_at_end"):
+            process_recorder().dump(reason="trainer finished")
+    dist.destroy_process_group()
+    return {"rank": rank, "expected": expected, "error": error, "full_bytes": sent_full}
+
+
 async def main(spec: dict) -> dict:
     if spec["role"] == "subscriber":
         try:
@@ -131,6 +202,8 @@ async def main(spec: dict) -> dict:
         return await coexist(spec)
     if spec["role"] == "publisher":
         return await publisher(spec)
+    if spec["role"] == "sharded_trainer":
+        return await sharded_trainer(spec)
     raise SystemExit(f"unknown role {spec['role']!r}")
 
 

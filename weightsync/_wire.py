@@ -26,7 +26,7 @@ from typing import Union
 
 import msgspec
 
-PROTOCOL_VERSION = 4  # 2: settings travel in Admit; checksums are CRC32C. 3: link probes. 4: same-host shm
+PROTOCOL_VERSION = 5  # 2: settings in Admit; CRC32C. 3: link probes. 4: same-host shm. 5: sharded (lanes)
 
 
 class TensorSpec(msgspec.Struct, frozen=True, array_like=True):
@@ -84,6 +84,22 @@ class ShmRef(msgspec.Struct, frozen=True):
     epoch: int = 0  # the segment's write count when announced: a member that reads another stops
 
 
+class Piece(msgspec.Struct, frozen=True, array_like=True):
+    """Where one tensor of a lane goes in the full layout (``transport.sharding``)."""
+
+    tensor: int  # index into the full manifest
+    blocks: tuple[tuple[int, int, int, int], ...]  # (offset, run, count, stride) bytes in the full layout
+
+
+class Assembly(msgspec.Struct, frozen=True):
+    """A sharded version: this lane is trainer rank ``rank``'s part of the full ``manifest``."""
+
+    rank: int
+    world: int
+    manifest: Manifest  # the full tensors
+    pieces: tuple[Piece, ...]  # per tensor of the Announce's (lane) manifest
+
+
 class Challenge(msgspec.Struct, frozen=True, tag="challenge"):
     """The server's first frame on a new connection: answer with a Join that proves the secret."""
 
@@ -100,7 +116,7 @@ class Join(msgspec.Struct, frozen=True, tag="join"):
     proof: bytes = b""  # HMAC over both nonces, channel, member id and fingerprint; b"" when open
     pid: int = 0
     host: str = ""
-    transport: str = "group"  # "group" | "shm" (the member opened the Challenge's door)
+    transport: str = "group"  # "group" | "shm" (the member opened the Challenge's door) | "rank" (a trainer rank)
 
 
 class Leave(msgspec.Struct, frozen=True, tag="leave"):
@@ -135,6 +151,7 @@ class Admit(msgspec.Struct, frozen=True, tag="admit"):
     members: tuple[str, ...]  # rank i+1 is members[i]; rank 0 is the publisher
     settings: ChannelSettings
     slot: int = 0  # unique in this channel: the rank a reconfigurable backend is created with
+    lanes: tuple[str, ...] = ()  # a sharded publisher: the addresses of trainer ranks 1..W-1
 
 
 class Deny(msgspec.Struct, frozen=True, tag="deny"):
@@ -164,6 +181,7 @@ class Announce(msgspec.Struct, frozen=True, tag="announce"):
     resend: bool = False
     checksum: bool = True  # a Seal with this version's per-bucket digests follows its buckets
     segment: ShmRef | None = None  # same-host members copy the version from here
+    assembly: Assembly | None = None  # a sharded version: where this lane's bytes go in the full one
 
 
 class Seal(msgspec.Struct, frozen=True, tag="seal"):

@@ -117,8 +117,8 @@ class ControlClient:
 
     def _choose_transport(self, offer: _wire.ShmOffer | None) -> str:
         """``"shm"`` when asked for (or ``"auto"``) and this process can read the publisher's memory."""
-        if self.requested == "group":
-            return "group"
+        if self.requested in ("group", "rank"):
+            return self.requested
         problem = shm.door_problem(offer)
         if problem is None:
             assert offer is not None

@@ -36,6 +36,9 @@ MAX_KEYS = 4096
 MAX_VALUE = 1 << 20
 
 
+PERSISTENT = 1 << 62  # the generation stamp of keys begin_generation never drops
+
+
 class KeyValue:
     """The publisher's table. Thread-safe; ``on_set`` waiters are called outside the lock."""
 
@@ -57,7 +60,8 @@ class KeyValue:
         with self._cond:
             if key not in self._data and len(self._data) >= MAX_KEYS:
                 raise ValueError(f"rendezvous table full ({MAX_KEYS} keys)")
-            self._data[key] = (bytes(value), self._generation)
+            # the trainer ranks' keys (``transport.ranks``) outlive generations; they delete their own
+            self._data[key] = (bytes(value), PERSISTENT if key.startswith("@ranks/") else self._generation)
             self._cond.notify_all()
             ready = [w for w in self._waiters if all(k in self._data for k in w[0])]
             self._waiters = [w for w in self._waiters if w not in ready]

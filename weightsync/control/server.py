@@ -89,12 +89,13 @@ class ControlServer:
                  table: KeyValue, recorder: RecorderScope, heartbeat_interval: float, dead_after: float,
                  handshake_timeout: float, closing: Callable[[], bool], on_join: Callable[[Link], None],
                  on_leave: Callable[[Link], None], on_dead: Callable[[str, str], None],
-                 shm_offer: Callable[[], _wire.ShmOffer | None] = lambda: None) -> None:
+                 shm_offer: Callable[[], _wire.ShmOffer | None] = lambda: None, rank_links: bool = False) -> None:
         self.channel, self._host, self._port = channel, host, port
         self._secret, self._mine, self._table, self._rec = secret, mine, table, recorder
         self._interval, self._dead_after, self._handshake_timeout = heartbeat_interval, dead_after, handshake_timeout
         self._closing, self._on_join, self._on_leave, self._on_dead = closing, on_join, on_leave, on_dead
         self._shm_offer = shm_offer
+        self._rank_links = rank_links  # a sharded publisher's rank 0: the other ranks connect here too
         self.replies: queue.SimpleQueue[Any] = queue.SimpleQueue()  # Ready | Ack | Wake, for the Sender
         self.tick = time.monotonic()  # the control loop's own last sign of life
         self._links: dict[str, Link] = {}
@@ -294,9 +295,12 @@ class ControlServer:
         join = session.open(await reader.readexactly(length), _wire.client_decoder)
         if not isinstance(join, _wire.Join):
             raise BadFrame(f"expected a Join, got {type(join).__name__}")
+        transports = ("group", "shm") if offer is not None else ("group",)
         deny = auth.admission_problem(join, channel=self.channel, server_nonce=nonce, secret=self._secret,
-                                      mine=self._mine, closing=self._closing(),
-                                      transports=("group", "shm") if offer is not None else ("group",))
+                                      mine=self._mine, closing=self._closing() and join.transport != "rank",
+                                      transports=transports + (("rank",) if self._rank_links else ()))
+        if deny is None and self._rank_links and join.transport != "rank" and join.member_id.startswith("rank-"):
+            deny = _wire.Deny(reason="member ids rank-N are the trainer ranks' own", kind="duplicate")
         if deny is not None:
             self._rec.record("admit", peers=(join.member_id[:64],)).fail(deny.reason)  # recorded before answered
             writer.write(session.seal(deny))
@@ -338,8 +342,12 @@ class ControlServer:
                     link.reported = True  # its connection closing next is a goodbye, not a death
                     self._on_leave(link)
             elif isinstance(message, _wire.StoreOp):
-                if link.bound:
+                ranks_only = any(key.startswith("@ranks/") for key in message.keys)  # the trainer ranks' keys
+                if link.bound and (link.transport == "rank" or not ranks_only):
                     self._table.serve(message, functools.partial(self._reply, link))
+                elif link.bound:
+                    self._rec.record("reject", peers=(link.member_id,)).fail("a member touched the ranks' keys")
+                    self._reply(link, _wire.StoreResult(message.rid, False, error="@ranks/ keys are the ranks' own"))
             elif isinstance(message, _wire.Join):
                 self._rec.record("reject", peers=(link.member_id,)).fail("a second Join on one connection")
 

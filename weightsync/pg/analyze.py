@@ -57,6 +57,11 @@ class Analysis(msgspec.Struct):
     failures: list[str]
 
 
+def _about(entry: Entry) -> str:
+    """Whom a failed entry is about, where it names peers (a trainer rank, a member)."""
+    return f" [{', '.join(entry.peers[:4])}]" if entry.peers else ""
+
+
 def load_dir(directory: str | Path) -> list[Dump]:
     """Every dump in ``directory``; ValueError naming the first unreadable file or an empty dir."""
     path = Path(directory)
@@ -103,7 +108,7 @@ def analyze(dumps: Iterable[Dump], names: Iterable[str] = ()) -> Analysis:
     missing = [m for m in expected if m not in entries_by_member]
     if not publisher:
         missing = [PUBLISHER, *missing]
-    failures = [f"{e.member}: {e.op} v{e.version} b{e.bucket} {e.state}: {e.error}"
+    failures = [f"{e.member}: {e.op}{_about(e)} v{e.version} b{e.bucket} {e.state}: {e.error}"
                 for es in entries_by_member.values() for e in es if e.state not in (COMPLETED, STARTED, "scheduled")]
     versions: list[VersionStatus] = []
     culprits: list[Culprit] = []

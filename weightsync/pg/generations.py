@@ -77,6 +77,7 @@ class Generations:
         self.membership = membership
         self.plane = plane
         self.settings = settings
+        self.lanes: tuple[str, ...] = ()  # a sharded publisher's other ranks, told to each newcomer
         self.deadlines = Deadlines(settings)
         self._recorder = recorder
         self._rec = recorder.scope(channel, PUBLISHER)
@@ -134,7 +135,7 @@ class Generations:
             for member_id in plan.admitted:
                 self.tell([member_id], _wire.Admit(member_id=member_id, generation=plan.generation,
                                                          members=plan.members, settings=self.settings,
-                                                         slot=self._slots[member_id]))
+                                                         slot=self._slots[member_id], lanes=self.lanes))
             self.plane.leave(reason, failed=fresh)
             self._seq = itertools.count()
             rendezvous = self._rec.record("rendezvous", generation=plan.generation, peers=plan.members).start()

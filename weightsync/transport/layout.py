@@ -44,11 +44,11 @@ MAX_NAME = 4096  # bytes of a tensor name
 MAX_MANIFEST_TENSORS = 1 << 20
 
 
-def as_items(tensors: TensorsLike) -> list[tuple[str, torch.Tensor]]:
+def as_items(tensors: TensorsLike, *, sharded: bool = False) -> list[tuple[str, torch.Tensor]]:
     """Normalise a mapping or an iterable of pairs, refusing at the door what cannot be sent.
 
     TypeError/ValueError name the tensor: not a tensor, a DTensor (sharded puts are not
-    supported yet), sparse or other non-strided layouts, meta tensors (no data), quantized or
+    supported by a single-rank publisher), sparse or other non-strided layouts, meta tensors (no data), quantized or
     nested tensors, conjugate or negative-bit views (``resolve_conj()``/``resolve_neg()`` them
     first), names that are not str, too long, or repeated.
     """
@@ -64,7 +64,7 @@ def as_items(tensors: TensorsLike) -> list[tuple[str, torch.Tensor]]:
             raise TypeError(f"tensor names must be str, got {type(name).__name__}")
         if len(name.encode()) > MAX_NAME:
             raise ValueError(f"tensor name {name[:40]!r}... is {len(name.encode())} bytes: at most {MAX_NAME}")
-        problem = _unsendable(tensor)
+        problem = "" if sharded and type(tensor).__name__ == "DTensor" else _unsendable(tensor)
         if problem:
             raise TypeError(f"{name!r}: {problem}")
         if name in seen:
@@ -78,7 +78,8 @@ def _unsendable(tensor: object) -> str:
     if not isinstance(tensor, torch.Tensor):
         return f"a {type(tensor).__name__}, not a torch.Tensor"
     if type(tensor).__name__ == "DTensor":
-        return "a DTensor: sharded puts are not supported yet; put tensor.full_tensor() or the local shard"
+        return ("a DTensor: give every trainer rank a Publisher with rank= and world_size= (docs/sharding.md), "
+                "or put tensor.full_tensor()")
     if tensor.is_sparse or tensor.layout != torch.strided:
         return f"layout {tensor.layout}: only strided (dense) tensors can be sent"
     if tensor.is_meta:

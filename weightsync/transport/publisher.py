@@ -21,9 +21,11 @@ The event loop only ever waits on futures the threads resolve; it never touches 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import threading
 import time
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -40,8 +42,8 @@ from weightsync.orchestrator import Orchestrator, Replacements
 from weightsync.pg.group import GroupPlane, reconfigure_enabled, resolve_backend
 from weightsync.pg.membership import MemberInfo, Membership, StragglerPolicy
 from weightsync.pg.recorder import FlightRecorder, process_recorder
-from weightsync.transport import layout, lifecycle, shm
-from weightsync.transport.handles import PutHandle
+from weightsync.transport import layout, lifecycle, ranks, sharding, shm
+from weightsync.transport.handles import DeliveryReport, PutHandle
 from weightsync.transport.lifecycle import EndState, call_soon
 from weightsync.transport.options import (
     ChannelOptions,
@@ -63,6 +65,7 @@ from weightsync.transport.staging import (
     superseded_report,
 )
 
+RANKS_START = 120.0  # seconds rank 0 waits, at least, for the other trainer ranks to register
 PIPELINE_CPUS = 4  # usable CPUs from which a host snapshot is sent while it is taken
 
 
@@ -109,6 +112,14 @@ class Publisher:
             process may use at least 4 CPUs. With fewer, the copies of the send and of same-host
             members compete with the snapshot for the cores and ``put`` itself gets slower
             (measured on 2 cores: docs/benchmarks.md), so the snapshot completes first.
+        rank, world_size: a sharded trainer (docs/sharding.md): one Publisher on every trainer
+            rank, each sending only the bytes it owns over its own group. Rank 0 listens at
+            ``address``; on the other ranks ``address`` is rank 0's (a fixed port, or its
+            ``pub.address``), and each listens for its own subscribers' data at ``lane_address``
+            (default: port 0 on the interface named by ``address``). ``world_size=1`` (the
+            default) is the single-process publisher.
+        group: instead of rank and world_size: a ProcessGroup of the trainer ranks; rank 0's
+            address travels to the others over it (a tensor broadcast, no pickle).
     """
 
     def __init__(self, name: str, *, address: str | None = None, backend: str = "auto",
@@ -117,20 +128,31 @@ class Publisher:
                  max_snapshots: int = 2, recorder: FlightRecorder | None = None,
                  flight_recorder_dir: str | os.PathLike[str] | None = None, policy: StragglerPolicy | None = None,
                  orchestrator: Orchestrator | None = None, checksum: bool = True,
-                 pipeline: bool | None = None) -> None:
+                 pipeline: bool | None = None, rank: int | None = None, world_size: int | None = None,
+                 group: Any = None, lane_address: str | None = None) -> None:
         lifecycle.validate_name("channel name", name)
+        self.rank, self.world_size = _rank_and_world(rank, world_size, group)
+        self._group = group
         if orchestrator is not None and not callable(getattr(orchestrator, "replace", None)):
             raise TypeError("orchestrator must have an async replace(member) method (see weightsync.Orchestrator)")
         self.name = name
         self.options = ChannelOptions(timeout=timeout, min_bandwidth=min_bandwidth, bucket_bytes=bucket_bytes,
                                       heartbeat_interval=heartbeat_interval)
         self._bind = parse_address(address or "127.0.0.1:0")
+        self._rank0: tuple[str, int] | None = None  # where rank 0 listens (ranks > 0)
+        if self.rank > 0:
+            if self._bind[1] == 0 and group is None:
+                raise ValueError(f"rank {self.rank}: address must be rank 0's 'host:port' (its pub.address), "
+                                 "or pass group= to learn it from rank 0")
+            self._rank0 = self._bind
+            self._bind = parse_address(lane_address or f"{_lane_host(self._bind[0])}:0")
         self.device = resolve_device(device)
         self.backend = resolve_backend(backend, self.device)
         self._slot_device = self.device if self.backend == "nccl" else torch.device("cpu")
         self._secret = auth.resolve_secret(secret)
         self._recorder = recorder or process_recorder()
-        self._recorder.configure(directory=flight_recorder_dir, label="publisher")
+        self._recorder.configure(directory=flight_recorder_dir,
+                                 label="publisher" if self.world_size == 1 else f"publisher-rank{self.rank}")
         self._rec = self._recorder.scope(name, "publisher")
         self.policy = policy or StragglerPolicy()
         self.orchestrator = orchestrator
@@ -150,8 +172,12 @@ class Publisher:
             mine=auth.fingerprint(self.backend, self.device), table=self._table, recorder=self._rec,
             heartbeat_interval=self.options.heartbeat_interval, dead_after=deadlines.member_silence(),
             handshake_timeout=self.options.timeout, closing=lambda: self._state is not EndState.RUNNING,
-            on_join=self._on_join, on_leave=lambda link: self._sender.submit(Leave(link.member_id)),
-            on_dead=self._on_dead, shm_offer=self._segments.offer if self._segments is not None else lambda: None)
+            on_join=self._on_join, on_leave=self._on_leave,
+            on_dead=self._on_dead, shm_offer=self._segments.offer if self._segments is not None else lambda: None,
+            rank_links=self.world_size > 1 and self.rank == 0)
+        self._hub = ranks.Hub(name, self.world_size, self._table, self._rec) if self._rank_links else None
+        self._link: ranks.Link | None = None
+        self._ranks: ranks.Ranks | None = None
         self.membership = Membership(name, self._recorder, self.options.heartbeat_interval,
                                      dead_after=deadlines.member_silence(), heard=self._control.heard,
                                      stale=self._control.stale)
@@ -170,6 +196,12 @@ class Publisher:
         self._members_changed: asyncio.Event | None = None
         self._copy_stream: Any = None
         self._address: str | None = None
+        self._settling: set[asyncio.Task[None]] = set()  # sharded puts waiting for the other ranks' word
+        self._join_lock = threading.Lock()
+        self._held: list[Link] = []  # rank 0: subscribers that joined before every rank registered
+        self._lanes_known = False
+        self._lanes_task: asyncio.Task[None] | None = None
+        self._ranks_error: WeightSyncError | None = None
 
     def _make_plane(self) -> GroupPlane:
         """The sender thread's data plane (rank 0 of every generation), on the in-memory rendezvous."""
@@ -183,13 +215,44 @@ class Publisher:
         host = self._bind[0]
         return None if host in ("0.0.0.0", "::", "") else host
 
+    @property
+    def _rank_links(self) -> bool:
+        return self.world_size > 1 and self.rank == 0
+
     def _on_join(self, link: Link) -> None:
         """Control thread: a connection passed the door; the Sender decides the rest."""
+        if link.transport == "rank":  # another trainer rank: admitted here, never a member
+            assert self._hub is not None
+            rank = self._hub.accept(link.member_id, link.incarnation)
+            self._control.bind(link.incarnation)
+            if rank is None:
+                self._control.send(link.incarnation, _wire.Deny(reason="not a rank of this publisher", kind="token"))
+                self._control.release(link.member_id, "refused")
+            else:
+                self._control.send(link.incarnation, _wire.Admit(member_id=link.member_id, generation=-1,
+                                                                 members=(), settings=self.settings))
+            return
+        with self._join_lock:
+            if self._hub is not None and not self._lanes_known:  # admitted once every rank's lane is known
+                self._held.append(link)
+                return
         self._sender.submit(Join(link.member_id, link.incarnation, host=link.host, pid=link.pid,
                                  transport=link.transport))
 
+    def _on_leave(self, link: Link) -> None:
+        if link.transport == "rank":
+            assert self._hub is not None
+            self._hub.lost(link.member_id, "left")
+            self._control.release(link.member_id, "left")
+            return
+        self._sender.submit(Leave(link.member_id))
+
     def _on_dead(self, member_id: str, reason: str) -> None:
         """Control thread: a member's connection closed, or it fell silent."""
+        if self._hub is not None and ranks.rank_of(member_id, self.world_size) is not None:
+            self._hub.lost(member_id, reason)  # a trainer rank: every wait for it ends now
+            self._recorder.dump_on_trouble(f"trainer {member_id}: {reason}")
+            return
         self._rec.record("heartbeat", peers=(member_id,)).fail(reason)
         self._recorder.dump_on_trouble(f"{member_id}: {reason}")
         self._sender.submit(MemberDied((member_id,)))
@@ -227,8 +290,59 @@ class Publisher:
         self._recorder.configure(default_directory=f"{self.name}-{self._address.replace(':', '-')}")
         if self._secret is None and not is_loopback(host):
             warn_open_channel(self.name, self._address)
+        if self.world_size > 1:
+            try:
+                await self._meet_ranks()
+            except BaseException:
+                await self._loop.run_in_executor(None, self._control.stop, self.options.timeout)
+                if self._link is not None:
+                    self._link.close()
+                if self._segments is not None:
+                    self._segments.close()
+                self._executor.shutdown(wait=False)
+                self._state = EndState.CLOSED
+                raise
         self._state = EndState.RUNNING
         self._threads = lifecycle.launch(((self._sender.main, "sender"),), f"ws-{self.name}")
+
+    async def _meet_ranks(self) -> None:
+        """Every rank > 0 connects to rank 0 and registers its lane address. Rank 0 does not wait
+        for them here (its address may be what they need); it holds subscribers' joins until all
+        registered, so every subscriber it admits learns every lane (Admit.lanes)."""
+        assert self._loop is not None and self._address is not None
+        limit = self.options.timeout * 2
+        if self._group is not None:
+            self._rank0 = parse_address(await self._loop.run_in_executor(
+                None, _share_address, self._group, self._address if self.rank == 0 else ""))
+        if self._hub is not None:
+            self._ranks = ranks.Ranks(self.name, 0, self.world_size, self._hub.store(limit), self._rec, limit)
+            self._lanes_task = self._loop.create_task(self._await_lanes())
+            return
+        assert self._rank0 is not None
+        self._link = ranks.Link(self.name, self.rank, host=self._rank0[0], port=self._rank0[1], secret=self._secret,
+                                fingerprint=auth.fingerprint(self.backend, self.device), rec=self._rec,
+                                timeout=self.options.timeout)
+        await self._loop.run_in_executor(None, self._link.connect, limit)
+        self._ranks = ranks.Ranks(self.name, self.rank, self.world_size, self._link.store(limit), self._rec, limit)
+        await self._loop.run_in_executor(None, self._ranks.register, self._address)
+
+    async def _await_lanes(self) -> None:
+        """Rank 0: once every rank registered, admit the subscribers held meanwhile."""
+        assert self._loop is not None and self._ranks is not None
+        try:
+            limit = max(RANKS_START, self.options.timeout * 4)
+            lanes = await self._loop.run_in_executor(None, self._ranks.lanes, limit)
+        except WeightSyncError as err:
+            self._rec.record("rank").fail(err)
+            self._recorder.dump_on_trouble(f"trainer ranks did not start: {err}")
+            self._ranks_error = err  # puts raise it; held subscribers time out on their own deadline
+            return
+        self._rec.record("rank", peers=lanes).complete()
+        self._sender.set_lanes(lanes)
+        with self._join_lock:
+            held, self._held, self._lanes_known = self._held, [], True
+        for link in held:
+            self._on_join(link)
 
     async def aclose(self, timeout: float | None = None) -> None:
         """Send what is pending (bounded by its deadlines), tell subscribers, stop. Idempotent."""
@@ -250,10 +364,22 @@ class Publisher:
     async def _close(self, timeout: float) -> None:
         assert self._loop is not None
         deadline = time.monotonic() + timeout
+        at_once = self._stop.is_set()  # abort(): nobody is waited for
         await lifecycle.join(self._loop, self._threads, deadline)  # the sender drains (bounded)
         self._stop.set()
         self._sender.submit(Abort())
         await lifecycle.join(self._loop, self._threads, deadline)
+        if self._settling:  # sharded puts: the other ranks' word on them, within the close's deadline
+            if not at_once:
+                await asyncio.wait(set(self._settling), timeout=max(deadline - time.monotonic(), 0.1))
+            for task in set(self._settling):
+                task.cancel()
+        if self._lanes_task is not None:
+            self._lanes_task.cancel()
+        if self._link is not None:
+            await self._loop.run_in_executor(None, self._link.close)
+        if self._hub is not None and not at_once:  # the other ranks may still read the table (their outcomes)
+            await self._loop.run_in_executor(None, self._hub.wait_gone, max(deadline - time.monotonic(), 0.0))
         await self._loop.run_in_executor(None, self._control.stop, max(deadline - time.monotonic(), 1.0))
         for job in self._staging.drain():
             job.handle.resolve_threadsafe(error=Closed("publisher closed before sending", channel=self.name,
@@ -334,7 +460,8 @@ class Publisher:
             raise ValueError(f"{member_id!r} is not a member of {self.name!r} (members: {self.members})")
         self._sender.submit(Evict(member_id, reason))
 
-    async def put(self, tensors: layout.TensorsLike, *, version: int | None = None, copy: bool = True) -> PutHandle:
+    async def put(self, tensors: layout.TensorsLike, *, version: int | None = None, copy: bool = True,
+                  owners: Mapping[str, int] | None = None) -> PutHandle:
         """Queue a new version; returns once the snapshot is taken.
 
         With ``copy=True`` the tensors are copied into staging (on CUDA: a stream-ordered
@@ -342,10 +469,17 @@ class Publisher:
         With ``copy=False`` nothing is copied: keep the tensors unchanged until
         ``await handle.released()``. A pending put that a newer one replaces resolves with
         ``DeliveryReport.superseded``.
+
+        On a sharded publisher (``world_size > 1``) every rank puts the same version with the
+        same tensors (DTensors and plain ones): each sends only what it owns (see
+        docs/sharding.md; ``owners`` names the rank that sends a plain tensor, default 0), only
+        once every rank's put agreed; the handle resolves once every rank's part was delivered.
         """
         self._check_running()
         assert self._put_lock is not None and self._loop is not None
-        items = layout.as_items(tensors)
+        items = layout.as_items(tensors, sharded=self.world_size > 1)
+        if owners and self.world_size == 1:
+            raise ValueError("owners is for sharded publishers (world_size > 1)")
         async with self._put_lock:
             self._check_running()
             if version is None:
@@ -356,14 +490,18 @@ class Publisher:
                 raise ValueError(f"version must be in [0, 2**63), got {version}")
             if self._last_version is not None and version <= self._last_version:
                 raise ValueError(f"versions must strictly increase: {version} after {self._last_version}")
-            manifest = layout.build_manifest(items)
-            if len(_wire.encode(manifest)) > MAX_FRAME // 2:
+            assembly: _wire.Assembly | None = None
+            if self.world_size > 1:
+                items, manifest, assembly = await self._agree(items, version, owners)
+            else:
+                manifest = layout.build_manifest(items)
+            if len(_wire.encode(manifest)) + len(_wire.encode(assembly)) > MAX_FRAME // 2:
                 raise ValueError(f"the manifest of {len(items)} tensors is over {MAX_FRAME // 2} bytes encoded: "
                                  "shorter names, or fewer tensors per channel")
             handle = PutHandle(self.name, version, self._loop)
             entry = self._rec.record("put", version=version,
                                           nbytes=manifest.total_bytes).start()
-            job = Job(version=version, manifest=manifest, handle=handle)
+            job = Job(version=version, manifest=manifest, handle=handle, assembly=assembly)
             displaced: Job | None = None
             if copy:
                 pin = self._slot_device.type == "cpu" and torch.cuda.is_available()
@@ -384,7 +522,80 @@ class Publisher:
             entry.complete()
             if displaced is not None:
                 displaced.handle.resolve_threadsafe(superseded_report(displaced))
+            return self._whole(handle)
+
+    async def _agree(self, items: list[tuple[str, Any]], version: int, owners: Mapping[str, int] | None
+                     ) -> tuple[list[tuple[str, torch.Tensor]], _wire.Manifest, _wire.Assembly]:
+        """This rank's pieces of a sharded put, once every rank agreed on it (before anything is sent)."""
+        assert self._loop is not None and self._ranks is not None
+        if self._ranks_error is not None:
+            raise self._ranks_error
+        part = sharding.split(items, self.rank, self.world_size, owners)
+        payload = sum(spec.nbytes for spec in part.manifest.tensors)
+        await self._loop.run_in_executor(None, self._ranks.agree, version, sharding.digest(version, part.manifest),
+                                         part.owned_bytes, payload, self.options.timeout * 2)
+        return part.items, part.lane, _wire.Assembly(self.rank, self.world_size, part.manifest, part.pieces)
+
+    def _whole(self, handle: PutHandle) -> PutHandle:
+        """A sharded put's handle resolves once every rank's part of the version was delivered."""
+        if self.world_size == 1:
             return handle
+        assert self._loop is not None
+        outer = PutHandle(self.name, handle.version, self._loop)
+        task = self._loop.create_task(self._settle_whole(handle, outer))
+        self._settling.add(task)
+        task.add_done_callback(self._settling.discard)
+        return outer
+
+    async def _settle_whole(self, own: PutHandle, outer: PutHandle) -> None:
+        assert self._loop is not None and self._ranks is not None
+        version = own.version
+
+        async def released() -> None:
+            with contextlib.suppress(WeightSyncError):
+                await own.released()
+            outer.release_threadsafe()
+
+        forward = self._loop.create_task(released())
+        try:
+            await self._settle_own(own, outer, forward)
+        except asyncio.CancelledError:  # the publisher closed first: every handle still resolves
+            forward.cancel()
+            outer.resolve_threadsafe(error=Closed("publisher closed before every rank's part was delivered",
+                                                  channel=self.name, version=version))
+            raise
+
+    async def _settle_own(self, own: PutHandle, outer: PutHandle, forward: asyncio.Task[None]) -> None:
+        assert self._loop is not None and self._ranks is not None
+        version = own.version
+        report: DeliveryReport | None = None
+        try:
+            report = await own
+            status = "superseded" if report.superseded else "ok"
+        except WeightSyncError as err:
+            status = f"{type(err).__name__}: {err}"
+        try:
+            await forward
+            await self._loop.run_in_executor(None, self._ranks.delivered, version, status)
+            limit = self.options.timeout * 4 + (report.nbytes if report else 0) * self.world_size \
+                / self.options.min_bandwidth
+            words = await self._loop.run_in_executor(None, self._ranks.outcome, version, limit)
+        except WeightSyncError as err:
+            outer.resolve_threadsafe(error=err)
+            return
+        failed = {r: w for r, w in words.items() if w not in ("ok", "superseded")}
+        if failed:
+            self._rec.record("rank", version=version,
+                             peers=tuple(ranks.rank_member(r) for r in failed)).fail("parts not delivered")
+            outer.resolve_threadsafe(error=WeightSyncError(
+                f"version {version}: trainer ranks {sorted(failed)} did not deliver their parts "
+                f"({'; '.join(f'rank {r}: {w}' for r, w in sorted(failed.items()))[:400]})",
+                channel=self.name, version=version))
+        elif report is None or any(w == "superseded" for w in words.values()):
+            outer.resolve_threadsafe(DeliveryReport(version=version, members=(), nbytes=0, seconds=0.0,
+                                                    superseded=True))
+        else:
+            outer.resolve_threadsafe(report)
 
     async def _put_pipelined(self, job: Job, buf: torch.Tensor, displaced: Job | None,
                              items: list[tuple[str, torch.Tensor]], entry: Any) -> PutHandle:
@@ -410,7 +621,7 @@ class Publisher:
         entry.complete()
         if displaced is not None:
             displaced.handle.resolve_threadsafe(superseded_report(displaced))
-        return job.handle
+        return self._whole(job.handle)
 
     def _fail_displaced(self, displaced: Job | None, version: int, err: BaseException) -> None:
         if displaced is not None:  # its buffer may be half overwritten: it cannot go out
@@ -437,3 +648,45 @@ class Publisher:
     def _notify_members(self) -> None:
         if self._members_changed is not None:
             call_soon(self._loop, self._members_changed.set)
+
+
+def _rank_and_world(rank: int | None, world_size: int | None, group: Any) -> tuple[int, int]:
+    if group is not None:
+        import torch.distributed as dist
+
+        if rank is not None or world_size is not None:
+            raise ValueError("pass group= or rank= and world_size=, not both")
+        return dist.get_rank(group), dist.get_world_size(group)
+    world = 1 if world_size is None else world_size
+    rank = 0 if rank is None else rank
+    for what, value in (("rank", rank), ("world_size", world)):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise TypeError(f"{what} must be an int, got {type(value).__name__}")
+    if world < 1 or not 0 <= rank < world:
+        raise ValueError(f"rank {rank} of world_size {world}: need world_size >= 1 and 0 <= rank < world_size")
+    return rank, world
+
+
+def _lane_host(rank0_host: str) -> str:
+    """Where a rank > 0 listens by default: loopback beside a loopback rank 0, else every interface."""
+    return "127.0.0.1" if is_loopback(rank0_host) else "0.0.0.0"
+
+
+ADDRESS_BYTES = 512
+
+
+def _share_address(group: Any, address: str) -> str:
+    """Rank 0's address, broadcast over the trainer ranks' own group as bytes (no pickle)."""
+    import torch.distributed as dist
+
+    backend = dist.get_backend(group)
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    buf = torch.zeros(ADDRESS_BYTES, dtype=torch.uint8, device=device)
+    if address:
+        data = address.encode()
+        if len(data) >= ADDRESS_BYTES:
+            raise ValueError(f"address {address[:40]!r}... is too long to share")
+        buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    dist.broadcast(buf, src=dist.get_global_rank(group, 0), group=group)
+    raw = bytes(buf.cpu().tolist())
+    return raw.split(b"\0", 1)[0].decode()

@@ -67,7 +67,7 @@ from weightsync.errors import (
 from weightsync.pg.group import GroupPlane
 from weightsync.pg.recorder import FlightRecorder
 from weightsync.testing import Hooks
-from weightsync.transport import layout
+from weightsync.transport import layout, sharding
 from weightsync.transport.checksum import checksum
 from weightsync.transport.dataplane import DataPlane, GenerationSpec, Transfer
 from weightsync.transport.lifecycle import Latch
@@ -110,7 +110,8 @@ class Receiver:
 
     def __init__(self, channel: str, member_id: str, *, host: str, port: int, backend: str, device: torch.device,
                  secret: bytes | None, own_timeout: float, join_timeout: float, recorder: FlightRecorder,
-                 slots: SlotPair, on_publish: Callable[[], None], hooks: Hooks, transport: str = "auto") -> None:
+                 slots: SlotPair, on_publish: Callable[[], None], hooks: Hooks, transport: str = "auto",
+                 lane: int = 0) -> None:
         self.channel, self.member_id = channel, member_id
         self.backend, self.device, self._secret = backend, device, secret
         self.own_timeout, self.join_timeout = own_timeout, join_timeout
@@ -122,7 +123,9 @@ class Receiver:
         self.generation, self.rank = -1, -1
         self.deadlines: Deadlines | None = None
         self._recorder, self._slots, self._on_publish, self._hooks = recorder, slots, on_publish, hooks
-        self._rec = recorder.scope(channel, member_id)
+        self.lane = lane  # a sharded channel: the trainer rank this receiver's publisher is
+        self.lanes: tuple[str, ...] = ()  # from rank 0's Admit: the other trainer ranks' addresses
+        self._rec = recorder.scope(channel, member_id if lane == 0 else f"{member_id}@rank{lane}")
         self._plane: DataPlane | None = None
         self._clean_shutdown = False
         self._client = ControlClient(channel, member_id, host=host, port=port, secret=secret,
@@ -227,6 +230,7 @@ class Receiver:
             entry.fail(f"unexpected {type(reply).__name__}")
             raise WeightSyncError(f"unexpected reply to join: {type(reply).__name__}", channel=self.channel)
         self.deadlines = Deadlines(reply.settings)
+        self.lanes = reply.lanes
         if self._client.transport == "shm":  # the publisher's shared memory: no group to join
             self._plane = ShmPlane(self._client.shm_pid, self._rec)
             entry.complete()
@@ -334,12 +338,24 @@ class Receiver:
                                       nbytes=manifest.total_bytes).start()
         ok, error, in_move, sealing = False, "", 0.0, 0.0
         checking = [0.0]  # of the time in move(), what this member spent on its own buckets
+        assembly, placer, epoch = announce.assembly, None, 0
         try:
-            flat = self._slots.prepare(manifest, self.deadlines.readers())
-            ranges = layout.bucket_ranges(manifest.total_bytes, announce.bucket_bytes)
+            if assembly is None:
+                flat = self._slots.prepare(manifest, self.deadlines.readers())
+                ranges = layout.bucket_ranges(manifest.total_bytes, announce.bucket_bytes)
+                buckets = [flat[lo:hi] for lo, hi in ranges]
+            else:  # this lane's part of a sharded version, straight into its places in the full slot
+                if assembly.rank != self.lane:
+                    raise ProtocolError(f"trainer rank {self.lane}'s lane announced rank {assembly.rank}'s part")
+                full, epoch = self._slots.prepare_part(self.lane, assembly.manifest, self.deadlines.readers())
+                ranges = sharding.bucket_plan(manifest, announce.bucket_bytes)
+                try:
+                    placer = sharding.Placer(full, manifest, assembly.pieces, ranges)
+                except ValueError as err:
+                    raise ProtocolError(f"version {announce.version}: {err}") from err
+                buckets = placer.targets
             if len(ranges) != announce.num_buckets:
                 raise ProtocolError(f"announced {announce.num_buckets} buckets, layout has {len(ranges)}")
-            buckets = [flat[lo:hi] for lo, hi in ranges]
             sums: list[int] = []
             last = [time.monotonic()]
             verify = announce.checksum
@@ -349,6 +365,8 @@ class Receiver:
                 self._hooks.after_bucket(announce.version, i, buckets[i], began - last[0])
                 if verify:
                     sums.append(checksum(buckets[i]))
+                if placer is not None:
+                    placer.place(i)
                 last[0] = time.monotonic()
                 checking[0] += last[0] - began
 
@@ -363,7 +381,12 @@ class Receiver:
             if verify:  # the Seal comes when the whole broadcast is done: waiting for it is not ours
                 self._verify(announce, sums)
                 sealing = time.monotonic() - moving - in_move
-            if self._slots.version is None or announce.version > self._slots.version:
+            if assembly is not None:
+                if self._slots.part_done(self.lane, assembly.world, announce.version, epoch):
+                    self._rec.record("publish", generation=announce.generation, version=announce.version,
+                                     nbytes=assembly.manifest.total_bytes).complete()
+                    self._on_publish()
+            elif self._slots.version is None or announce.version > self._slots.version:
                 self._slots.publish(announce.version)
                 self._rec.record("publish", generation=announce.generation, version=announce.version,
                                       nbytes=manifest.total_bytes).complete()

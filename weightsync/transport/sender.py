@@ -44,7 +44,7 @@ from weightsync.errors import WeightSyncError
 from weightsync.pg.generations import Control, Generations, Rendezvous
 from weightsync.pg.membership import MemberInfo, Membership, StragglerPolicy
 from weightsync.pg.recorder import FlightRecorder
-from weightsync.transport import layout
+from weightsync.transport import layout, sharding
 from weightsync.transport.checksum import checksum
 from weightsync.transport.dataplane import DataPlane, Transfer
 from weightsync.transport.handles import DeliveryReport
@@ -142,6 +142,7 @@ class Sender:
         self.channel = channel
         self.settings = settings
         self.checksum = settings.checksum  # per version: the publisher may turn it off and on
+        self.lanes: tuple[str, ...] = ()  # a sharded publisher's rank 0: the other ranks' addresses
         self.deadlines = Deadlines(settings)
         self.staging = staging
         self.membership = membership
@@ -177,6 +178,12 @@ class Sender:
         with self._evicted_lock:
             return list(self._evicted)
 
+    def set_lanes(self, lanes: tuple[str, ...]) -> None:
+        """Rank 0 of a sharded publisher: the other ranks' addresses, told to every member admitted from now."""
+        self.lanes = lanes
+        if self._gens is not None:
+            self._gens.lanes = lanes
+
     # the sender thread --------------------------------------------------------------------
     def main(self) -> None:
         self.state = SenderState.RUNNING
@@ -184,6 +191,7 @@ class Sender:
                                  recorder=self._recorder, plane=self._make_plane(), settings=self.settings,
                                  stopped=self.aborting.is_set, on_change=self._on_change,
                                  on_evicted=self._record_evicted, pump=self._pump)
+        self._gens.lanes = self.lanes  # set_lanes may come later (rank 0 of a sharded publisher)
         try:
             self._run(self._gens)
             self.state = SenderState.STOPPED
@@ -287,7 +295,8 @@ class Sender:
         members = tuple(self.membership.members)
         group = gens.group_of(members)
         gen, seq = self.membership.generation, gens.next_seq()
-        ranges = layout.bucket_ranges(job.manifest.total_bytes, self.settings.bucket_bytes)
+        ranges = (layout.bucket_ranges(job.manifest.total_bytes, self.settings.bucket_bytes) if job.assembly is None
+                  else sharding.bucket_plan(job.manifest, self.settings.bucket_bytes))
         verify = self.checksum
         t0 = time.monotonic()
         try:
@@ -297,7 +306,7 @@ class Sender:
             raise _PutFailed(str(err)) from err
         announce = _wire.Announce(generation=gen, seq=seq, version=job.version, manifest=job.manifest,
                                   bucket_bytes=self.settings.bucket_bytes, num_buckets=len(ranges),
-                                  resend=job.resends > 0, checksum=verify, segment=segment)
+                                  resend=job.resends > 0, checksum=verify, segment=segment, assembly=job.assembly)
         job.resends += 1
         job.started = job.started or time.monotonic()
         entry = self._rec.record("announce", generation=gen,

@@ -31,6 +31,10 @@ class SlotPair:
         self.cond = threading.Condition()
         self.readable = Slot()
         self.receiving = Slot()
+        # a sharded channel: each trainer rank's lane writes its part into the receiving slot;
+        # per lane, the version it last wrote in full there (None while it writes one)
+        self._parts: dict[int, int | None] = {}
+        self._epoch = 0  # bumped whenever the receiving slot's buffer or meaning changes
 
     @property
     def version(self) -> int | None:
@@ -51,6 +55,41 @@ class SlotPair:
                 slot.flat = torch.empty(manifest.total_bytes, dtype=torch.uint8, device=self.device)
             slot.manifest, slot.version = manifest, None
             return slot.flat[: manifest.total_bytes]
+
+    def prepare_part(self, rank: int, manifest: Manifest, timeout: float) -> tuple[torch.Tensor, int]:
+        """The receiving buffer for trainer rank ``rank``'s part of the full ``manifest``, and
+        its epoch (for ``part_done``); waits for readers of that slot to finish."""
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            slot = self.receiving
+            while slot.readers:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise LocalFailure("readers held the receive slot past the deadline")
+                self.cond.wait(left)
+            if slot.flat is None or slot.flat.numel() < manifest.total_bytes or slot.manifest != manifest:
+                if slot.flat is None or slot.flat.numel() < manifest.total_bytes:
+                    slot.flat = None  # free first: never three buffers at once
+                    slot.flat = torch.empty(manifest.total_bytes, dtype=torch.uint8, device=self.device)
+                slot.manifest = manifest
+                self._parts, self._epoch = {}, self._epoch + 1  # what the other lanes wrote means nothing now
+            slot.version = None
+            self._parts[rank] = None
+            return slot.flat[: manifest.total_bytes], self._epoch
+
+    def part_done(self, rank: int, world: int, version: int, epoch: int) -> bool:
+        """Rank ``rank``'s part of ``version`` is in and verified. Publishes, and returns True, once
+        every rank's latest complete part is of ``version`` (never a mix of versions)."""
+        with self.cond:
+            if epoch != self._epoch:
+                return False  # the slot was reallocated or published meanwhile: this part is gone
+            self._parts[rank] = version
+            complete = len(self._parts) == world and all(v == version for v in self._parts.values())
+            if not complete or (self.readable.version is not None and version <= self.readable.version):
+                return False
+            self._parts, self._epoch = {}, self._epoch + 1
+            self.publish(version)  # under the same (reentrant) lock: no lane starts writing before the swap
+            return True
 
     def publish(self, version: int) -> None:
         """The receiving slot is complete: it becomes readable, atomically."""

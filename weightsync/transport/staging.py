@@ -100,6 +100,7 @@ class Job:
     items: list[tuple[str, torch.Tensor]] | None = None  # borrowed tensors (copy=False)
     ready: Any = None  # a CUDA event the snapshot completes on, or None
     progress: Progress | None = None  # a host snapshot still being taken (see Progress)
+    assembly: Any = None  # a sharded put: this rank's lane of the full version (``_wire.Assembly``)
     resends: int = 0
     started: float = 0.0  # monotonic time of the first send attempt
     members_done: set[str] = field(default_factory=set)

@@ -31,7 +31,7 @@ import torch
 
 from weightsync import _wire
 from weightsync.control import auth
-from weightsync.errors import Closed, SyncTimeout, TransportUnavailable
+from weightsync.errors import Closed, SyncTimeout, TransportUnavailable, WeightSyncError
 from weightsync.pg.group import resolve_backend
 from weightsync.pg.recorder import FlightRecorder, process_recorder
 from weightsync.testing import Hooks
@@ -114,6 +114,7 @@ class Subscriber:
         self._started = False
         self._hooks = Hooks()
         self._receiver: Receiver | None = None
+        self._receivers: list[Receiver] = []  # lane 0 (the address) and, from a sharded publisher, every rank's
         self._loop: asyncio.AbstractEventLoop | None = None
         self._changed: asyncio.Event | None = None
         self._executor: ThreadPoolExecutor | None = None
@@ -140,20 +141,46 @@ class Subscriber:
     async def _launch(self, limit: float) -> None:
         """Start a Receiver (a new connection) and wait (at most ``limit``) for its admission."""
         assert self._loop is not None and self._executor is not None
-        receiver = Receiver(self.name, self.member_id, host=self._connect[0], port=self._connect[1],
-                            backend=self.backend, device=self.device, secret=self._secret, own_timeout=self.timeout,
-                            join_timeout=limit, recorder=self._recorder, slots=self._slots, on_publish=self._wake,
-                            hooks=self._hooks, transport=self._transport)
-        self._receiver = receiver
-        self._threads = lifecycle.launch(((receiver.heartbeat_main, "heartbeat"), (receiver.main, "receiver")),
-                                         f"ws-{self.name}")
-        joined = await self._loop.run_in_executor(None, receiver.joined.wait, limit)
+        deadline = time.monotonic() + limit
+        receiver = self._receiver = self._start_receiver(self._connect, 0, limit)
+        self._receivers, self._threads = [receiver], []
+        self._threads = self._run(receiver)
+        await self._admitted(receiver, deadline, limit)
+        # a sharded publisher: rank 0's Admit named the other trainer ranks; each sends its own
+        # part over its own group, into the same receive slots (a version is readable once all are in)
+        for lane, address in enumerate(receiver.lanes, start=1):
+            try:
+                host_port = parse_address(address)
+            except ValueError as err:
+                await self.abort()
+                raise WeightSyncError(f"rank 0 named an unusable address for trainer rank {lane}: {err}",
+                                      channel=self.name, member=self.member_id) from err
+            other = self._start_receiver(host_port, lane, max(deadline - time.monotonic(), 1.0))
+            self._receivers.append(other)
+            self._threads += self._run(other)
+        for other in self._receivers[1:]:
+            await self._admitted(other, deadline, limit)
+
+    def _start_receiver(self, host_port: tuple[str, int], lane: int, limit: float) -> Receiver:
+        return Receiver(self.name, self.member_id, host=host_port[0], port=host_port[1], backend=self.backend,
+                        device=self.device, secret=self._secret, own_timeout=self.timeout, join_timeout=limit,
+                        recorder=self._recorder, slots=self._slots, on_publish=self._wake, hooks=self._hooks,
+                        transport=self._transport, lane=lane)
+
+    def _run(self, receiver: Receiver) -> list[Any]:
+        prefix = f"ws-{self.name}" if receiver.lane == 0 else f"ws-{self.name}-rank{receiver.lane}"
+        return lifecycle.launch(((receiver.heartbeat_main, "heartbeat"), (receiver.main, "receiver")), prefix)
+
+    async def _admitted(self, receiver: Receiver, deadline: float, limit: float) -> None:
+        assert self._loop is not None
+        joined = await self._loop.run_in_executor(None, receiver.joined.wait, max(deadline - time.monotonic(), 0.0))
         if receiver.state is not ReceiverState.FOLLOWING:
             error = receiver.terminal.error
             await self.abort()
             if error is not None:
                 raise error
-            raise SyncTimeout(f"not admitted within {limit:.3g}s" if not joined else "admission failed",
+            where = "" if receiver.lane == 0 else f" by trainer rank {receiver.lane}"
+            raise SyncTimeout(f"not admitted{where} within {limit:.3g}s" if not joined else "admission failed",
                               channel=self.name, member=self.member_id)
 
     @property
@@ -164,7 +191,7 @@ class Subscriber:
     @property
     def evicted(self) -> bool:
         """True once the publisher dropped this subscriber: new waits raise Evicted; see rejoin()."""
-        return self._receiver is not None and self._receiver.state is ReceiverState.EVICTED
+        return any(r.state is ReceiverState.EVICTED for r in self._receivers)
 
     @property
     def generation(self) -> int:
@@ -191,7 +218,8 @@ class Subscriber:
         if not closing:
             return
         assert self._receiver is not None
-        self._receiver.closing.set()
+        for receiver in self._receivers:
+            receiver.closing.set()
         deadlines = self._receiver.deadlines
         await self._close(deadlines.drain() if deadlines is not None else self.timeout)
 
@@ -201,14 +229,16 @@ class Subscriber:
         if not closing:
             return
         assert self._receiver is not None
-        self._receiver.aborting.set()
-        self._receiver.closing.set()
+        for receiver in self._receivers:
+            receiver.aborting.set()
+            receiver.closing.set()
         await self._close(self.timeout)
 
     async def _close(self, timeout: float) -> None:
         assert self._loop is not None and self._receiver is not None
         await lifecycle.join(self._loop, self._threads, time.monotonic() + timeout)
-        self._receiver.end(Closed("subscriber closed", channel=self.name, member=self.member_id))
+        for receiver in self._receivers:
+            receiver.end(Closed("subscriber closed", channel=self.name, member=self.member_id))
         await lifecycle.finish_close(self._loop, self._executor, self._recorder, self.timeout * 3)
         self._state = EndState.CLOSED
 
@@ -342,7 +372,7 @@ class Subscriber:
             have = self._slots.version
             if have is not None and (min_version is None or have >= min_version):
                 return
-            error = self._receiver.terminal.error if self._receiver is not None else None
+            error = next((r.terminal.error for r in self._receivers if r.terminal.error is not None), None)
             if error is not None:
                 raise type(error)(error.message, channel=self.name, member=self.member_id, version=have)
             left = None if deadline is None else deadline - time.monotonic()

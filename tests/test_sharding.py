@@ -1,0 +1,213 @@
+"""Sharded trainers: every FSDP2 rank pushes its own shards; subscribers get the full tensors.
+
+Real FSDP2 ranks (``fully_shard``, gloo, CPU, spawned processes) on a port-0 store this test
+owns; real subscriber processes; every process is killed at the end of the test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import weightsync as ws
+from tests.conftest import REPO, Procs
+from weightsync import _wire
+from weightsync.transport import sharding
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+
+async def _address(path: Path, procs: Procs, timeout: float = 60.0) -> str:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not path.exists():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError("rank 0 never wrote its address:\n" + procs.stacks())
+        await asyncio.sleep(0.05)  # polling for a file another process writes
+    return path.read_text()
+
+
+def _trainers(procs: Procs, tmp: Path, world: int, **spec: object) -> tuple[list[int], Path, dist.TCPStore]:
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=dt.timedelta(seconds=60))
+    address_file = tmp / "rank0.addr"
+    ranks = [procs.spawn("sharded_trainer", rank=r, world=world, store_port=store.port, channel="sharded",
+                         address_file=str(address_file), **spec) for r in range(world)]
+    return ranks, address_file, store
+
+
+async def _push_and_check(procs: Procs, tmp: Path, world: int, versions: int, subscribers: int = 2,
+                          **spec: object) -> None:
+    ranks, address_file, store = _trainers(procs, tmp, world, versions=versions, subscribers=subscribers, **spec)
+    address = await _address(address_file, procs)
+    subs = [procs.spawn("subscriber", channel="sharded", address=address, member=f"gen{i}",
+                        until_version=versions - 1, deadline=90) for i in range(subscribers)]
+    results = [await procs.result(i, 150) for i in ranks]
+    got = [await procs.result(i, 60) for i in subs]
+    assert all(not r["error"] for r in results), [r["error"] for r in results]
+    expected = results[0]["expected"]
+    assert all(r["expected"] == expected for r in results)  # every rank saw the same full tensors
+    for sub in got:
+        assert sub["digests"], sub
+        for version, digests in sub["digests"].items():
+            assert digests == expected[version], f"version {version} differs from full_tensor()"
+        assert sub["order"][-1] == versions - 1
+    del store
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("world", [2, 4])
+async def test_fsdp2_ranks_push_their_shards_and_subscribers_get_bit_exact_full_tensors(
+        procs: Procs, tmp_path: Path, world: int) -> None:
+    """Uneven shards, three dtypes, a replicated DTensor, plain buffers; two subscribers; the
+    other ranks learn rank 0's address the way users pass it (here through a rendezvous file)."""
+    trainers, address_file, store = _trainers(procs, tmp_path, world, versions=3, subscribers=2)
+    address = await _address(address_file, procs)
+    subs = [procs.spawn("subscriber", channel="sharded", address=address, member=f"gen{i}", until_version=2,
+                        deadline=90) for i in range(2)]
+    results = [await procs.result(i, 150) for i in trainers]
+    got = [await procs.result(i, 60) for i in subs]
+    assert all(not r["error"] for r in results), [r["error"] for r in results]
+    expected = results[0]["expected"]
+    assert all(r["expected"] == expected for r in results)
+    for sub in got:
+        assert sub["order"] and sub["order"][-1] == 2
+        for version, digests in sub["digests"].items():
+            assert digests == expected[version], f"{sub['member']}: version {version} differs from full_tensor()"
+
+
+@pytest.mark.asyncio
+async def test_hsdp_2d_mesh_over_the_trainers_own_group(procs: Procs, tmp_path: Path) -> None:
+    """HSDP (Replicate, Shard(0)) on a 2x2 mesh: one rank of each replica set sends each shard;
+    the ranks find rank 0 through their own ProcessGroup (group=)."""
+    await _push_and_check(procs, tmp_path, 4, versions=2, subscribers=2, mesh=[2, 2], use_group=True)
+
+
+@pytest.mark.asyncio
+async def test_a_trainer_rank_killed_mid_run_no_partial_version_and_the_rank_is_named(
+        procs: Procs, tmp_path: Path) -> None:
+    """Rank 1 is killed with -9 as version 2 is put: rank 0's put fails naming rank 1 within its
+    deadline; subscribers never see a version that is not every rank's; they learn the rank is gone."""
+    fr_dir = tmp_path / "fr"
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=dt.timedelta(seconds=60))
+    address_file = tmp_path / "rank0.addr"
+    common = {"world": 2, "store_port": store.port, "channel": "sharded", "versions": 4, "subscribers": 1,
+              "die_at": 2, "die_rank": 1, "timeout": 5.0}
+    rank0 = procs.spawn("sharded_trainer", rank=0, address_file=str(address_file), dump_at_end=True,
+                        env={"WEIGHTSYNC_FR_DIR": str(fr_dir)}, **common)
+    procs.spawn("sharded_trainer", rank=1, address_file=str(address_file), **common)
+    address = await _address(address_file, procs)
+    sub = procs.spawn("subscriber", channel="sharded", address=address, member="gen0", mode="follow", deadline=60,
+                      timeout=5.0)
+    result = await procs.result(rank0, 120)
+    assert "rank 1" in result["error"], result
+    got = await procs.result(sub, 60)
+    assert got["error"] == "PublisherGone", got
+    assert got["order"] and max(got["order"]) <= 1, got["order"]  # version 2 never became readable
+    for version, digests in got["digests"].items():
+        assert digests == result["expected"][version]
+    dumps = list(fr_dir.rglob("*.json")) + list(fr_dir.rglob("*.msgpack"))
+    assert dumps, f"no flight-recorder dump in {fr_dir}"
+    out = subprocess.run([sys.executable, "-m", "weightsync.cli", "fr", "analyze", str(fr_dir)], capture_output=True,
+                         text=True, timeout=60, cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert "rank-1" in out.stdout, out.stdout + out.stderr
+
+
+@pytest.mark.asyncio
+async def test_ranks_that_disagree_on_a_version_send_nothing_and_say_why() -> None:
+    """Two ranks in one process: different global shapes for one tensor -> RankMismatch on both, and a
+    subscriber sees nothing; a plain tensor put by both with owners splits it by rank."""
+    p0 = ws.Publisher("agree", rank=0, world_size=2, timeout=5.0)
+    start = asyncio.create_task(p0.start())
+    while p0.address is None:
+        await asyncio.sleep(0.01)  # the address exists once rank 0 listens (its start waits for rank 1)
+    p1 = ws.Publisher("agree", rank=1, world_size=2, address=p0.address, timeout=5.0)
+    await asyncio.gather(start, p1.start())
+    try:
+        async with ws.Subscriber("agree", address=p0.address, timeout=5.0) as sub:
+            await asyncio.gather(p0.wait_subscribers(1), p1.wait_subscribers(1))
+            a = {"w": torch.zeros(4, 3), "b": torch.ones(2)}
+            b = {"w": torch.zeros(5, 3), "b": torch.ones(2)}
+            results = await asyncio.gather(p0.put(a, version=0), p1.put(b, version=0), return_exceptions=True)
+            assert all(isinstance(r, ws.WeightSyncError) and "rank" in str(r) for r in results), results
+            assert sub.version is None
+            sd = {"w": torch.arange(12.0).reshape(4, 3), "b": torch.tensor([7, 8], dtype=torch.int16)}
+            owners = {"b": 1}
+            h0, h1 = await asyncio.gather(p0.put(sd, version=1, owners=owners), p1.put(sd, version=1, owners=owners))
+            r0, r1 = await asyncio.gather(h0, h1)
+            assert r0.nbytes == 48 and r1.nbytes == 4  # each rank sent only its own
+            w = await sub.get(min_version=1, timeout=10)
+            assert torch.equal(w["w"], sd["w"]) and torch.equal(w["b"], sd["b"])
+    finally:
+        await asyncio.gather(p0.aclose(), p1.aclose())
+
+
+def test_blocks_of_row_column_and_2d_shards() -> None:
+    """The byte blocks of a local box match the bytes torch itself would pick out."""
+    full = torch.arange(6 * 10 * 4, dtype=torch.int32).reshape(6, 10, 4)
+    flat = full.reshape(-1).view(torch.uint8)
+    for local_shape, offset in [((3, 10, 4), (3, 0, 0)), ((6, 5, 4), (0, 5, 0)), ((2, 3, 4), (1, 4, 0)),
+                                ((6, 10, 2), (0, 0, 2)), ((1, 1, 1), (5, 9, 3)), ((0, 10, 4), (6, 0, 0))]:
+        box = full[tuple(slice(o, o + n) for o, n in zip(offset, local_shape, strict=True))]
+        blocks = sharding.blocks_of(full.shape, local_shape, offset, 4, 0)
+        picked = torch.cat([flat.as_strided((count, run), (stride, 1), off).reshape(-1)
+                            for off, run, count, stride in blocks]) if blocks else torch.empty(0, dtype=torch.uint8)
+        assert torch.equal(picked, box.contiguous().reshape(-1).view(torch.uint8)), (local_shape, offset)
+
+
+def test_placer_lands_every_lane_byte_in_place_through_views_and_scratch() -> None:
+    """A lane of a row shard (received straight into the full slot), a column shard and small
+    pieces (through scratch): after placing every bucket the full slot holds the full tensors."""
+    full_sd = {"big": torch.randn(64, 32), "col": torch.arange(8 * 6, dtype=torch.float16).reshape(8, 6),
+               "small": torch.arange(3, dtype=torch.int8)}
+    specs = [(k, v.dtype, tuple(v.shape)) for k, v in full_sd.items()]
+    manifest = sharding.global_manifest(specs)
+    local = [("big", full_sd["big"][16:48], (16, 0)), ("col", full_sd["col"][:, 2:5], (0, 2)),
+             ("small", full_sd["small"], (0,))]
+    order = sorted(local, key=lambda x: -x[1].element_size())
+    items = [(n, t.contiguous()) for n, t, _ in order]
+    lane = sharding.packed_manifest(items)
+    pieces = []
+    for name, t, off in order:
+        idx = [s.name for s in manifest.tensors].index(name)
+        spec = manifest.tensors[idx]
+        pieces.append(_wire.Piece(idx, sharding.blocks_of(spec.shape, t.shape, off, t.element_size(), spec.offset)))
+    ranges = sharding.bucket_plan(lane, 4096)
+    assert any(hi - lo == 4096 for lo, hi in ranges)  # the row shard's buckets are its own
+    src = torch.empty(lane.total_bytes, dtype=torch.uint8)
+    from weightsync.transport import layout
+    layout.pack_into(src, lane, items)
+    dest = torch.zeros(manifest.total_bytes, dtype=torch.uint8)
+    placer = sharding.Placer(dest, lane, pieces, ranges)
+    assert not all(placer.scattered) and any(placer.scattered)
+    for i, (lo, hi) in enumerate(ranges):
+        placer.targets[i].copy_(src[lo:hi])
+        placer.place(i)
+    views = layout.views(dest, manifest)
+    assert torch.equal(views["big"][16:48], full_sd["big"][16:48])
+    assert torch.equal(views["col"][:, 2:5], full_sd["col"][:, 2:5])
+    assert torch.equal(views["small"], full_sd["small"])
+    assert not views["big"][:16].any() and not views["col"][:, :2].any()  # nothing outside the lane's own
+
+
+def test_a_placement_outside_the_full_layout_is_a_protocol_error_not_a_write() -> None:
+    manifest = sharding.global_manifest([("w", torch.float32, (4,))])
+    lane = sharding.packed_manifest([("w", torch.zeros(4))])
+    bad = [_wire.Piece(0, ((64, 16, 1, 16),))]  # past the 64-byte full layout
+    with pytest.raises(ValueError, match="outside"):
+        sharding.Placer(torch.zeros(manifest.total_bytes, dtype=torch.uint8), lane, bad, [(0, 16)])
+
+
+def test_bad_rank_arguments_are_refused_at_construction() -> None:
+    with pytest.raises(ValueError, match="world_size"):
+        ws.Publisher("x", rank=2, world_size=2)
+    with pytest.raises(ValueError, match="rank 0's"):
+        ws.Publisher("x", rank=1, world_size=2)
+    with pytest.raises(TypeError, match="DTensor|int"):
+        ws.Publisher("x", rank="0", world_size=2)  # type: ignore[arg-type]
