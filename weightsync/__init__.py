@@ -21,11 +21,13 @@ from weightsync.pg.recorder import FlightRecorder
 from weightsync.transport.handles import DeliveryReport, PutHandle, Weights, WeightStream
 from weightsync.transport.options import connect_store
 from weightsync.transport.publisher import Publisher
+from weightsync.transport.ranks import RankMismatch
 from weightsync.transport.subscriber import Subscriber
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "RankMismatch",
     "AdmissionDenied",
     "Closed",
     "DeliveryReport",
