@@ -40,16 +40,21 @@ class SlotPair:
     def version(self) -> int | None:
         return self.readable.version
 
+    def _receiving_free(self, deadline: float) -> Slot:
+        """The receiving slot once no reader holds it (under ``cond``); LocalFailure past ``deadline``."""
+        slot = self.receiving
+        while slot.readers:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise LocalFailure("readers held the receive slot past the deadline")
+            self.cond.wait(left)
+        return slot
+
     def prepare(self, manifest: Manifest, timeout: float) -> torch.Tensor:
         """The receiving buffer for ``manifest``; waits for readers of that slot to finish."""
         deadline = time.monotonic() + timeout
         with self.cond:
-            slot = self.receiving
-            while slot.readers:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise LocalFailure("readers held the receive slot past the deadline")
-                self.cond.wait(left)
+            slot = self._receiving_free(deadline)
             if slot.flat is None or slot.flat.numel() < manifest.total_bytes:
                 slot.flat = None  # free first: never three buffers at once
                 slot.flat = torch.empty(manifest.total_bytes, dtype=torch.uint8, device=self.device)
@@ -61,12 +66,7 @@ class SlotPair:
         its epoch (for ``part_done``); waits for readers of that slot to finish."""
         deadline = time.monotonic() + timeout
         with self.cond:
-            slot = self.receiving
-            while slot.readers:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise LocalFailure("readers held the receive slot past the deadline")
-                self.cond.wait(left)
+            slot = self._receiving_free(deadline)
             if slot.flat is None or slot.flat.numel() < manifest.total_bytes or slot.manifest != manifest:
                 if slot.flat is None or slot.flat.numel() < manifest.total_bytes:
                     slot.flat = None  # free first: never three buffers at once
