@@ -48,7 +48,7 @@ def as_items(tensors: TensorsLike, *, sharded: bool = False) -> list[tuple[str, 
     """Normalise a mapping or an iterable of pairs, refusing at the door what cannot be sent.
 
     TypeError/ValueError name the tensor: not a tensor, a DTensor (sharded puts are not
-    supported by a single-rank publisher), sparse or other non-strided layouts, meta tensors (no data), quantized or
+    supported by a single-rank publisher, unless its mesh has one rank), sparse or other non-strided layouts, meta tensors (no data), quantized or
     nested tensors, conjugate or negative-bit views (``resolve_conj()``/``resolve_neg()`` them
     first), names that are not str, too long, or repeated.
     """
@@ -56,10 +56,13 @@ def as_items(tensors: TensorsLike, *, sharded: bool = False) -> list[tuple[str, 
     if len(items) > MAX_MANIFEST_TENSORS:
         raise ValueError(f"{len(items)} tensors in one version: at most {MAX_MANIFEST_TENSORS}")
     seen: set[str] = set()
-    for item in items:
+    for index, item in enumerate(items):
         if not (isinstance(item, tuple) and len(item) == 2):
             raise TypeError(f"expected (name, tensor) pairs, got {type(item).__name__}")
         name, tensor = item
+        if not sharded and type(tensor).__name__ == "DTensor" and tensor.device_mesh.size() == 1:
+            tensor = tensor.to_local()  # a one-rank mesh: the local tensor is the whole one
+            items[index] = (name, tensor)
         if not isinstance(name, str):
             raise TypeError(f"tensor names must be str, got {type(name).__name__}")
         if len(name.encode()) > MAX_NAME:

@@ -1,0 +1,257 @@
+"""Sharded trainers: every rank pushes its own shards, against gathering to rank 0 and pushing.
+
+For W = 1, 2, 4 trainer ranks (gloo on CPU, spawned processes, a Shard(0) DTensor model) and 2
+generator processes, measured side by side in one run:
+
+- ``sharded``: every rank ``await pub.put(state_dict)`` on its own Publisher (rank=, world_size=);
+- ``gather``: ``full_tensor()`` of every parameter onto every rank (what a rank-0 gather costs at
+  least), then rank 0 alone pushes through a single-rank Publisher.
+
+Per version: the time from the ranks' common start (a barrier) until every generator has the
+version readable, and each rank's peak extra memory during the push (the kernel's high-water
+mark, reset before each push, over the rank's RSS before it). Targets (issue 12): no rank's extra
+memory above its local shard bytes plus two buckets (``copy=False``: two buckets), and delivery
+no slower than gather-then-push at W=2.
+
+    python -m benchmarks.sharded                     # 256 MiB, W = 1 2 4, 3 versions each
+    python -m benchmarks.sharded --mib 64 --ranks 2  # quicker
+
+Writes ``sharded.json`` and ``sharded.png`` to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import msgspec
+import torch
+
+from benchmarks import report
+
+CHANNEL = "sharded-bench"
+TENSORS = 16  # the model: this many (rows x 1024) float32 matrices, rows not divisible by 4
+
+
+def _rows(mib: float) -> int:
+    return max(int(mib * (1 << 20) / TENSORS / 1024 / 4), 8) | 1  # odd: uneven shards
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as fh:  # 5: reset the peak RSS (VmHWM) to the current RSS
+        fh.write("5")
+
+
+async def trainer(spec: dict) -> dict:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    import weightsync as ws
+
+    rank, world, mode = spec["rank"], spec["world"], spec["mode"]
+    store = dist.TCPStore("127.0.0.1", spec["store_port"], is_master=False, timeout=dt.timedelta(seconds=120))
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"{mode}-{world}", store), rank=rank, world_size=world,
+                            timeout=dt.timedelta(seconds=300))
+    mesh = init_device_mesh("cpu", (world,))
+    rows = _rows(spec["mib"])
+    chunk = -(-rows // world)  # torch.chunk's rows per rank; the last rank gets fewer
+    lo, hi = min(rank * chunk, rows), min((rank + 1) * chunk, rows)
+    sd = {}
+    for i in range(TENSORS):
+        local = torch.full((hi - lo, 1024), float(i), dtype=torch.float32)
+        sd[f"layer{i}.weight"] = DTensor.from_local(local, mesh, [Shard(0)], shape=(rows, 1024),
+                                                    stride=(1024, 1), run_check=False)
+    local_bytes = sum(t.to_local().numel() * 4 for t in sd.values())
+    bucket = spec["bucket_mib"] << 20
+    address_file = Path(spec["address_file"])
+    out: dict = {"rank": rank, "local_bytes": local_bytes, "starts": [], "extra_kib": []}
+    publisher: ws.Publisher | None = None
+    if mode == "sharded":
+        address = "127.0.0.1:0"
+        if rank:
+            while not address_file.exists():
+                await asyncio.sleep(0.05)
+            address = address_file.read_text()
+        publisher = ws.Publisher(CHANNEL, address=address, rank=rank, world_size=world, bucket_bytes=bucket,
+                                 timeout=60)
+    elif rank == 0:
+        publisher = ws.Publisher(CHANNEL, address="127.0.0.1:0", bucket_bytes=bucket, timeout=60)
+    if publisher is not None:
+        await publisher.start()
+        if rank == 0:
+            tmp = address_file.with_suffix(".tmp")
+            tmp.write_text(publisher.address or "")
+            os.replace(tmp, address_file)
+        await publisher.wait_subscribers(spec["generators"], timeout=120)
+    for version in range(spec["versions"] + 1):  # version 0 warms up (groups form, buffers exist)
+        with torch.no_grad():
+            for t in sd.values():
+                t.to_local().add_(1)
+        dist.barrier()
+        before = _status_kib("VmRSS")
+        _reset_peak()
+        start = time.time()
+        if mode == "sharded":
+            assert publisher is not None
+            handle = await publisher.put(sd, version=version, copy=spec["copy"])
+            await handle.delivered(timeout=300)
+        else:
+            full = {k: v.full_tensor() for k, v in sd.items()}  # every rank takes part in the gather
+            if publisher is not None:
+                handle = await publisher.put(full, version=version, copy=spec["copy"])
+                await handle.delivered(timeout=300)
+            del full
+        peak = _status_kib("VmHWM")
+        if version:
+            out["starts"].append(start)
+            out["extra_kib"].append(peak - before)
+        dist.barrier()
+    if publisher is not None:
+        await publisher.aclose()
+    dist.destroy_process_group()
+    return out
+
+
+async def generator(spec: dict) -> dict:
+    import weightsync as ws
+
+    address_file = Path(spec["address_file"])
+    while not address_file.exists():
+        await asyncio.sleep(0.05)
+    arrivals = []
+    async with ws.Subscriber(CHANNEL, address=address_file.read_text(), member_id=f"gen{spec['index']}",
+                             timeout=60, transport="group") as sub:
+        last = -1
+        while last < spec["versions"]:
+            w = await sub.get(min_version=last + 1, timeout=300)
+            if w.version >= 1:
+                arrivals.append((w.version, time.time()))
+            last = w.version
+    return {"arrivals": arrivals}
+
+
+def _run(world: int, mode: str, args: argparse.Namespace, tmp: Path) -> dict:
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=dt.timedelta(seconds=120))
+    address_file = tmp / f"{mode}-{world}.addr"
+    common = {"world": world, "mode": mode, "mib": args.mib, "versions": args.versions, "generators": 2,
+              "store_port": store.port, "address_file": str(address_file), "bucket_mib": args.bucket_mib,
+              "copy": not args.no_copy}
+    procs = []
+    try:
+        for r in range(world):
+            procs.append(_spawn(tmp, f"t{r}", {"role": "trainer", "rank": r, **common}))
+        for i in range(2):
+            procs.append(_spawn(tmp, f"g{i}", {"role": "generator", "index": i, **common}))
+        results = []
+        for proc, out in procs:
+            proc.wait(timeout=900)
+            if proc.returncode != 0 or not out.exists():
+                raise RuntimeError(f"{out.stem} of {mode} W={world} exited {proc.returncode}")
+            results.append(msgspec.json.decode(out.read_bytes()))
+    finally:
+        for proc, _ in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=10)
+    trainers, gens = results[:world], results[world:]
+    seconds = []
+    for i in range(args.versions):
+        start = min(t["starts"][i] for t in trainers)
+        arrived = [dict((v, at) for v, at in g["arrivals"]).get(i + 1) for g in gens]
+        if all(a is not None for a in arrived):  # a version superseded on the way has no arrival
+            seconds.append(max(arrived) - start)  # type: ignore[type-var]
+    extra = [max(t["extra_kib"]) * 1024 for t in trainers]
+    return {"world": world, "mode": mode, "delivery_s": sorted(seconds)[len(seconds) // 2] if seconds else None,
+            "all_delivery_s": seconds, "peak_extra_bytes": extra,
+            "local_bytes": [t["local_bytes"] for t in trainers]}
+
+
+def _spawn(tmp: Path, name: str, spec: dict) -> tuple[subprocess.Popen[bytes], Path]:
+    out = tmp / f"{name}.json"
+    env = dict(os.environ, TORCH_CPP_LOG_LEVEL="ERROR", WEIGHTSYNC_TRANSPORT="group")
+    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.sharded", "--role",
+                             msgspec.json.encode({**spec, "result": str(out)}).decode()], env=env)
+    return proc, out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mib", type=float, default=256.0, help="model size (MiB)")
+    parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--versions", type=int, default=3, help="measured versions per point (median reported)")
+    parser.add_argument("--bucket-mib", type=int, default=16)
+    parser.add_argument("--no-copy", action="store_true", help="put with copy=False (the target: two buckets)")
+    parser.add_argument("--out", default="bench-out")
+    parser.add_argument("--role", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.role:
+        spec = msgspec.json.decode(args.role)
+        result = asyncio.run(trainer(spec) if spec["role"] == "trainer" else generator(spec))
+        Path(spec["result"]).write_bytes(msgspec.json.encode(result))
+        return 0
+    bucket = args.bucket_mib << 20
+    points = []
+    with tempfile.TemporaryDirectory(prefix="ws-sharded-") as tmp:
+        for world in args.ranks:
+            for mode in ("sharded", "gather"):
+                point = _run(world, mode, args, Path(tmp))
+                points.append(point)
+                extra = ", ".join(f"{b / 2**20:.0f}" for b in point["peak_extra_bytes"])
+                local = ", ".join(f"{b / 2**20:.0f}" for b in point["local_bytes"])
+                print(f"W={world} {mode:8s} every generator has it after {point['delivery_s']:.3f} s; "
+                      f"peak extra MiB per rank [{extra}] (local shards [{local}])")
+    by = {(p["world"], p["mode"]): p for p in points}
+    targets = {}
+    for world in args.ranks:
+        sharded = by[(world, "sharded")]
+        allowed = [(0 if args.no_copy else local) + 2 * bucket for local in sharded["local_bytes"]]
+        targets[f"W={world}: every rank's extra memory <= its shard + two buckets"
+                + (" (copy=False: two buckets)" if args.no_copy else "")] = all(
+            e <= a for e, a in zip(sharded["peak_extra_bytes"], allowed, strict=True))
+        if world > 1:
+            ratio = sharded["delivery_s"] / by[(world, "gather")]["delivery_s"]
+            print(f"W={world}: sharded / gather-then-push delivery time = {ratio:.2f}x")
+            if world == 2:
+                targets["W=2: delivery no slower than gather-then-push"] = ratio <= 1.0
+    path = report.write_json(args.out, "sharded", {"mib": args.mib, "bucket_mib": args.bucket_mib,
+                                                   "copy": not args.no_copy, "points": points})
+    plt = report.pyplot()
+    if plt is not None:
+        fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+        for mode, color in (("sharded", "tab:blue"), ("gather", "tab:orange")):
+            ws_ = [p["world"] for p in points if p["mode"] == mode]
+            left.plot(ws_, [p["delivery_s"] for p in points if p["mode"] == mode], "o-", color=color, label=mode)
+            right.plot(ws_, [max(p["peak_extra_bytes"]) / 2**20 for p in points if p["mode"] == mode], "o-",
+                       color=color, label=f"{mode}: the most any rank added")
+        right.plot(args.ranks, [max(by[(w, "sharded")]["local_bytes"]) / 2**20 for w in args.ranks], "k:",
+                   label="largest local shard")
+        left.set(xlabel="trainer ranks", ylabel="seconds until both generators have it",
+                 title=f"{args.mib:.0f} MiB to 2 generators (gloo)")
+        right.set(xlabel="trainer ranks", ylabel="MiB", title="peak extra memory of a rank during a push")
+        for ax in (left, right):
+            ax.set_xticks(args.ranks)
+            ax.legend()
+        report.save(fig, args.out, "sharded", path)
+    return report.verdict(targets)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
