@@ -90,15 +90,17 @@ async def test_hsdp_2d_mesh_over_the_trainers_own_group(procs: Procs, tmp_path: 
 
 
 @pytest.mark.asyncio
-async def test_a_trainer_rank_killed_mid_run_no_partial_version_and_the_rank_is_named(
-        procs: Procs, tmp_path: Path) -> None:
-    """Rank 1 is killed with -9 as version 2 is put: rank 0's put fails naming rank 1 within its
-    deadline; subscribers never see a version that is not every rank's; they learn the rank is gone."""
+@pytest.mark.parametrize("die_by", ["kill", "stop"])
+async def test_a_trainer_rank_killed_or_frozen_no_partial_version_and_the_rank_is_named(
+        procs: Procs, tmp_path: Path, die_by: str) -> None:
+    """Rank 1 is killed with -9 (or frozen with SIGSTOP) as version 2 is put: rank 0's put fails
+    naming rank 1 within its deadline; subscribers never see a version that is not every rank's;
+    they learn the rank is gone."""
     fr_dir = tmp_path / "fr"
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=dt.timedelta(seconds=60))
     address_file = tmp_path / "rank0.addr"
     common = {"world": 2, "store_port": store.port, "channel": "sharded", "versions": 4, "subscribers": 1,
-              "die_at": 2, "die_rank": 1, "timeout": 5.0}
+              "die_at": 2, "die_rank": 1, "die_by": die_by, "timeout": 5.0}
     rank0 = procs.spawn("sharded_trainer", rank=0, address_file=str(address_file), dump_at_end=True,
                         env={"WEIGHTSYNC_FR_DIR": str(fr_dir)}, **common)
     procs.spawn("sharded_trainer", rank=1, address_file=str(address_file), **common)
@@ -117,6 +119,29 @@ async def test_a_trainer_rank_killed_mid_run_no_partial_version_and_the_rank_is_
     out = subprocess.run([sys.executable, "-m", "weightsync.cli", "fr", "analyze", str(fr_dir)], capture_output=True,
                          text=True, timeout=60, cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)))
     assert "rank-1" in out.stdout, out.stdout + out.stderr
+
+
+@pytest.mark.asyncio
+async def test_a_tensor_parallel_generator_gets_its_own_shards_into_dtensors(procs: Procs) -> None:
+    """Two generator ranks with DTensor destinations on their own mesh (Shard(0) uneven, Shard(1),
+    Replicate()): each ends with exactly its box of the full tensors."""
+    from tests.statedicts import digest
+
+    gen = torch.Generator().manual_seed(3)
+    sd = {"w0": torch.randn(13, 6, generator=gen), "w1": torch.randn(5, 9, generator=gen).to(torch.bfloat16),
+          "b": torch.arange(7, dtype=torch.int64) * 3}
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=dt.timedelta(seconds=60))
+    async with ws.Publisher("tp", timeout=10.0) as pub:
+        ranks = [procs.spawn("tp_generator", rank=r, world=2, store_port=store.port, channel="tp",
+                             address=pub.address, version=4) for r in range(2)]
+        await pub.wait_subscribers(2, timeout=60)
+        await (await pub.put(sd, version=4)).delivered(timeout=30)
+        results = [await procs.result(i, 90) for i in ranks]
+    for r, result in enumerate(results):
+        assert result["version"] == 4
+        assert result["digests"]["w0"] == digest(sd["w0"].chunk(2, dim=0)[r])
+        assert result["digests"]["w1"] == digest(sd["w1"].chunk(2, dim=1)[r])
+        assert result["digests"]["b"] == digest(sd["b"])
 
 
 @pytest.mark.asyncio

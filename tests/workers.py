@@ -178,7 +178,7 @@ async def sharded_trainer(spec: dict) -> dict:
             expected[str(version)] = {k: digest(v) for k, v in full.items()}
             sent_full = max(sent_full, sum(v.numel() * v.element_size() for v in full.values()))
             if spec.get("die_at") == version and rank == spec.get("die_rank"):
-                os.kill(os.getpid(), signal.SIGKILL)
+                os.kill(os.getpid(), signal.SIGSTOP if spec.get("die_by") == "stop" else signal.SIGKILL)
             try:
                 handle = await pub.put(sd, version=version)
                 await handle.delivered(timeout=60)
@@ -189,6 +189,35 @@ async def sharded_trainer(spec: dict) -> dict:
             process_recorder().dump(reason="trainer finished")
     dist.destroy_process_group()
     return {"rank": rank, "expected": expected, "error": error, "full_bytes": sent_full}
+
+
+async def tp_generator(spec: dict) -> dict:
+    """One rank of a tensor-parallel generator: get_into DTensors on its own mesh (Shard(0),
+    Shard(1), Replicate()); reports each local shard's digest."""
+    import datetime as dt
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    from tests.statedicts import digest
+
+    rank, world = spec["rank"], spec["world"]
+    store = dist.TCPStore("127.0.0.1", spec["store_port"], is_master=False, timeout=dt.timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=dt.timedelta(seconds=60))
+    mesh = init_device_mesh("cpu", (world,))
+    dest = {}
+    for name, (shape, dtype, placement) in {"w0": ((13, 6), torch.float32, Shard(0)),
+                                            "w1": ((5, 9), torch.bfloat16, Shard(1)),
+                                            "b": ((7,), torch.int64, Replicate())}.items():
+        full = torch.zeros(shape, dtype=dtype)
+        local = full.chunk(world, dim=placement.dim)[rank].clone() if placement.is_shard() else full.clone()
+        dest[name] = DTensor.from_local(local, mesh, [placement], shape=torch.Size(shape), stride=full.stride(),
+                                        run_check=False)
+    async with ws.Subscriber(spec["channel"], address=spec["address"], member_id=f"tp{rank}", timeout=10.0) as sub:
+        version = await sub.get_into(dest, min_version=spec["version"], timeout=60)
+    dist.destroy_process_group()
+    return {"version": version, "digests": {k: digest(v.to_local()) for k, v in dest.items()}}
 
 
 async def main(spec: dict) -> dict:
@@ -204,6 +233,8 @@ async def main(spec: dict) -> dict:
         return await publisher(spec)
     if spec["role"] == "sharded_trainer":
         return await sharded_trainer(spec)
+    if spec["role"] == "tp_generator":
+        return await tp_generator(spec)
     raise SystemExit(f"unknown role {spec['role']!r}")
 
 

@@ -47,10 +47,10 @@ MAX_MANIFEST_TENSORS = 1 << 20
 def as_items(tensors: TensorsLike, *, sharded: bool = False) -> list[tuple[str, torch.Tensor]]:
     """Normalise a mapping or an iterable of pairs, refusing at the door what cannot be sent.
 
-    TypeError/ValueError name the tensor: not a tensor, a DTensor (sharded puts are not
-    supported by a single-rank publisher, unless its mesh has one rank), sparse or other non-strided layouts, meta tensors (no data), quantized or
-    nested tensors, conjugate or negative-bit views (``resolve_conj()``/``resolve_neg()`` them
-    first), names that are not str, too long, or repeated.
+    TypeError/ValueError name the tensor: not a tensor, a DTensor on a mesh of several ranks
+    (unless ``sharded``: a sharded publisher splits those), sparse or other non-strided layouts,
+    meta tensors (no data), quantized or nested tensors, conjugate or negative-bit views
+    (``resolve_conj()``/``resolve_neg()`` them first), names that are not str, too long, or repeated.
     """
     items = list(tensors.items()) if isinstance(tensors, Mapping) else list(tensors)
     if len(items) > MAX_MANIFEST_TENSORS:
@@ -184,6 +184,10 @@ def check_destination(manifest: Manifest, dest: Mapping[str, torch.Tensor]) -> N
             problems.append(f"{name}: dtype {dtype_name(tensor.dtype)} != published {spec.dtype}")
         elif tuple(tensor.shape) != spec.shape:
             problems.append(f"{name}: shape {tuple(tensor.shape)} != published {spec.shape}")
+        elif type(tensor).__name__ == "DTensor":  # written shard by shard: its own box of the full tensor
+            bad = [p for p in getattr(tensor, "placements", ()) if not (p.is_shard() or p.is_replicate())]
+            if bad:
+                problems.append(f"{name}: placement {bad[0]} cannot be written from the full tensor")
         elif tensor.is_inference() and not torch.is_inference_mode_enabled():
             problems.append(f"{name}: an inference tensor cannot be written outside inference mode")
         elif tensor.is_meta or not tensor.is_contiguous() and tensor.stride() and 0 in tensor.stride() \

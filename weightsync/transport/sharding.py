@@ -274,3 +274,16 @@ def _scatter(full: torch.Tensor, blocks: Sequence[tuple[int, int, int, int]], a:
             lo += n
         base += size
 
+
+
+def local_box(value: Any) -> tuple[torch.Tensor, tuple[slice, ...]]:
+    """A DTensor destination's local tensor and the box of the full tensor it holds."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    for placement in value.placements:
+        if not (placement.is_shard() or placement.is_replicate()):
+            raise ValueError(f"placement {placement} cannot be written from full tensors")
+    if value.device_mesh.get_coordinate() is None:
+        return value.to_local(), ()
+    shape, offset = compute_local_shape_and_global_offset(tuple(value.shape), value.device_mesh, value.placements)
+    return value.to_local(), tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))

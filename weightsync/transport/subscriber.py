@@ -35,7 +35,7 @@ from weightsync.errors import Closed, SyncTimeout, TransportUnavailable, WeightS
 from weightsync.pg.group import resolve_backend
 from weightsync.pg.recorder import FlightRecorder, process_recorder
 from weightsync.testing import Hooks
-from weightsync.transport import layout, lifecycle
+from weightsync.transport import layout, lifecycle, sharding
 from weightsync.transport.handles import Weights, WeightStream
 from weightsync.transport.lifecycle import EndState, call_soon
 from weightsync.transport.options import parse_address, resolve_device
@@ -268,7 +268,9 @@ class Subscriber:
         """Copy the latest version into ``dest`` in place; returns its version.
 
         Names, dtypes and shapes are checked first: on any mismatch ManifestMismatch is
-        raised and ``dest`` is left untouched.
+        raised and ``dest`` is left untouched. A ``DTensor`` value (a tensor-parallel engine's
+        shard, on its own mesh) gets only its local shard's box of the full tensor (``Shard(d)``,
+        ``Replicate()``); the subscriber itself receives the full tensors (docs/sharding.md).
         """
         if not isinstance(dest, Mapping):
             raise TypeError(f"dest must be a Mapping[str, Tensor], got {type(dest).__name__}")
@@ -358,8 +360,15 @@ class Subscriber:
         # requires grad is refused by autograd (it would leave ``dest`` half written)
         with torch.no_grad():
             for spec in slot.manifest.tensors:
-                if spec.nbytes:
-                    dest[spec.name].copy_(layout.tensor_view(slot.flat, spec))
+                if not spec.nbytes:
+                    continue
+                target = dest[spec.name]
+                if sharding.is_dtensor(target):  # a tensor-parallel engine's shard: its own box only
+                    local, box = sharding.local_box(target)
+                    if box:
+                        local.copy_(layout.tensor_view(slot.flat, spec)[box])
+                else:
+                    target.copy_(layout.tensor_view(slot.flat, spec))
         if any(t.is_cuda for t in dest.values()):
             torch.cuda.synchronize()
 
