@@ -57,7 +57,7 @@ lint: $(STAMP)
 # the suite asks for the process group (tests/conftest.py); the end-to-end modules run again with
 # the default users get, where generators on this host copy out of shared memory
 AUTO_TESTS := tests/test_inprocess.py tests/test_multiprocess.py tests/test_guarantees.py tests/test_lifecycle.py \
-	tests/test_examples.py
+	tests/test_examples.py tests/test_sharding.py
 
 pytest: $(STAMP)
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)

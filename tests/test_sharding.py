@@ -20,7 +20,7 @@ import torch.distributed as dist
 import weightsync as ws
 from tests.conftest import REPO, Procs
 from weightsync import _wire
-from weightsync.transport import sharding
+from weightsync.transport import sharding, shm
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -76,7 +76,9 @@ async def test_fsdp2_ranks_push_their_shards_and_subscribers_get_bit_exact_full_
     assert all(not r["error"] for r in results), [r["error"] for r in results]
     expected = results[0]["expected"]
     assert all(r["expected"] == expected for r in results)
+    same_host = os.environ.get("WEIGHTSYNC_TRANSPORT") == "auto" and shm.available()
     for sub in got:
+        assert sub["transport"] == ("shm" if same_host else "group")  # this run's path: both are covered
         assert sub["order"] and sub["order"][-1] == 2
         for version, digests in sub["digests"].items():
             assert digests == expected[version], f"{sub['member']}: version {version} differs from full_tensor()"
