@@ -238,3 +238,19 @@ def test_bad_rank_arguments_are_refused_at_construction() -> None:
         ws.Publisher("x", rank=1, world_size=2)
     with pytest.raises(TypeError, match="DTensor|int"):
         ws.Publisher("x", rank="0", world_size=2)  # type: ignore[arg-type]
+
+
+def test_the_ranks_table_stays_bounded_whatever_the_version_numbers() -> None:
+    """Each rank forgets its keys of all but its latest puts, with gaps between version numbers too."""
+    from weightsync.control.rendezvous import KeyValue
+    from weightsync.pg.recorder import FlightRecorder
+    from weightsync.transport import ranks
+
+    table = KeyValue()
+    rec = FlightRecorder().scope("t", "publisher")
+    rank = ranks.Ranks("t", 0, 1, ranks.Hub("t", 1, table, rec).store(5.0), rec, 5.0)
+    for version in range(0, 4000, 10):
+        rank.agree(version, b"d" * 16, 8, 8, timeout=5.0)
+        rank.delivered(version, "ok")
+    assert len(table._data) == 2 * ranks.KEEP_VERSIONS
+    assert rank.outcome(3990, timeout=5.0) == {0: "ok"}

@@ -22,6 +22,7 @@ import datetime as dt
 import struct
 import threading
 import time
+from collections import deque
 from typing import Any
 
 from weightsync import _wire
@@ -33,7 +34,7 @@ from weightsync.pg.recorder import RecorderScope
 
 PREFIX = "@ranks/"
 SLICE = 0.5  # seconds: a wait for other ranks looks for dead ranks this often
-KEEP_VERSIONS = 16  # a rank deletes its keys of versions this much older than the newest put
+KEEP_VERSIONS = 16  # a rank keeps its keys of this many latest puts (the others may still read them)
 _OWNED = struct.Struct("<Q")
 
 
@@ -61,6 +62,7 @@ class Ranks:
                  timeout: float) -> None:
         self.channel, self.rank, self.world = channel, rank, world
         self._store, self._rec, self._timeout = store, rec, timeout
+        self._history: deque[int] = deque()  # the versions this rank agreed on, oldest first
 
     # keys ---------------------------------------------------------------------------------------
     def _set(self, key: str, value: bytes) -> None:
@@ -135,8 +137,9 @@ class Ranks:
             raise RankMismatch(f"version {version}: the ranks' pieces add up to {total} bytes, the full tensors "
                                f"hold {payload}: placements overlap or leave bytes out; nothing was sent",
                                channel=self.channel, version=version)
-        if version >= KEEP_VERSIONS:  # bounded table: old agreements are done with
-            self._forget(version - KEEP_VERSIONS)
+        self._history.append(version)
+        while len(self._history) > KEEP_VERSIONS:  # bounded table: old agreements are done with
+            self._forget(self._history.popleft())
 
     def _forget(self, version: int) -> None:
         for key in (f"put/{version}/{self.rank}", f"done/{version}/{self.rank}"):
