@@ -254,3 +254,34 @@ def test_the_ranks_table_stays_bounded_whatever_the_version_numbers() -> None:
         rank.delivered(version, "ok")
     assert len(table._data) == 2 * ranks.KEEP_VERSIONS
     assert rank.outcome(3990, timeout=5.0) == {0: "ok"}
+
+
+def test_a_rank_that_said_its_word_and_left_between_two_looks_is_not_gone() -> None:
+    """Rank 1 sets its outcome and leaves right after rank 0 looked for the outcome and before it looked
+    for the dead: its word counts (seen under load as a spurious 'rank 1 is gone (left)')."""
+    from weightsync.control.rendezvous import KeyValue
+    from weightsync.pg.recorder import FlightRecorder
+    from weightsync.transport import ranks
+
+    table = KeyValue()
+    rec = FlightRecorder().scope("t", "publisher")
+    hub = ranks.Hub("t", 2, table, rec)
+    store = hub.store(5.0)
+    looks = {"dead": 0}
+
+    class Racing:
+        def __getattr__(self, name: str) -> object:
+            return getattr(store, name)
+
+        def check(self, keys: list[str]) -> bool:
+            if keys == ["@ranks/dead/1"] and not looks["dead"]:  # rank 1 speaks and leaves right now
+                looks["dead"] += 1
+                table.set("@ranks/done/5/1", b"ok")
+                hub.lost(ranks.rank_member(1), "left")
+            return store.check(keys)
+
+    rank0 = ranks.Ranks("t", 0, 2, Racing(), rec, 5.0)
+    rank0.delivered(5, "ok")
+    assert rank0.outcome(5, timeout=5.0) == {0: "ok", 1: "ok"}
+    with pytest.raises(ws.PublisherGone, match="rank 1 is gone"):  # a rank that left without a word is gone
+        rank0.outcome(6, timeout=5.0)

@@ -89,15 +89,23 @@ class Ranks:
             if not missing:
                 return values
             ranks = [int(k.rsplit("/", 1)[1]) for k in missing]
-            for r in ranks:
+            for key, r in zip(missing, ranks, strict=True):
                 try:
                     dead = self._store.check([f"{PREFIX}dead/{r}"])
                     reason = self._store.get(f"{PREFIX}dead/{r}").decode(errors="replace") if dead else ""
+                    # a rank may say its word and leave between our two looks: its word counts
+                    if dead and self._store.check([PREFIX + key]):
+                        values[key] = self._store.get(PREFIX + key)
+                        continue
                 except RuntimeError as err:
                     raise self._gone(err) from err
                 if dead:
                     self._rec.record("rank", peers=(rank_member(r),)).fail(f"{what}: rank {r} is gone: {reason}")
                     raise PublisherGone(f"{what}: trainer rank {r} is gone ({reason})", channel=self.channel)
+            missing = [k for k in keys if k not in values]
+            if not missing:
+                return values
+            ranks = [int(k.rsplit("/", 1)[1]) for k in missing]
             left = deadline - time.monotonic()
             if left <= 0:
                 self._rec.record("rank", peers=tuple(rank_member(r) for r in ranks)).fail(f"{what}: no answer")
