@@ -24,8 +24,8 @@ def test_public_names_are_pinned() -> None:
     assert sorted(ws.__all__) == sorted([
         "AdmissionDenied", "Closed", "DeliveryReport", "Evicted", "FlightRecorder", "HandshakeMismatch",
         "LocalProcessOrchestrator", "ManifestMismatch", "MemberInfo", "Orchestrator", "Publisher", "PublisherGone",
-        "PutHandle", "StragglerPolicy", "Subscriber", "SyncTimeout", "TransportUnavailable", "WeightStream", "Weights",
-        "WeightSyncError", "__version__", "connect_store"])
+        "PutHandle", "RankMismatch", "StragglerPolicy", "Subscriber", "SyncTimeout", "TransportUnavailable",
+        "WeightStream", "Weights", "WeightSyncError", "__version__", "connect_store"])
     for name in ws.__all__:
         assert hasattr(ws, name)
 
