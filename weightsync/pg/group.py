@@ -31,7 +31,7 @@ import torch
 
 from weightsync._errors import Cancelled, LocalFailure, PeerFailure
 from weightsync.pg import _torch_compat as compat
-from weightsync.pg.reaper import retire
+from weightsync.pg.reaper import PUBLISHER_GRACE, retire
 from weightsync.pg.recorder import FlightRecorder
 from weightsync.transport.dataplane import GenerationSpec, Transfer
 
@@ -176,8 +176,9 @@ class DedicatedGroup:
             if cancelled():
                 raise Cancelled("the generation ended while this bucket was on the wire")
 
-    def abort(self, reason: str = "") -> None:
-        """End this generation; safe to call twice and from error paths."""
+    def abort(self, reason: str = "", grace: float = 0.0) -> None:
+        """End this generation; safe to call twice and from error paths. ``grace``: seconds the
+        backend is kept before it is torn down (``reaper.retire``)."""
         if self.state == ABORTED:
             return
         self.state = ABORTED
@@ -186,7 +187,7 @@ class DedicatedGroup:
         # a borrowed backend is re-formed by the next reconfigure: only its hung works go
         handoff = [None if self._borrowed else self._pg, self._store, self._orphans]
         self._pg, self._store, self._orphans = None, None, []
-        retire(handoff, entry)
+        retire(handoff, entry, after=grace)
 
 
 def _hook(fn: Callable[[int], None] | None, i: int, what: str) -> None:
@@ -227,14 +228,14 @@ class Reconfigurable:
         return DedicatedGroup(self._pg, channel=self.channel, member=self.member, generation=spec.generation,
                               rank=spec.rank, size=len(spec.offers), recorder=self._recorder, borrowed=True)
 
-    def close(self) -> None:
-        """Tear the backend down (off this thread); the object is not used again."""
+    def close(self, grace: float = 0.0) -> None:
+        """Tear the backend down (off this thread, after ``grace`` s); the object is not used again."""
         if self._pg is None:
             return
         entry = self._rec.record("abort", error="closed").start()
         handoff = [self._pg, self._store]
         self._pg, self._store = None, None
-        retire(handoff, entry)
+        retire(handoff, entry, after=grace)
 
 
 class GroupPlane:
@@ -294,13 +295,15 @@ class GroupPlane:
         self.group.broadcast(transfer, op="bucket_send" if self.group.rank == 0 else "bucket_recv")
 
     def leave(self, reason: str, *, failed: bool = False) -> None:
+        # a failed generation's publisher end is torn down after its peers' (reaper.retire)
+        grace = PUBLISHER_GRACE if failed and self.member == "publisher" and reason != "closed" else 0.0
         if self.group is not None:
-            self.group.abort(reason)
+            self.group.abort(reason, grace)
             self.group = None
         if failed and self._backend is not None:
             # works still hung on the old backend's threads would block a re-formed one
             # (measured on 2.15): the next generation starts from a fresh backend
-            self._backend.close()
+            self._backend.close(grace)
             self._backend = None
 
     def close(self) -> None:

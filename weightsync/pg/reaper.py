@@ -17,6 +17,8 @@ from typing import Any
 
 from weightsync.pg import _torch_compat as compat
 
+PUBLISHER_GRACE = 3.0  # seconds rank 0 keeps a retired group before tearing it down (see retire)
+
 
 class Reaper:
     """One daemon thread, started on demand, that aborts retired backends in turn."""
@@ -24,14 +26,14 @@ class Reaper:
     IDLE_EXIT = 30.0
 
     def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[tuple[list[Any], Any]] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[list[Any], Any, float]] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._busy = False
         self._idle = threading.Condition()
 
-    def retire(self, handoff: list[Any], entry: Any) -> None:
-        self._queue.put((handoff, entry))
+    def retire(self, handoff: list[Any], entry: Any, after: float = 0.0) -> None:
+        self._queue.put((handoff, entry, time.monotonic() + after))
         with self._lock:
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="ws-group-reaper", daemon=True)
@@ -59,7 +61,7 @@ class Reaper:
     def _run(self) -> None:
         while True:
             try:
-                handoff, entry = self._queue.get(timeout=self.IDLE_EXIT)
+                handoff, entry, due = self._queue.get(timeout=self.IDLE_EXIT)
             except queue.Empty:
                 with self._lock:
                     if self._queue.empty():
@@ -67,6 +69,7 @@ class Reaper:
                         return
                 continue
             self._busy = True
+            time.sleep(max(due - time.monotonic(), 0.0))  # a grace the retiring end asked for (see retire)
             items = handoff[:]
             handoff.clear()  # from here on, this thread holds the only references
             if items and items[0] is not None:
@@ -86,7 +89,7 @@ def drain_retired(timeout: float) -> bool:
     return _reaper.drain(timeout)
 
 
-def retire(handoff: list[Any], entry: Any) -> None:
+def retire(handoff: list[Any], entry: Any, after: float = 0.0) -> None:
     """Hand a backend (``handoff[0]``; None: nothing to abort) and whatever must die with it (its
     store, hung works) over for teardown; completes ``entry`` once they are gone.
 
@@ -94,5 +97,12 @@ def retire(handoff: list[Any], entry: Any) -> None:
     variable outlived the reaper's, the backend's destructor (which joins gloo threads hung on a
     dead peer) ran on the caller's thread and blocked it for seconds. So ownership travels in
     a list the reaper empties, never in a variable.
+
+    ``after``: seconds to keep it first. The publisher (rank 0) keeps a retired gloo group
+    ``PUBLISHER_GRACE`` seconds, so that its peers, which retire theirs as soon as they hear of
+    the next generation, have closed their ends and its own device thread has seen those
+    connections close before it tears its end down. Seen twice in CI on torch 2.13 when both
+    happened at once: gloo's device thread handled an event for a pair the teardown had just
+    closed (``pair.cc: state_ <= CONNECTED``) and the whole process aborted.
     """
-    _reaper.retire(handoff, entry)
+    _reaper.retire(handoff, entry, after)
