@@ -131,7 +131,7 @@ class Publisher:
                  pipeline: bool | None = None, rank: int | None = None, world_size: int | None = None,
                  group: Any = None, lane_address: str | None = None) -> None:
         lifecycle.validate_name("channel name", name)
-        self.rank, self.world_size = _rank_and_world(rank, world_size, group)
+        self.rank, self.world_size = ranks.rank_and_world(rank, world_size, group)
         self._group = group
         if orchestrator is not None and not callable(getattr(orchestrator, "replace", None)):
             raise TypeError("orchestrator must have an async replace(member) method (see weightsync.Orchestrator)")
@@ -145,7 +145,7 @@ class Publisher:
                 raise ValueError(f"rank {self.rank}: address must be rank 0's 'host:port' (its pub.address), "
                                  "or pass group= to learn it from rank 0")
             self._rank0 = self._bind
-            self._bind = parse_address(lane_address or f"{_lane_host(self._bind[0])}:0")
+            self._bind = parse_address(lane_address or f"{ranks.lane_host(self._bind[0])}:0")
         self.device = resolve_device(device)
         self.backend = resolve_backend(backend, self.device)
         self._slot_device = self.device if self.backend == "nccl" else torch.device("cpu")
@@ -313,7 +313,7 @@ class Publisher:
         limit = self.options.timeout * 2
         if self._group is not None:
             self._rank0 = parse_address(await self._loop.run_in_executor(
-                None, _share_address, self._group, self._address if self.rank == 0 else ""))
+                None, ranks.share_address, self._group, self._address if self.rank == 0 else ""))
         if self._hub is not None:
             self._ranks = ranks.Ranks(self.name, 0, self.world_size, self._hub.store(limit), self._rec, limit)
             self._lanes_task = self._loop.create_task(self._await_lanes())
@@ -649,44 +649,3 @@ class Publisher:
         if self._members_changed is not None:
             call_soon(self._loop, self._members_changed.set)
 
-
-def _rank_and_world(rank: int | None, world_size: int | None, group: Any) -> tuple[int, int]:
-    if group is not None:
-        import torch.distributed as dist
-
-        if rank is not None or world_size is not None:
-            raise ValueError("pass group= or rank= and world_size=, not both")
-        return dist.get_rank(group), dist.get_world_size(group)
-    world = 1 if world_size is None else world_size
-    rank = 0 if rank is None else rank
-    for what, value in (("rank", rank), ("world_size", world)):
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise TypeError(f"{what} must be an int, got {type(value).__name__}")
-    if world < 1 or not 0 <= rank < world:
-        raise ValueError(f"rank {rank} of world_size {world}: need world_size >= 1 and 0 <= rank < world_size")
-    return rank, world
-
-
-def _lane_host(rank0_host: str) -> str:
-    """Where a rank > 0 listens by default: loopback beside a loopback rank 0, else every interface."""
-    return "127.0.0.1" if is_loopback(rank0_host) else "0.0.0.0"
-
-
-ADDRESS_BYTES = 512
-
-
-def _share_address(group: Any, address: str) -> str:
-    """Rank 0's address, broadcast over the trainer ranks' own group as bytes (no pickle)."""
-    import torch.distributed as dist
-
-    backend = dist.get_backend(group)
-    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-    buf = torch.zeros(ADDRESS_BYTES, dtype=torch.uint8, device=device)
-    if address:
-        data = address.encode()
-        if len(data) >= ADDRESS_BYTES:
-            raise ValueError(f"address {address[:40]!r}... is too long to share")
-        buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    dist.broadcast(buf, src=dist.get_global_rank(group, 0), group=group)
-    raw = bytes(buf.cpu().tolist())
-    return raw.split(b"\0", 1)[0].decode()

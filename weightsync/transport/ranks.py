@@ -25,12 +25,15 @@ import time
 from collections import deque
 from typing import Any
 
+import torch
+
 from weightsync import _wire
 from weightsync._errors import ControlFailure
 from weightsync.control.client import ControlClient
 from weightsync.control.rendezvous import KeyValue, LocalStore, RemoteStore
 from weightsync.errors import PublisherGone, SyncTimeout, WeightSyncError
 from weightsync.pg.recorder import RecorderScope
+from weightsync.transport.options import is_loopback
 
 PREFIX = "@ranks/"
 SLICE = 0.5  # seconds: a wait for other ranks looks for dead ranks this often
@@ -278,3 +281,44 @@ class Link:
         if self._beater is not None:
             self._beater.join(timeout=self._timeout)
 
+
+def rank_and_world(rank: int | None, world_size: int | None, group: Any) -> tuple[int, int]:
+    if group is not None:
+        import torch.distributed as dist
+
+        if rank is not None or world_size is not None:
+            raise ValueError("pass group= or rank= and world_size=, not both")
+        return dist.get_rank(group), dist.get_world_size(group)
+    world = 1 if world_size is None else world_size
+    rank = 0 if rank is None else rank
+    for what, value in (("rank", rank), ("world_size", world)):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise TypeError(f"{what} must be an int, got {type(value).__name__}")
+    if world < 1 or not 0 <= rank < world:
+        raise ValueError(f"rank {rank} of world_size {world}: need world_size >= 1 and 0 <= rank < world_size")
+    return rank, world
+
+
+def lane_host(rank0_host: str) -> str:
+    """Where a rank > 0 listens by default: loopback beside a loopback rank 0, else every interface."""
+    return "127.0.0.1" if is_loopback(rank0_host) else "0.0.0.0"
+
+
+ADDRESS_BYTES = 512
+
+
+def share_address(group: Any, address: str) -> str:
+    """Rank 0's address, broadcast over the trainer ranks' own group as bytes (no pickle)."""
+    import torch.distributed as dist
+
+    backend = dist.get_backend(group)
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    buf = torch.zeros(ADDRESS_BYTES, dtype=torch.uint8, device=device)
+    if address:
+        data = address.encode()
+        if len(data) >= ADDRESS_BYTES:
+            raise ValueError(f"address {address[:40]!r}... is too long to share")
+        buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    dist.broadcast(buf, src=dist.get_global_rank(group, 0), group=group)
+    raw = bytes(buf.cpu().tolist())
+    return raw.split(b"\0", 1)[0].decode()
