@@ -42,6 +42,18 @@ def digests(sd) -> dict[str, str]:
     return {name: digest(t) for name, t in sd.items()}
 
 
+# a tensor-parallel generator's share of fsdp_model's tensors (plus the trainer's replicated one):
+# name -> (full shape, dtype, the dimension it is sharded on, None for replicated); names left
+# out (biases, buffers) it does not take at all
+TP_OF_FSDP = {"0.weight": ((13, 11), torch.float32, 1), "1.weight": ((7, 13), torch.bfloat16, 0),
+              "2.weight": ((37, 9), torch.float16, 0), "shared.replicated": ((10,), torch.float64, None)}
+
+
+def tp_box(full: torch.Tensor, dim: int | None, rank: int, world: int) -> torch.Tensor:
+    """Generator rank ``rank``'s box of ``full`` (``torch.chunk``'s split, as DTensor makes it)."""
+    return full if dim is None else full.chunk(world, dim=dim)[rank]
+
+
 def fsdp_model(mesh: object) -> torch.nn.Module:
     """A small model FSDP2 shards unevenly on 2 and 4 ranks (13, 7, 37 rows), in float32,
     bfloat16 and float16, with a plain (unsharded) buffer; the same on every rank (seeded)."""

@@ -20,7 +20,7 @@ import torch.distributed as dist
 import weightsync as ws
 from tests.conftest import REPO, Procs
 from weightsync import _wire
-from weightsync.transport import sharding, shm
+from weightsync.transport import layout, sharding, shm
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -125,12 +125,12 @@ async def test_a_trainer_rank_killed_or_frozen_no_partial_version_and_the_rank_i
 
 @pytest.mark.asyncio
 async def test_a_tensor_parallel_generator_gets_its_own_shards_into_dtensors(procs: Procs) -> None:
-    """Two generator ranks with DTensor destinations on their own mesh (Shard(0) uneven, Shard(1),
-    Replicate()): each ends with exactly its box of the full tensors."""
+    """Two generator ranks with DTensor destinations on their own mesh (Shard(0) and Shard(1),
+    uneven, Replicate()): each ends with exactly its box of the full tensors."""
     from tests.statedicts import digest
 
     gen = torch.Generator().manual_seed(3)
-    sd = {"w0": torch.randn(13, 6, generator=gen), "w1": torch.randn(5, 9, generator=gen).to(torch.bfloat16),
+    sd = {"w0": torch.randn(301, 6, generator=gen), "w1": torch.randn(50, 91, generator=gen).to(torch.bfloat16),
           "b": torch.arange(7, dtype=torch.int64) * 3}
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=dt.timedelta(seconds=60))
     async with ws.Publisher("tp", timeout=10.0) as pub:
@@ -144,6 +144,90 @@ async def test_a_tensor_parallel_generator_gets_its_own_shards_into_dtensors(pro
         assert result["digests"]["w0"] == digest(sd["w0"].chunk(2, dim=0)[r])
         assert result["digests"]["w1"] == digest(sd["w1"].chunk(2, dim=1)[r])
         assert result["digests"]["b"] == digest(sd["b"])
+
+
+@pytest.mark.asyncio
+async def test_a_sliced_tensor_parallel_generator_receives_only_its_boxes(procs: Procs) -> None:
+    """Two generator ranks made with ``want=`` their DTensors: each receives only its own boxes (a
+    bit more than half the version: the replicated tensor whole, the rest halved), point to point,
+    bit-exact over two versions; a full subscriber in the same generation still gets everything."""
+    from tests.statedicts import digest
+
+    gen = torch.Generator().manual_seed(5)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=dt.timedelta(seconds=60))
+    async with ws.Publisher("tp", timeout=10.0, bucket_bytes=4096) as pub:  # small buckets: runs cross their edges
+        async with ws.Subscriber("tp", address=pub.address, member_id="whole", timeout=10.0, transport="group") as full:
+            ranks = [procs.spawn("tp_generator", rank=r, world=2, store_port=store.port, channel="tp",
+                                 address=pub.address, version=5, sliced=True) for r in range(2)]
+            await pub.wait_subscribers(3, timeout=60)
+            for version in (4, 5):
+                sd = {"w0": torch.randn(301, 6, generator=gen), "b": torch.arange(7, dtype=torch.int64) * version,
+                      "w1": torch.randn(50, 91, generator=gen).to(torch.bfloat16)}
+                report = await (await pub.put(sd, version=version)).delivered(timeout=30)
+                assert set(report.members) == {"whole", "tp0", "tp1"}
+                whole = await full.get(min_version=version, timeout=10)
+                assert {k: digest(t) for k, t in whole.items()} == {k: digest(t) for k, t in sd.items()}
+            results = [await procs.result(i, 90) for i in ranks]
+    total = sum(t.numel() * t.element_size() for t in sd.values())
+    for r, result in enumerate(results):
+        boxes = {"w0": sd["w0"].chunk(2, dim=0)[r], "w1": sd["w1"].chunk(2, dim=1)[r], "b": sd["b"]}
+        assert result["version"] == 5
+        assert result["digests"] == {k: digest(t) for k, t in boxes.items()}
+        assert {k: got[1] for k, got in result["got"].items()} == result["digests"]  # get() gives the boxes
+        mine = sum(t.numel() * t.element_size() for t in boxes.values())
+        assert result["received"] == 2 * mine < 2 * total, (result["received"], mine, total)  # two versions
+
+
+@pytest.mark.asyncio
+async def test_fsdp2_ranks_to_a_sliced_tensor_parallel_generator(procs: Procs, tmp_path: Path) -> None:
+    """Two FSDP2 trainer ranks (row shards) to two generator ranks with ``want=`` (a column shard, row
+    shards, a replicated tensor; biases and buffers not wanted): each generator rank ends with exactly
+    its boxes, received point to point from both trainer ranks, and less than the whole version."""
+    trainers, address_file, store = _trainers(procs, tmp_path, 2, versions=2, subscribers=2, tp=2,
+                                              bucket_bytes=4096)
+    address = await _address(address_file, procs)
+    gen_store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                              timeout=dt.timedelta(seconds=60))
+    gens = [procs.spawn("tp_generator", rank=r, world=2, store_port=gen_store.port, channel="sharded",
+                        address=address, version=1, sliced=True, of_fsdp=True) for r in range(2)]
+    results = [await procs.result(i, 150) for i in trainers]
+    got = [await procs.result(i, 90) for i in gens]
+    assert all(not r["error"] for r in results), [r["error"] for r in results]
+    from tests.statedicts import TP_OF_FSDP, tp_box
+
+    for r, result in enumerate(got):
+        assert result["version"] == 1
+        assert result["digests"] == results[0]["expected"][f"1/tp{r}"]
+        boxes = sum(tp_box(torch.empty(shape, dtype=dtype), dim, r, 2).nbytes
+                    for shape, dtype, dim in TP_OF_FSDP.values())
+        # both versions (the trainers waited for the generators), each exactly this rank's boxes
+        assert result["received"] == 2 * boxes and boxes < results[0]["full_bytes"], (result["received"], boxes)
+    del store, gen_store
+
+
+@pytest.mark.asyncio
+async def test_a_want_that_does_not_fit_stops_that_member_with_the_reason_and_nobody_else() -> None:
+    """A sliced member asking for a box the version does not have gets ManifestMismatch naming the
+    tensor; the publisher delivers to the others. want= never rides shared memory."""
+    with pytest.raises(ws.TransportUnavailable):
+        ws.Subscriber("misfit", address="127.0.0.1:1", want={"w": torch.empty(2)}, transport="shm")
+    async with ws.Publisher("misfit", timeout=5.0, heartbeat_interval=0.25) as pub:
+        async with ws.Subscriber("misfit", address=pub.address, member_id="whole", timeout=5.0) as whole, \
+                ws.Subscriber("misfit", address=pub.address, member_id="wrong", timeout=5.0,
+                              want={"w": torch.empty(5, 3)}) as wrong, \
+                ws.Subscriber("misfit", address=pub.address, member_id="part", timeout=5.0,
+                              want={"b": torch.empty(2, dtype=torch.int16)}) as part:
+            assert wrong.transport == "group" and part.transport == "group"
+            await pub.wait_subscribers(3, timeout=30)
+            sd = {"w": torch.arange(12.0).reshape(4, 3), "b": torch.tensor([7, 8], dtype=torch.int16)}
+            report = await (await pub.put(sd, version=1)).delivered(timeout=30)
+            assert set(report.members) == {"whole", "part"}
+            with pytest.raises(ws.ManifestMismatch, match="'w'.*does not fit"):
+                await wrong.get(min_version=1, timeout=10)
+            got = await whole.get(min_version=1, timeout=10)
+            assert torch.equal(got["w"], sd["w"]) and torch.equal(got["b"], sd["b"])
+            mine = await part.get(min_version=1, timeout=10)
+            assert list(mine) == ["b"] and torch.equal(mine["b"], sd["b"])
 
 
 @pytest.mark.asyncio
@@ -208,7 +292,6 @@ def test_placer_lands_every_lane_byte_in_place_through_views_and_scratch() -> No
     ranges = sharding.bucket_plan(lane, 4096)
     assert any(hi - lo == 4096 for lo, hi in ranges)  # the row shard's buckets are its own
     src = torch.empty(lane.total_bytes, dtype=torch.uint8)
-    from weightsync.transport import layout
     layout.pack_into(src, lane, items)
     dest = torch.zeros(manifest.total_bytes, dtype=torch.uint8)
     placer = sharding.Placer(dest, lane, pieces, ranges)
@@ -221,6 +304,81 @@ def test_placer_lands_every_lane_byte_in_place_through_views_and_scratch() -> No
     assert torch.equal(views["col"][:, 2:5], full_sd["col"][:, 2:5])
     assert torch.equal(views["small"], full_sd["small"])
     assert not views["big"][:16].any() and not views["col"][:, :2].any()  # nothing outside the lane's own
+
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]
+
+
+def _chunk_box(shape: tuple[int, ...], dim: int | None, rank: int, world: int) -> Box:
+    """(offset, shape) of ``rank``'s ``torch.chunk`` of a tensor of ``shape`` on ``dim`` (None: whole)."""
+    if dim is None:
+        return (0,) * len(shape), shape
+    step = -(-shape[dim] // world)
+    lo, hi = min(rank * step, shape[dim]), min((rank + 1) * step, shape[dim])
+    return (tuple(lo if d == dim else 0 for d in range(len(shape))),
+            tuple(hi - lo if d == dim else n for d, n in enumerate(shape)))
+
+
+@pytest.mark.parametrize(("trainer_dim", "gen_dim", "trainers"),
+                         [(0, 0, 3), (0, 1, 3), (1, 0, 2), (2, 1, 3), (None, 1, 1), (1, 2, 4)])
+def test_routes_carry_exactly_each_generator_ranks_overlap(trainer_dim: int | None, gen_dim: int,
+                                                           trainers: int) -> None:
+    """Trainer ranks split three tensors one way, generator ranks want them split another (uneven,
+    3-D, small buckets that cut runs): pushing every trainer rank's runs of every bucket through
+    gather and SlicePlacer fills each generator rank's slot with exactly full[box], and only that."""
+    gen = torch.Generator().manual_seed(trainers)
+    full_sd = {"a": torch.randn(7, 5, 6, generator=gen), "b": torch.randn(9, 4, 5, generator=gen).to(torch.float16),
+               "c": torch.arange(5 * 3 * 7, dtype=torch.int16).reshape(5, 3, 7)}
+    manifest = sharding.global_manifest([(k, v.dtype, tuple(v.shape)) for k, v in full_sd.items()])
+    names = [spec.name for spec in manifest.tensors]
+    for g in range(2):
+        wants = []
+        for name, t in full_sd.items():
+            offset, shape = _chunk_box(tuple(t.shape), gen_dim, g, 2)
+            wants.append(_wire.Want(name, offset, shape))
+        wants = [w for w in wants if w.name != "c" or g == 0]  # rank 1 does not take c at all
+        mine = sharding.sliced_manifest(manifest, wants)
+        slot = torch.full((mine.total_bytes,), 0xAB, dtype=torch.uint8)
+        sent = 0
+        for r in range(trainers):
+            local = []
+            for name, t in full_sd.items():
+                offset, shape = _chunk_box(tuple(t.shape), trainer_dim, r, trainers)
+                box = tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
+                if all(shape):
+                    local.append((name, t[box].contiguous(), offset))
+            local.sort(key=lambda x: -x[1].element_size())
+            lane = sharding.packed_manifest([(n, t) for n, t, _ in local])
+            pieces = tuple(_wire.Piece(names.index(n), sharding.blocks_of(
+                manifest.tensors[names.index(n)].shape, t.shape, off, t.element_size(),
+                manifest.tensors[names.index(n)].offset)) for n, t, off in local)
+            src = torch.empty(lane.total_bytes, dtype=torch.uint8)
+            layout.pack_into(src, lane, [(n, t) for n, t, _ in local])
+            ranges = sharding.bucket_plan(lane, 64)
+            plan = sharding.routes(lane, pieces, manifest, wants, ranges)
+            placer = sharding.SlicePlacer(slot, plan)
+            for i, (lo, hi) in enumerate(ranges):
+                piece = sharding.gather(src[lo:hi], plan[i])
+                placer.targets[i].copy_(piece)
+                placer.place(i)
+                sent += piece.numel()
+        assert sent == sum(spec.nbytes for spec in mine.tensors)  # every wanted byte once, nothing else
+        views = layout.views(slot, mine)
+        assert sorted(views) == sorted(w.name for w in wants)
+        for w in wants:
+            box = tuple(slice(o, o + n) for o, n in zip(w.offset, w.shape, strict=True))
+            assert torch.equal(views[w.name], full_sd[w.name][box]), (g, w.name)
+
+
+def test_a_want_that_does_not_fit_the_version_is_refused_by_name() -> None:
+    manifest = sharding.global_manifest([("w", torch.float32, (4, 3))])
+    with pytest.raises(ValueError, match="'w'.*does not fit"):
+        sharding.sliced_manifest(manifest, [_wire.Want("w", (2, 0), (3, 3))])
+    with pytest.raises(ValueError, match="twice"):
+        sharding.sliced_manifest(manifest, [_wire.Want("w", (0, 0), (1, 3))] * 2)
+    assert sharding.sliced_manifest(manifest, [_wire.Want("other", (0,), (1,))]).tensors == ()
+    with pytest.raises(TypeError):
+        sharding.wants_of({"w": [1, 2]})
 
 
 def test_a_placement_outside_the_full_layout_is_a_protocol_error_not_a_write() -> None:

@@ -195,7 +195,7 @@ def test_fingerprint_comparison_on_nccl_names_every_field() -> None:
 
 
 def test_admission_names_each_reason_to_refuse() -> None:
-    from weightsync._wire import Join
+    from weightsync._wire import Join, Want
     from weightsync.control.auth import admission_problem, fingerprint, join_proof, new_nonce
 
     mine = fingerprint("gloo", torch.device("cpu"))
@@ -217,11 +217,23 @@ def test_admission_names_each_reason_to_refuse() -> None:
     alien = msgspec.structs.replace(mine, backend="nccl")
     assert problem(Join(member_id="g0", fingerprint=alien, nonce=client, proof=join_proof(
         b"s", channel="c", server_nonce=server, client_nonce=client, member_id="g0", fp=alien))).kind == "handshake"
-    same_host = msgspec.structs.replace(good, transport="shm")  # not in the proof: the door decides it
+
+    def joined(**kw: object) -> Join:  # a Join whose proof covers everything it asks for
+        fields: dict = {"member_id": "g0", "fingerprint": mine, "nonce": client, **kw}
+        return Join(proof=join_proof(b"s", channel="c", server_nonce=server, client_nonce=client, member_id="g0",
+                                     fp=mine, transport=fields.get("transport", "group"), want=fields.get("want")),
+                    **fields)
+
+    same_host = joined(transport="shm")
     assert problem(same_host).kind == "handshake"  # a publisher that offered no shared memory
     assert problem(same_host, transports=("group", "shm")) is None
-    assert "telepathy" in problem(msgspec.structs.replace(good, transport="telepathy"),
-                                  transports=("group", "shm")).reason
+    assert problem(msgspec.structs.replace(good, transport="shm"), transports=("group", "shm")).kind == "token"
+    assert "telepathy" in problem(joined(transport="telepathy"), transports=("group", "shm")).reason
+    sliced = joined(want=(Want("w", (0,), (2,)),))
+    assert problem(sliced) is None
+    # the proof covers a sliced member's boxes: nobody on the path can widen or change them
+    assert problem(msgspec.structs.replace(sliced, want=(Want("w", (0,), (4,)),))).kind == "token"
+    assert problem(msgspec.structs.replace(sliced, want=None)).kind == "token"
 
 
 def test_checksum_catches_flips_and_swaps_and_ignores_alignment() -> None:

@@ -28,9 +28,12 @@ async def subscriber(spec: dict) -> dict:
     order: list[int] = []
     error = ""
     mode = spec.get("mode", "get")
+    want = None
+    if spec.get("want"):  # a sliced member taking these tensors (name -> [shape, dtype]) whole
+        want = {name: torch.empty(shape, dtype=getattr(torch, dtype)) for name, (shape, dtype) in spec["want"].items()}
     sub = ws.Subscriber(spec["channel"], address=spec["address"], member_id=spec["member"],
                         timeout=spec.get("timeout", 10.0), flight_recorder_dir=spec.get("fr_dir"),
-                        transport=spec.get("transport"))
+                        transport=spec.get("transport"), want=want)
     if spec.get("faults"):  # a fault plan for this worker (see weightsync.testing)
         inject(sub, Faults(**spec["faults"]))
     async with sub:
@@ -133,7 +136,7 @@ async def sharded_trainer(spec: dict) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, distribute_tensor
 
-    from tests.statedicts import digest, fsdp_model
+    from tests.statedicts import TP_OF_FSDP, digest, fsdp_model, tp_box
 
     rank, world = spec["rank"], spec["world"]
     store = dist.TCPStore("127.0.0.1", spec["store_port"], is_master=False, timeout=dt.timedelta(seconds=60))
@@ -176,6 +179,9 @@ async def sharded_trainer(spec: dict) -> dict:
             sd["plain.step"] = torch.tensor([version, rank * 0], dtype=torch.int32)
             full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in sd.items()}
             expected[str(version)] = {k: digest(v) for k, v in full.items()}
+            for r in range(spec.get("tp", 0)):  # what tensor-parallel generator rank r should hold
+                expected[f"{version}/tp{r}"] = {k: digest(tp_box(full[k], dim, r, spec["tp"]))
+                                                for k, (_shape, _dtype, dim) in TP_OF_FSDP.items()}
             sent_full = max(sent_full, sum(v.numel() * v.element_size() for v in full.values()))
             if spec.get("die_at") == version and rank == spec.get("die_rank"):
                 os.kill(os.getpid(), signal.SIGSTOP if spec.get("die_by") == "stop" else signal.SIGKILL)
@@ -193,7 +199,8 @@ async def sharded_trainer(spec: dict) -> dict:
 
 async def tp_generator(spec: dict) -> dict:
     """One rank of a tensor-parallel generator: get_into DTensors on its own mesh (Shard(0),
-    Shard(1), Replicate()); reports each local shard's digest."""
+    Shard(1), Replicate()); reports each local shard's digest. ``sliced``: the subscriber is made
+    with ``want=`` (only its boxes arrive); it also reports the bytes it received and what get() gave."""
     import datetime as dt
 
     import torch.distributed as dist
@@ -206,18 +213,28 @@ async def tp_generator(spec: dict) -> dict:
     store = dist.TCPStore("127.0.0.1", spec["store_port"], is_master=False, timeout=dt.timedelta(seconds=60))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=dt.timedelta(seconds=60))
     mesh = init_device_mesh("cpu", (world,))
+    from tests.statedicts import TP_OF_FSDP
+
     dest = {}
-    for name, (shape, dtype, placement) in {"w0": ((13, 6), torch.float32, Shard(0)),
-                                            "w1": ((5, 9), torch.bfloat16, Shard(1)),
-                                            "b": ((7,), torch.int64, Replicate())}.items():
+    shares = {"w0": ((301, 6), torch.float32, Shard(0)), "w1": ((50, 91), torch.bfloat16, Shard(1)),
+              "b": ((7,), torch.int64, Replicate())}
+    if spec.get("of_fsdp"):  # the FSDP2 trainer's tensors (some of them), split its own way
+        shares = {name: (shape, dtype, Replicate() if dim is None else Shard(dim))
+                  for name, (shape, dtype, dim) in TP_OF_FSDP.items()}
+    for name, (shape, dtype, placement) in shares.items():
         full = torch.zeros(shape, dtype=dtype)
         local = full.chunk(world, dim=placement.dim)[rank].clone() if placement.is_shard() else full.clone()
         dest[name] = DTensor.from_local(local, mesh, [placement], shape=torch.Size(shape), stride=full.stride(),
                                         run_check=False)
-    async with ws.Subscriber(spec["channel"], address=spec["address"], member_id=f"tp{rank}", timeout=10.0) as sub:
+    sliced = spec.get("sliced", False)
+    async with ws.Subscriber(spec["channel"], address=spec["address"], member_id=f"tp{rank}", timeout=10.0,
+                             want=dest if sliced else None) as sub:
         version = await sub.get_into(dest, min_version=spec["version"], timeout=60)
+        got = await sub.get(min_version=version, timeout=10)
     dist.destroy_process_group()
-    return {"version": version, "digests": {k: digest(v.to_local()) for k, v in dest.items()}}
+    received = sum(e.nbytes for e in process_recorder().snapshot() if e.op == "bucket_recv" and e.state == "completed")
+    return {"version": version, "digests": {k: digest(v.to_local()) for k, v in dest.items()},
+            "received": received, "got": {k: [list(t.shape), digest(t)] for k, t in got.items()}}
 
 
 async def main(spec: dict) -> dict:

@@ -26,7 +26,8 @@ from typing import Union
 
 import msgspec
 
-PROTOCOL_VERSION = 5  # 2: settings in Admit; CRC32C. 3: link probes. 4: same-host shm. 5: sharded (lanes)
+PROTOCOL_VERSION = 6  # 2: settings in Admit; CRC32C. 3: link probes. 4: same-host shm. 5: sharded (lanes).
+# 6: sliced members (Join.want, point-to-point buckets: Announce.direct)
 
 
 class TensorSpec(msgspec.Struct, frozen=True, array_like=True):
@@ -100,6 +101,14 @@ class Assembly(msgspec.Struct, frozen=True):
     pieces: tuple[Piece, ...]  # per tensor of the Announce's (lane) manifest
 
 
+class Want(msgspec.Struct, frozen=True, array_like=True):
+    """A sliced member wants only this box of tensor ``name``: ``shape`` elements from ``offset``."""
+
+    name: str
+    offset: tuple[int, ...]
+    shape: tuple[int, ...]
+
+
 class Challenge(msgspec.Struct, frozen=True, tag="challenge"):
     """The server's first frame on a new connection: answer with a Join that proves the secret."""
 
@@ -117,6 +126,7 @@ class Join(msgspec.Struct, frozen=True, tag="join"):
     pid: int = 0
     host: str = ""
     transport: str = "group"  # "group" | "shm" (the member opened the Challenge's door) | "rank" (a trainer rank)
+    want: tuple[Want, ...] | None = None  # a sliced member: only these boxes, point to point; None: everything
 
 
 class Leave(msgspec.Struct, frozen=True, tag="leave"):
@@ -182,10 +192,13 @@ class Announce(msgspec.Struct, frozen=True, tag="announce"):
     checksum: bool = True  # a Seal with this version's per-bucket digests follows its buckets
     segment: ShmRef | None = None  # same-host members copy the version from here
     assembly: Assembly | None = None  # a sharded version: where this lane's bytes go in the full one
+    direct: bool = False  # the buckets come point to point from rank 0, each member's own (Join.want) or whole
 
 
 class Seal(msgspec.Struct, frozen=True, tag="seal"):
-    """Per-bucket digests (``transport.checksum``) of version `version`, sent once its buckets left."""
+    """Per-bucket digests (``transport.checksum``) of version `version`, sent once its buckets left.
+
+    To a sliced member: the digests of what it was sent of each bucket (0 where nothing)."""
 
     generation: int
     seq: int

@@ -19,7 +19,7 @@ import os
 
 import torch
 
-from weightsync._wire import PROTOCOL_VERSION, Deny, Fingerprint, Join, encode
+from weightsync._wire import PROTOCOL_VERSION, Deny, Fingerprint, Join, Want, encode
 from weightsync.pg import _torch_compat as compat
 
 # NCCL variables that change the wire protocol or transport choice and so must agree.
@@ -80,11 +80,13 @@ def _mac(key: bytes, *parts: bytes) -> bytes:
 
 
 def join_proof(secret: bytes | None, *, channel: str, server_nonce: bytes, client_nonce: bytes, member_id: str,
-               fp: Fingerprint) -> bytes:
-    """What a Join must carry to be admitted (b"" on an open channel)."""
+               fp: Fingerprint, transport: str = "group", want: tuple[Want, ...] | None = None) -> bytes:
+    """What a Join must carry to be admitted (b"" on an open channel). It covers what the member
+    asks for (its transport, and a sliced member's boxes): nobody on the path can change them."""
     if secret is None:
         return b""
-    return _mac(secret, b"ws-join-v2", channel.encode(), member_id.encode(), server_nonce, client_nonce, encode(fp))
+    return _mac(secret, b"ws-join-v3", channel.encode(), member_id.encode(), server_nonce, client_nonce, encode(fp),
+                transport.encode(), encode(want))
 
 
 def session_key(secret: bytes | None, *, server_nonce: bytes, client_nonce: bytes, member_id: str) -> bytes | None:
@@ -113,7 +115,8 @@ def admission_problem(join: Join, *, channel: str, server_nonce: bytes, secret: 
         return Deny(reason=f"invalid member id {join.member_id[:64]!r}", kind="token")
     if secret is not None:
         expected = join_proof(secret, channel=channel, server_nonce=server_nonce, client_nonce=join.nonce,
-                              member_id=join.member_id, fp=join.fingerprint)
+                              member_id=join.member_id, fp=join.fingerprint, transport=join.transport,
+                              want=join.want)
         if len(join.nonce) < NONCE_BYTES or not hmac.compare_digest(expected, join.proof):
             return Deny(reason="missing or wrong token", kind="token")
     diffs = compare(mine, join.fingerprint)

@@ -53,8 +53,9 @@ class ControlClient:
 
     def __init__(self, channel: str, member_id: str, *, host: str, port: int, secret: bytes | None,
                  fingerprint: _wire.Fingerprint, recorder: RecorderScope, send_timeout: float,
-                 transport: str = "group") -> None:
+                 transport: str = "group", want: tuple[_wire.Want, ...] | None = None) -> None:
         self.channel, self.member_id, self._host, self._port = channel, member_id, host, port
+        self.want = want  # a sliced member's boxes (told in the Join, covered by its proof)
         self._secret, self._fingerprint, self._rec = secret, fingerprint, recorder
         self._send_timeout = send_timeout
         self.requested = transport  # "auto" | "group" | "shm"
@@ -96,9 +97,11 @@ class ControlClient:
             self.transport = self._choose_transport(challenge.shm)
             nonce = auth.new_nonce()
             proof = auth.join_proof(self._secret, channel=self.channel, server_nonce=challenge.nonce,
-                                    client_nonce=nonce, member_id=self.member_id, fp=self._fingerprint)
+                                    client_nonce=nonce, member_id=self.member_id, fp=self._fingerprint,
+                                    transport=self.transport, want=self.want)
             sock.sendall(session.seal(_wire.Join(self.member_id, self._fingerprint, nonce, proof, pid=os.getpid(),
-                                                 host=socket.gethostname(), transport=self.transport)))
+                                                 host=socket.gethostname(), transport=self.transport,
+                                                 want=self.want)))
             session.key = auth.session_key(self._secret, server_nonce=challenge.nonce, client_nonce=nonce,
                                            member_id=self.member_id)
         except (OSError, BadFrame) as err:

@@ -24,7 +24,7 @@ import msgspec
 from weightsync import _wire
 
 HEADER = struct.Struct(">I")
-HANDSHAKE_FRAME = 64 << 10
+HANDSHAKE_FRAME = 1 << 20  # a Join: a sliced member names its boxes (about 50 bytes a tensor)
 MAX_FRAME = 256 << 20  # a manifest of a very large model, with room to spare
 MAC_BYTES = 16
 TO_SERVER, TO_CLIENT = b"c>s", b"s>c"

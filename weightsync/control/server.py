@@ -76,6 +76,7 @@ class Link:
     probes: dict[int, float] = field(default_factory=dict)  # probe seq -> when it was written
     link_times: deque[float] = field(default_factory=lambda: deque(maxlen=PROBE_WINDOW))
     transport: str = "group"  # "shm": a same-host member that reads the publisher's shared memory
+    want: tuple[_wire.Want, ...] | None = None  # a sliced member's boxes (it receives point to point)
 
 
 class ControlServer:
@@ -309,7 +310,7 @@ class ControlServer:
         session.key = auth.session_key(self._secret, server_nonce=nonce, client_nonce=join.nonce,
                                        member_id=join.member_id)
         link = Link(secrets.token_hex(8), join.member_id, join.host[:256], join.pid, session, writer,
-                    transport=join.transport)
+                    transport=join.transport, want=join.want)
         with self._lock:
             self._links[link.incarnation] = link
         self._on_join(link)

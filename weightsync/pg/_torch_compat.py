@@ -218,6 +218,15 @@ def broadcast(pg: Any, tensor: torch.Tensor, root: int, timeout: float) -> Any:
     return pg.broadcast([tensor], opts)
 
 
+def send(pg: Any, tensor: torch.Tensor, dst: int, tag: int) -> Any:
+    """Point to point: ``tensor`` to rank ``dst`` (bounded by the wait on the returned work)."""
+    return pg.send([tensor], dst, tag)
+
+
+def recv(pg: Any, tensor: torch.Tensor, src: int, tag: int) -> Any:
+    return pg.recv([tensor], src, tag)
+
+
 def wait_work(work: Any, timeout: float) -> None:
     """Wait for ``work`` at most ``timeout`` seconds; raises TimeoutError or RuntimeError.
 

@@ -118,28 +118,48 @@ class DedicatedGroup:
         misses its deadline or the backend fails (the group is then unusable), Cancelled when
         ``transfer.cancelled()`` says so, LocalFailure when a hook fails.
         """
+        self._run(transfer, op, depth, lambda i, tensor, limit: [compat.broadcast(self._pg, tensor, 0, limit)])
+
+    def exchange(self, transfer: Transfer, *, op: str, depth: int = 2) -> None:
+        """Point to point (``transfer.direct``): rank 0 sends each member what ``transfer.sends(i)``
+        says for bucket i; a member receives ``transfer.buckets[i]`` (nothing when it is empty).
+        Bounds and failures as :meth:`broadcast`."""
+        def issue(i: int, tensor: torch.Tensor, limit: float) -> list[Any]:
+            if self.rank != 0:
+                return [compat.recv(self._pg, tensor, 0, i)] if tensor.numel() else []
+            assert transfer.sends is not None
+            try:
+                pairs = transfer.sends(i)
+            except Exception as err:  # noqa: BLE001 - gathering our own bucket: a local failure
+                raise LocalFailure(f"gathering bucket {i} failed: {type(err).__name__}: {err}") from err
+            return [compat.send(self._pg, piece, dst, i) for dst, piece in pairs if piece.numel()]
+
+        self._run(transfer, op, depth, issue)
+
+    def _run(self, transfer: Transfer, op: str, depth: int,
+             issue: Callable[[int, torch.Tensor, float], list[Any]]) -> None:
         if self.state != ALIVE:
             raise Cancelled(f"generation {self.generation} of {self.channel!r} was aborted")
         if self._pg is None:
             return
-        pending: list[tuple[int, Any, Any, float]] = []  # (bucket, work, recorder entry, deadline)
+        pending: list[tuple[int, list[Any], Any, float]] = []  # (bucket, works, recorder entry, deadline)
         issued: list[Any] = []  # every work of this transfer, kept until it is known to be over
+        fan = self.size - 1 if transfer.direct and self.rank == 0 else 1  # rank 0 sends each member its own
         try:
             for i, tensor in enumerate(transfer.buckets):
                 if len(pending) >= depth:
                     self._finish_oldest(pending, transfer)
                 _hook(transfer.before, i, "preparing")
-                limit = transfer.deadline(tensor.numel())
-                entry = self._rec.record(op,
-                                         generation=self.generation, version=transfer.version, bucket=i,
-                                              nbytes=tensor.numel()).start()
-                pending.append((i, None, entry, time.monotonic() + limit))
+                limit = transfer.deadline(tensor.numel() * max(fan, 1))
+                entry = self._rec.record(op, generation=self.generation, version=transfer.version, bucket=i,
+                                         nbytes=tensor.numel()).start()
+                pending.append((i, [], entry, time.monotonic() + limit))
                 try:
-                    work = compat.broadcast(self._pg, tensor, 0, limit)
+                    works = issue(i, tensor, limit)
                 except RuntimeError as err:
                     raise PeerFailure(f"bucket {i} could not be issued: {err}") from err
-                issued.append(work)
-                pending[-1] = (i, work, entry, time.monotonic() + limit)
+                issued.extend(works)
+                pending[-1] = (i, works, entry, time.monotonic() + limit)
             while pending:
                 self._finish_oldest(pending, transfer)
         except BaseException as err:
@@ -150,10 +170,11 @@ class DedicatedGroup:
             self._orphans.extend(issued)
             raise
 
-    def _finish_oldest(self, pending: list[tuple[int, Any, Any, float]], transfer: Transfer) -> None:
-        i, work, entry, limit = pending.pop(0)
+    def _finish_oldest(self, pending: list[tuple[int, list[Any], Any, float]], transfer: Transfer) -> None:
+        i, works, entry, limit = pending.pop(0)
         try:
-            self._wait(work, limit, transfer.cancelled)
+            for work in works:
+                self._wait(work, limit, transfer.cancelled)
         except BaseException as err:
             entry.fail(err)
             raise
@@ -292,7 +313,11 @@ class GroupPlane:
     def move(self, transfer: Transfer) -> None:
         if self.group is None:
             raise Cancelled("no generation entered")
-        self.group.broadcast(transfer, op="bucket_send" if self.group.rank == 0 else "bucket_recv")
+        op = "bucket_send" if self.group.rank == 0 else "bucket_recv"
+        if transfer.direct:
+            self.group.exchange(transfer, op=op)
+        else:
+            self.group.broadcast(transfer, op=op)
 
     def leave(self, reason: str, *, failed: bool = False) -> None:
         # a failed generation's publisher end is torn down after its peers' (reaper.retire)

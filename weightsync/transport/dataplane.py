@@ -9,7 +9,8 @@ owning thread (the publisher's sender thread, or a subscriber's receiver thread)
    publisher in ``Ready`` (a reconfigure handle, a segment name; ``""`` when nothing);
 2. ``enter(spec)``: form generation ``spec.generation`` with ``spec.members``, bounded by
    ``spec.timeout``; the publisher's ``Go`` carries what every member offered;
-3. ``move(transfer)``: rank 0 sends ``transfer.buckets``, everyone else receives into them,
+3. ``move(transfer)``: rank 0 sends ``transfer.buckets``, everyone else receives into them
+   (``transfer.direct``: point to point, rank 0 sending each member its own ``sends(i)``),
    each bucket bounded by ``transfer.deadline(nbytes)`` (the receiver times its own work in
    ``transfer.after``: straggler scoring counts that, not the wait on peers);
 4. ``leave(reason, failed=...)``: end the generation (a hung operation must return); with
@@ -67,6 +68,9 @@ class Transfer:
     after: Callable[[int], None] | None = None  # runs once bucket i completed (checksums)
     cancelled: Callable[[], bool] | None = None  # polled while waiting: True gives up (Cancelled)
     source: Any = None  # where a plane that reads (not receives) finds the bytes: an Announce's segment
+    direct: bool = False  # point to point instead of a broadcast (a generation with sliced members)
+    # rank 0 of a direct transfer: bucket i's (member rank, bytes for it) pairs, gathered after ``before(i)``
+    sends: Callable[[int], Sequence[tuple[int, torch.Tensor]]] | None = None
 
 
 class DataPlane(Protocol):

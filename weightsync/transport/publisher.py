@@ -237,7 +237,7 @@ class Publisher:
                 self._held.append(link)
                 return
         self._sender.submit(Join(link.member_id, link.incarnation, host=link.host, pid=link.pid,
-                                 transport=link.transport))
+                                 transport=link.transport, want=link.want))
 
     def _on_leave(self, link: Link) -> None:
         if link.transport == "rank":

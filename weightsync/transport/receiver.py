@@ -60,6 +60,7 @@ from weightsync.errors import (
     Closed,
     Evicted,
     HandshakeMismatch,
+    ManifestMismatch,
     PublisherGone,
     SyncTimeout,
     WeightSyncError,
@@ -111,7 +112,7 @@ class Receiver:
     def __init__(self, channel: str, member_id: str, *, host: str, port: int, backend: str, device: torch.device,
                  secret: bytes | None, own_timeout: float, join_timeout: float, recorder: FlightRecorder,
                  slots: SlotPair, on_publish: Callable[[], None], hooks: Hooks, transport: str = "auto",
-                 lane: int = 0) -> None:
+                 lane: int = 0, want: tuple[_wire.Want, ...] | None = None) -> None:
         self.channel, self.member_id = channel, member_id
         self.backend, self.device, self._secret = backend, device, secret
         self.own_timeout, self.join_timeout = own_timeout, join_timeout
@@ -125,13 +126,15 @@ class Receiver:
         self._recorder, self._slots, self._on_publish, self._hooks = recorder, slots, on_publish, hooks
         self.lane = lane  # a sharded channel: the trainer rank this receiver's publisher is
         self.lanes: tuple[str, ...] = ()  # from rank 0's Admit: the other trainer ranks' addresses
+        self.want = want  # a sliced member: only these boxes arrive (point to point), packed in its slot
         self._rec = recorder.scope(channel, member_id if lane == 0 else f"{member_id}@rank{lane}")
         self._plane: DataPlane | None = None
         self._clean_shutdown = False
         self._client = ControlClient(channel, member_id, host=host, port=port, secret=secret,
                                      fingerprint=auth.fingerprint(backend, device), recorder=self._rec,
                                      send_timeout=own_timeout,
-                                     transport=transport if slots.device.type == "cpu" else "group")
+                                     transport=transport if slots.device.type == "cpu" and want is None else "group",
+                                     want=want)
 
     # terminal state ------------------------------------------------------------------------
     def end(self, error: WeightSyncError) -> None:
@@ -338,22 +341,25 @@ class Receiver:
                                       nbytes=manifest.total_bytes).start()
         ok, error, in_move, sealing = False, "", 0.0, 0.0
         checking = [0.0]  # of the time in move(), what this member spent on its own buckets
-        assembly, placer, epoch = announce.assembly, None, 0
+        assembly, epoch = announce.assembly, 0
+        placer: sharding.Placer | sharding.SlicePlacer | None = None
         try:
-            if assembly is None:
+            if assembly is not None and assembly.rank != self.lane:
+                raise ProtocolError(f"trainer rank {self.lane}'s lane announced rank {assembly.rank}'s part")
+            ranges = (layout.bucket_ranges(manifest.total_bytes, announce.bucket_bytes) if assembly is None
+                      else sharding.bucket_plan(manifest, announce.bucket_bytes))
+            if self.want is not None:  # only our boxes, point to point, packed in our own slot layout
+                placer, buckets, epoch = self._sliced_targets(announce, ranges)
+            elif assembly is None:
                 flat = self._slots.prepare(manifest, self.deadlines.readers())
-                ranges = layout.bucket_ranges(manifest.total_bytes, announce.bucket_bytes)
                 buckets = [flat[lo:hi] for lo, hi in ranges]
             else:  # this lane's part of a sharded version, straight into its places in the full slot
-                if assembly.rank != self.lane:
-                    raise ProtocolError(f"trainer rank {self.lane}'s lane announced rank {assembly.rank}'s part")
                 full, epoch = self._slots.prepare_part(self.lane, assembly.manifest, self.deadlines.readers())
-                ranges = sharding.bucket_plan(manifest, announce.bucket_bytes)
                 try:
-                    placer = sharding.Placer(full, manifest, assembly.pieces, ranges)
+                    lane_placer = sharding.Placer(full, manifest, assembly.pieces, ranges)
                 except ValueError as err:
                     raise ProtocolError(f"version {announce.version}: {err}") from err
-                buckets = placer.targets
+                placer, buckets = lane_placer, lane_placer.targets
             if len(ranges) != announce.num_buckets:
                 raise ProtocolError(f"announced {announce.num_buckets} buckets, layout has {len(ranges)}")
             sums: list[int] = []
@@ -364,7 +370,7 @@ class Receiver:
                 began = time.monotonic()
                 self._hooks.after_bucket(announce.version, i, buckets[i], began - last[0])
                 if verify:
-                    sums.append(checksum(buckets[i]))
+                    sums.append(checksum(buckets[i]) if buckets[i].numel() else 0)
                 if placer is not None:
                     placer.place(i)
                 last[0] = time.monotonic()
@@ -375,7 +381,8 @@ class Receiver:
             try:
                 self._plane.move(Transfer(announce.version, buckets, self.deadlines.bucket, after=after,
                                           cancelled=lambda: self.aborting.is_set()
-                                          or not self._client.commands.empty(), source=announce.segment))
+                                          or not self._client.commands.empty(), source=announce.segment,
+                                          direct=announce.direct))
             finally:
                 in_move = time.monotonic() - moving
             if verify:  # the Seal comes when the whole broadcast is done: waiting for it is not ours
@@ -405,6 +412,32 @@ class Receiver:
         if self.transport == "shm":  # the copy out of shared memory is all this member's own work
             own = max(seconds - sealing, 0.0)
         self._acknowledge(announce, ok=ok, error=error, seconds=seconds, own=own)
+
+    def _sliced_targets(self, announce: _wire.Announce,
+                        ranges: list[tuple[int, int]]) -> tuple[sharding.SlicePlacer, list[torch.Tensor], int]:
+        """A sliced member's slot for ``announce`` and where each bucket's share of it lands."""
+        assert self.want is not None and self.deadlines is not None
+        if not announce.direct:
+            raise ProtocolError(f"version {announce.version} was broadcast to a sliced member")
+        assembly = announce.assembly
+        full = announce.manifest if assembly is None else assembly.manifest
+        try:
+            mine = sharding.sliced_manifest(full, self.want)
+            plan = sharding.cached_routes(announce.manifest, None if assembly is None else assembly.pieces, full,
+                                          self.want, tuple(ranges))
+        except ValueError as err:  # the engine asked for what this channel does not publish: say so, stop
+            raise ManifestMismatch(f"want= does not fit version {announce.version}: {err}", channel=self.channel,
+                                   member=self.member_id) from err
+        epoch = 0
+        if assembly is None:
+            slot = self._slots.prepare(mine, self.deadlines.readers())
+        else:
+            slot, epoch = self._slots.prepare_part(self.lane, mine, self.deadlines.readers())
+        try:
+            placer = sharding.SlicePlacer(slot, plan)
+        except ValueError as err:
+            raise ProtocolError(f"version {announce.version}: {err}") from err
+        return placer, placer.targets, epoch
 
     def _acknowledge(self, announce: _wire.Announce, *, ok: bool, error: str, seconds: float, own: float = 0.0) -> None:
         ack = _wire.Ack(generation=announce.generation, seq=announce.seq, member_id=self.member_id,

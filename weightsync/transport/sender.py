@@ -80,6 +80,7 @@ class Join:
     host: str = ""
     pid: int = 0
     transport: str = "group"
+    want: tuple[_wire.Want, ...] | None = None  # a sliced member: only these boxes, point to point
 
 
 @dataclass(frozen=True)
@@ -162,6 +163,7 @@ class Sender:
         self._evicted_lock = threading.Lock()
         self._evicted: list[MemberInfo] = []
         self._gens: Generations | None = None
+        self.wants: dict[str, tuple[_wire.Want, ...] | None] = {}  # sliced members' boxes, from their Join
 
     # any thread ---------------------------------------------------------------------------
     def submit(self, event: Event) -> None:
@@ -251,6 +253,7 @@ class Sender:
             # from now on the control server speaks for this member through this connection;
             # one that hung up meanwhile is found dead by the next plan
             self.control.bind(event.incarnation)
+            self.wants[event.member_id] = event.want
             self._gens.register(event.member_id, event.incarnation, host=event.host, pid=event.pid,
                                 transport=event.transport)
         elif isinstance(event, Leave):
@@ -298,6 +301,10 @@ class Sender:
         ranges = (layout.bucket_ranges(job.manifest.total_bytes, self.settings.bucket_bytes) if job.assembly is None
                   else sharding.bucket_plan(job.manifest, self.settings.bucket_bytes))
         verify = self.checksum
+        # a sliced member in the group: every member gets its buckets point to point, the sliced
+        # ones only their runs of each (docs/sharding.md says why not a broadcast then)
+        plans = {m: self._plan(m, job, ranges) for m in group if self.wants.get(m) is not None}
+        direct = bool(plans)
         t0 = time.monotonic()
         try:
             segment = self._segment_for(job) if len(group) < len(members) else None
@@ -306,7 +313,8 @@ class Sender:
             raise _PutFailed(str(err)) from err
         announce = _wire.Announce(generation=gen, seq=seq, version=job.version, manifest=job.manifest,
                                   bucket_bytes=self.settings.bucket_bytes, num_buckets=len(ranges),
-                                  resend=job.resends > 0, checksum=verify, segment=segment, assembly=job.assembly)
+                                  resend=job.resends > 0, checksum=verify, segment=segment, assembly=job.assembly,
+                                  direct=direct)
         job.resends += 1
         job.started = job.started or time.monotonic()
         entry = self._rec.record("announce", generation=gen,
@@ -318,21 +326,47 @@ class Sender:
                 slices, before = bucket_slices(job, ranges, self._buckets, self.settings.bucket_bytes,
                                                self.deadlines.bucket)
                 sums: list[int] = []
+                own: dict[str, list[int]] = {m: [] for m in plans}  # what each sliced member was sent
                 if group:
                     # each bucket's digest is taken once it is on the wire, while the next one
                     # transfers; a member known dead (its connection closed, or silent past its
                     # bound) ends the wait for it now: the transfer is abandoned and re-sent to
                     # the rest, not left to time out
-                    after = (lambda i: sums.append(checksum(slices[i]))) if verify else None
+                    sent: dict[int, list[tuple[str, torch.Tensor]]] = {}
+
+                    def sends(i: int) -> list[tuple[int, torch.Tensor]]:
+                        pairs, sliced = [], []
+                        for rank, member in enumerate(group, start=1):
+                            piece = slices[i]
+                            if member in plans:
+                                plan = plans[member]
+                                piece = sharding.gather(slices[i], plan[i] if plan is not None else ())
+                                sliced.append((member, piece))
+                            pairs.append((rank, piece))
+                        sent[i] = sliced
+                        return pairs
+
+                    def after(i: int) -> None:
+                        pieces = sent.pop(i, [])
+                        if verify:
+                            sums.append(checksum(slices[i]))
+                            for member, piece in pieces:
+                                own[member].append(checksum(piece) if piece.numel() else 0)
+
                     gens.plane.move(Transfer(job.version, slices, self.deadlines.bucket, before=before, after=after,
-                                             cancelled=self._generation_broken))
+                                             cancelled=self._generation_broken, direct=direct,
+                                             sends=sends if direct else None))
                 elif verify:  # same-host members only: they copy while the digests are taken
                     for i, piece in enumerate(slices):
                         if before is not None:
                             before(i)
                         sums.append(checksum(piece))
                 if verify:
-                    gens.tell(members, _wire.Seal(generation=gen, seq=seq, version=job.version, checksums=tuple(sums)))
+                    for to, digests in [(tuple(m for m in members if m not in own), sums), *(
+                            ((m,), sums_m) for m, sums_m in own.items())]:
+                        if to:
+                            gens.tell(to, _wire.Seal(generation=gen, seq=seq, version=job.version,
+                                                     checksums=tuple(digests)))
             if job.flat is None:
                 job.release()
             acked, failed = gens.collect_acks(gen, seq, members, job.version, self.deadlines.acknowledgements())
@@ -348,6 +382,19 @@ class Sender:
             return failed
         self._finish(job, t0)
         return None
+
+    def _plan(self, member: str, job: Job, ranges: list[tuple[int, int]]) -> list[list[sharding.Run]] | None:
+        """A sliced member's runs of each bucket of ``job``; None (nothing sent) when its boxes do not
+        fit this version: the member finds that out itself and stops with a clear error."""
+        want = self.wants.get(member)
+        assert want is not None
+        full = job.manifest if job.assembly is None else job.assembly.manifest
+        try:
+            return sharding.cached_routes(job.manifest, None if job.assembly is None else job.assembly.pieces,
+                                          full, want, tuple(ranges))
+        except ValueError as err:
+            self._rec.record("send", version=job.version, peers=(member,)).fail(f"its want= does not fit: {err}")
+            return None
 
     def _segment_for(self, job: Job) -> _wire.ShmRef:
         """Where same-host members read ``job``: its snapshot, or (``copy=False``) a buffer it is packed into."""

@@ -74,12 +74,18 @@ class Subscriber:
             stages in host memory, else the group; ``"group"``: always the process group;
             ``"shm"``: shared memory, or :class:`TransportUnavailable` at ``start``;
             ``"cuda_ipc"`` is not built yet and raises :class:`TransportUnavailable`.
+        want: a tensor-parallel engine's own tensors (names to ``DTensor`` shards on its mesh,
+            or plain tensors): receive only those, each DTensor only its local shard's box,
+            point to point from every trainer rank (docs/sharding.md, "Sliced receive").
+            ``get``/``stream``/``load`` then give those boxes, and ``get_into(want)`` writes
+            them in place. Always over the group (``transport="shm"`` is refused).
     """
 
     def __init__(self, name: str, *, address: str, backend: str = "auto",
                  device: str | torch.device | None = None, member_id: str | None = None, timeout: float = 30.0,
                  secret: str | bytes | None = None, recorder: FlightRecorder | None = None,
-                 flight_recorder_dir: str | os.PathLike[str] | None = None, transport: str | None = None) -> None:
+                 flight_recorder_dir: str | os.PathLike[str] | None = None, transport: str | None = None,
+                 want: Mapping[str, torch.Tensor] | None = None) -> None:
         lifecycle.validate_name("channel name", name)
         transport = transport or os.environ.get("WEIGHTSYNC_TRANSPORT") or "auto"
         if transport not in TRANSPORTS:
@@ -109,6 +115,10 @@ class Subscriber:
         if transport == "shm" and self._slots.device.type != "cpu":
             raise TransportUnavailable(f"transport='shm' receives into host memory; device={self.device} with "
                                        f"backend={self.backend!r} receives on the GPU", channel=name)
+        self._want = None if want is None else sharding.wants_of(want)
+        if self._want is not None and transport == "shm":
+            raise TransportUnavailable("want= receives point to point over the group; transport='shm' copies whole "
+                                       "versions", channel=name)
         self._transport = transport
         self._state = EndState.NEW
         self._started = False
@@ -165,7 +175,7 @@ class Subscriber:
         return Receiver(self.name, self.member_id, host=host_port[0], port=host_port[1], backend=self.backend,
                         device=self.device, secret=self._secret, own_timeout=self.timeout, join_timeout=limit,
                         recorder=self._recorder, slots=self._slots, on_publish=self._wake, hooks=self._hooks,
-                        transport=self._transport, lane=lane)
+                        transport=self._transport, lane=lane, want=self._want)
 
     def _run(self, receiver: Receiver) -> list[Any]:
         prefix = f"ws-{self.name}" if receiver.lane == 0 else f"ws-{self.name}-rank{receiver.lane}"
@@ -270,7 +280,8 @@ class Subscriber:
         Names, dtypes and shapes are checked first: on any mismatch ManifestMismatch is
         raised and ``dest`` is left untouched. A ``DTensor`` value (a tensor-parallel engine's
         shard, on its own mesh) gets only its local shard's box of the full tensor (``Shard(d)``,
-        ``Replicate()``); the subscriber itself receives the full tensors (docs/sharding.md).
+        ``Replicate()``). A subscriber made with ``want=`` received only those boxes: pass the
+        same mapping (or one with the same names and local shapes).
         """
         if not isinstance(dest, Mapping):
             raise TypeError(f"dest must be a Mapping[str, Tensor], got {type(dest).__name__}")
@@ -279,6 +290,8 @@ class Subscriber:
         slot = self._slots.pin()
         try:
             assert slot.manifest is not None and slot.flat is not None and slot.version is not None
+            if self._want is not None:  # the slot holds our boxes: write each DTensor's local tensor
+                dest = {name: sharding.local_box(t)[0] if sharding.is_dtensor(t) else t for name, t in dest.items()}
             layout.check_destination(slot.manifest, dest)
             await self._loop.run_in_executor(None, self._copy_into, slot, dest)
             return slot.version
