@@ -5,7 +5,11 @@ generator processes, measured side by side in one run:
 
 - ``sharded``: every rank ``await pub.put(state_dict)`` on its own Publisher (rank=, world_size=);
 - ``gather``: ``full_tensor()`` of every parameter onto every rank (what a rank-0 gather costs at
-  least), then rank 0 alone pushes through a single-rank Publisher.
+  least), then rank 0 alone pushes through a single-rank Publisher;
+- ``sliced`` (with ``--sliced``): as ``sharded``, but the 2 generators are one tensor-parallel
+  engine (2 ranks; even layers split by rows, odd ones by columns, as column- and row-parallel
+  linears are) made with ``want=``: each receives only its half, point to point. Against
+  ``sharded``, whose generators receive every byte (and keep half, in a TP engine).
 
 Per version: the time from the ranks' common start (a barrier) until every generator has the
 version readable, and each rank's peak extra memory during the push (the kernel's high-water
@@ -15,6 +19,7 @@ no slower than gather-then-push at W=2.
 
     python -m benchmarks.sharded                     # 256 MiB, W = 1 2 4, 3 versions each
     python -m benchmarks.sharded --mib 64 --ranks 2  # quicker
+    python -m benchmarks.sharded --sliced            # also: TP generators receiving only their halves
 
 Writes ``sharded.json`` and ``sharded.png`` to ``--out``.
 """
@@ -82,7 +87,7 @@ async def trainer(spec: dict) -> dict:
     address_file = Path(spec["address_file"])
     out: dict = {"rank": rank, "local_bytes": local_bytes, "starts": [], "extra_kib": []}
     publisher: ws.Publisher | None = None
-    if mode == "sharded":
+    if mode in ("sharded", "sliced"):
         address = "127.0.0.1:0"
         if rank:
             while not address_file.exists():
@@ -107,7 +112,7 @@ async def trainer(spec: dict) -> dict:
         before = _status_kib("VmRSS")
         _reset_peak()
         start = time.time()
-        if mode == "sharded":
+        if mode in ("sharded", "sliced"):
             assert publisher is not None
             handle = await publisher.put(sd, version=version, copy=spec["copy"])
             await handle.delivered(timeout=300)
@@ -128,22 +133,50 @@ async def trainer(spec: dict) -> dict:
     return out
 
 
+def _tp_want(spec: dict) -> dict:
+    """Generator rank ``index`` of a 2-rank tensor-parallel engine: its DTensors (even layers
+    Shard(0), odd Shard(1)) on its own mesh."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    store = dist.TCPStore("127.0.0.1", spec["store_port"], is_master=False, timeout=dt.timedelta(seconds=120))
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"tp-{spec['world']}", store), rank=spec["index"],
+                            world_size=2, timeout=dt.timedelta(seconds=300))
+    mesh = init_device_mesh("cpu", (2,))
+    rows = _rows(spec["mib"])
+    want = {}
+    for i in range(TENSORS):
+        full = torch.empty(rows, 1024, device="meta")  # shape only: chunk's split
+        local = torch.empty(full.chunk(2, dim=i % 2)[spec["index"]].shape)
+        want[f"layer{i}.weight"] = DTensor.from_local(local, mesh, [Shard(i % 2)], shape=(rows, 1024),
+                                                      stride=(1024, 1), run_check=False)
+    return want
+
+
 async def generator(spec: dict) -> dict:
     import weightsync as ws
+    from weightsync.pg.recorder import process_recorder
 
     address_file = Path(spec["address_file"])
+    want = _tp_want(spec) if spec["mode"] == "sliced" else None
     while not address_file.exists():
         await asyncio.sleep(0.05)
     arrivals = []
     async with ws.Subscriber(CHANNEL, address=address_file.read_text(), member_id=f"gen{spec['index']}",
-                             timeout=60, transport="group") as sub:
+                             timeout=60, transport="group", want=want) as sub:
         last = -1
         while last < spec["versions"]:
             w = await sub.get(min_version=last + 1, timeout=300)
             if w.version >= 1:
                 arrivals.append((w.version, time.time()))
             last = w.version
-    return {"arrivals": arrivals}
+    if want is not None:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+    received = sum(e.nbytes for e in process_recorder().snapshot() if e.op == "bucket_recv" and e.state == "completed")
+    return {"arrivals": arrivals, "received_bytes": received / (spec["versions"] + 1)}
 
 
 def _run(world: int, mode: str, args: argparse.Namespace, tmp: Path) -> dict:
@@ -181,7 +214,8 @@ def _run(world: int, mode: str, args: argparse.Namespace, tmp: Path) -> dict:
     extra = [max(t["extra_kib"]) * 1024 for t in trainers]
     return {"world": world, "mode": mode, "delivery_s": sorted(seconds)[len(seconds) // 2] if seconds else None,
             "all_delivery_s": seconds, "peak_extra_bytes": extra,
-            "local_bytes": [t["local_bytes"] for t in trainers]}
+            "local_bytes": [t["local_bytes"] for t in trainers],
+            "received_bytes_per_generator": [g["received_bytes"] for g in gens]}
 
 
 def _spawn(tmp: Path, name: str, spec: dict) -> tuple[subprocess.Popen[bytes], Path]:
@@ -199,6 +233,8 @@ def main() -> int:
     parser.add_argument("--versions", type=int, default=3, help="measured versions per point (median reported)")
     parser.add_argument("--bucket-mib", type=int, default=16)
     parser.add_argument("--no-copy", action="store_true", help="put with copy=False (the target: two buckets)")
+    parser.add_argument("--sliced", action="store_true",
+                        help="also run the generators as one 2-rank TP engine receiving only its halves (want=)")
     parser.add_argument("--out", default="bench-out")
     parser.add_argument("--role", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -211,13 +247,15 @@ def main() -> int:
     points = []
     with tempfile.TemporaryDirectory(prefix="ws-sharded-") as tmp:
         for world in args.ranks:
-            for mode in ("sharded", "gather"):
+            for mode in ("sharded", "gather", *(("sliced",) if args.sliced else ())):
                 point = _run(world, mode, args, Path(tmp))
                 points.append(point)
                 extra = ", ".join(f"{b / 2**20:.0f}" for b in point["peak_extra_bytes"])
                 local = ", ".join(f"{b / 2**20:.0f}" for b in point["local_bytes"])
+                got = ", ".join(f"{b / 2**20:.0f}" for b in point["received_bytes_per_generator"])
                 print(f"W={world} {mode:8s} every generator has it after {point['delivery_s']:.3f} s; "
-                      f"peak extra MiB per rank [{extra}] (local shards [{local}])")
+                      f"peak extra MiB per rank [{extra}] (local shards [{local}]); "
+                      f"MiB received per generator [{got}]")
     by = {(p["world"], p["mode"]): p for p in points}
     targets = {}
     for world in args.ranks:
@@ -231,12 +269,20 @@ def main() -> int:
             print(f"W={world}: sharded / gather-then-push delivery time = {ratio:.2f}x")
             if world == 2:
                 targets["W=2: delivery no slower than gather-then-push"] = ratio <= 1.0
+        if args.sliced:
+            sliced, whole = by[(world, "sliced")], sharded
+            ratio = sliced["delivery_s"] / whole["delivery_s"]
+            share = max(sliced["received_bytes_per_generator"]) / max(whole["received_bytes_per_generator"])
+            print(f"W={world}: sliced / full receive: delivery time {ratio:.2f}x, bytes per generator {share:.2f}x")
+            targets[f"W={world}: a TP-2 generator rank receives at most 0.55x the version"] = share <= 0.55
     path = report.write_json(args.out, "sharded", {"mib": args.mib, "bucket_mib": args.bucket_mib,
                                                    "copy": not args.no_copy, "points": points})
     plt = report.pyplot()
     if plt is not None:
         fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-        for mode, color in (("sharded", "tab:blue"), ("gather", "tab:orange")):
+        for mode, color in (("sharded", "tab:blue"), ("gather", "tab:orange"), ("sliced", "tab:green")):
+            if mode == "sliced" and not args.sliced:
+                continue
             ws_ = [p["world"] for p in points if p["mode"] == mode]
             left.plot(ws_, [p["delivery_s"] for p in points if p["mode"] == mode], "o-", color=color, label=mode)
             right.plot(ws_, [max(p["peak_extra_bytes"]) / 2**20 for p in points if p["mode"] == mode], "o-",

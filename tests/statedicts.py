@@ -54,6 +54,19 @@ def tp_box(full: torch.Tensor, dim: int | None, rank: int, world: int) -> torch.
     return full if dim is None else full.chunk(world, dim=dim)[rank]
 
 
+def pp_tp_full(layers: int = 2) -> dict[str, tuple[torch.Tensor, int | None]]:
+    """The full tensors of a Megatron-style model (the TP + PP recipe in docs/sharding.md): per
+    layer a column-parallel weight (Shard(0)), a row-parallel one (Shard(1)) and a replicated
+    norm, with the TP dimension each is split on (None: replicated); the same in every process."""
+    gen = torch.Generator().manual_seed(11)
+    out: dict[str, tuple[torch.Tensor, int | None]] = {}
+    for i in range(layers):
+        out[f"layers.{i}.qkv.weight"] = (torch.randn(7 + i, 5, generator=gen), 0)
+        out[f"layers.{i}.proj.weight"] = (torch.randn(5, 9, generator=gen).to(torch.bfloat16), 1)
+        out[f"layers.{i}.norm.weight"] = (torch.randn(5, generator=gen), None)
+    return out
+
+
 def fsdp_model(mesh: object) -> torch.nn.Module:
     """A small model FSDP2 shards unevenly on 2 and 4 ranks (13, 7, 37 rows), in float32,
     bfloat16 and float16, with a plain (unsharded) buffer; the same on every rank (seeded)."""

@@ -231,6 +231,27 @@ async def test_a_want_that_does_not_fit_stops_that_member_with_the_reason_and_no
 
 
 @pytest.mark.asyncio
+async def test_the_megatron_tp_pp_recipe_pushes_every_stage_once(procs: Procs, tmp_path: Path) -> None:
+    """docs/sharding.md's TP + PP recipe on 4 ranks (2 stages x TP 2): every rank builds every
+    stage's DTensors from its own slices on that stage's TP mesh; a subscriber gets the full
+    tensors bit-exact, and each byte is sent once (the replicated norms by TP rank 0 of their stage)."""
+    from tests.statedicts import digest, pp_tp_full
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=dt.timedelta(seconds=60))
+    address_file = tmp_path / "rank0.addr"
+    ranks = [procs.spawn("pp_trainer", rank=r, store_port=store.port, channel="pp", address_file=str(address_file))
+             for r in range(4)]
+    address = await _address(address_file, procs)
+    async with ws.Subscriber("pp", address=address, timeout=10.0) as sub:
+        got = await sub.get(min_version=1, timeout=90)
+        results = [await procs.result(i, 90) for i in ranks]
+    full = pp_tp_full()
+    assert {k: digest(t) for k, t in got.items()} == {k: digest(t) for k, (t, _dim) in full.items()}
+    assert sum(r["sent"] for r in results) == sum(t.nbytes for t, _dim in full.values())  # each byte once
+    del store
+
+
+@pytest.mark.asyncio
 async def test_ranks_that_disagree_on_a_version_send_nothing_and_say_why() -> None:
     """Two ranks in one process: different global shapes for one tensor -> RankMismatch on both, and a
     subscriber sees nothing; a plain tensor put by both with owners splits it by rank."""

@@ -197,6 +197,42 @@ async def sharded_trainer(spec: dict) -> dict:
     return {"rank": rank, "expected": expected, "error": error, "full_bytes": sent_full}
 
 
+async def pp_trainer(spec: dict) -> dict:
+    """One rank of a PP=2 x TP=2 trainer following docs/sharding.md's Megatron recipe: every rank
+    builds every stage's entries, each on that stage's TP mesh, from its own slices only."""
+    import datetime as dt
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    from tests.statedicts import pp_tp_full
+
+    rank = spec["rank"]
+    store = dist.TCPStore("127.0.0.1", spec["store_port"], is_master=False, timeout=dt.timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=4, timeout=dt.timedelta(seconds=60))
+    stage_meshes = [DeviceMesh("cpu", [2 * s, 2 * s + 1]) for s in range(2)]  # every rank, same order
+    my_stage, tp_rank = divmod(rank, 2)
+    sd = {}
+    for name, (full, dim) in pp_tp_full().items():
+        stage = int(name.split(".")[1])  # layer i lives on stage i
+        local = full if dim is None else full.chunk(2, dim=dim)[tp_rank]
+        if stage != my_stage:
+            local = torch.empty(0, dtype=full.dtype)  # another stage's entry: no slice here
+        sd[name] = DTensor.from_local(local.clone(), stage_meshes[stage], [Replicate() if dim is None else Shard(dim)],
+                                      shape=full.shape, stride=full.stride(), run_check=False)
+    async with ws.Publisher(spec["channel"], timeout=10.0, heartbeat_interval=0.25, group=dist.group.WORLD,
+                            address="127.0.0.1:0") as pub:
+        if rank == 0:
+            with open(spec["address_file"] + ".tmp", "w") as fh:
+                fh.write(pub.address or "")
+            os.replace(spec["address_file"] + ".tmp", spec["address_file"])
+        await pub.wait_subscribers(1, timeout=60)
+        report = await (await pub.put(sd, version=1)).delivered(timeout=60)
+    dist.destroy_process_group()
+    return {"rank": rank, "sent": report.nbytes}
+
+
 async def tp_generator(spec: dict) -> dict:
     """One rank of a tensor-parallel generator: get_into DTensors on its own mesh (Shard(0),
     Shard(1), Replicate()); reports each local shard's digest. ``sliced``: the subscriber is made
@@ -252,6 +288,8 @@ async def main(spec: dict) -> dict:
         return await sharded_trainer(spec)
     if spec["role"] == "tp_generator":
         return await tp_generator(spec)
+    if spec["role"] == "pp_trainer":
+        return await pp_trainer(spec)
     raise SystemExit(f"unknown role {spec['role']!r}")
 
 
