@@ -65,7 +65,7 @@ class Outsider:
         nonce = os.urandom(16)
         if proof is None:
             proof = auth.join_proof(secret, channel=self.challenge.channel, server_nonce=self.challenge.nonce,
-                                    client_nonce=nonce, member_id=member_id, fp=fingerprint)
+                                    client_nonce=nonce, member_id=member_id, fp=fingerprint, transport=transport)
         join = _wire.Join(member_id=member_id, fingerprint=fingerprint, nonce=nonce, proof=proof, transport=transport)
         self.last_join = join
         self.send(join)

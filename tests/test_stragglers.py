@@ -232,6 +232,19 @@ def open_files() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
+def fd_kinds() -> dict[str, int]:
+    """This process's open descriptors by kind (socket, pipe, anon_inode:[eventfd], a path)."""
+    kinds: dict[str, int] = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        kind = target.split(":[")[0] if ":[" in target else target
+        kinds[kind] = kinds.get(kind, 0) + 1
+    return kinds
+
+
 def rss_mib() -> float:
     with open("/proc/self/statm") as fh:
         return int(fh.read().split()[1]) * resource.getpagesize() / 2**20
@@ -272,6 +285,7 @@ async def test_soak_200_versions_4_subscribers_one_killed_and_replaced_every_50(
                 if v in (75, 199):  # once retired groups are torn down (in the background, bounded)
                     assert await asyncio.get_running_loop().run_in_executor(None, drain_retired, 60.0)
                     samples[v] = (open_files(), rss_mib())
+                    print(f"v{v} descriptors: {fd_kinds()}", file=sys.stderr)
             await pub.wait_subscribers(4, timeout=90)
             report = await (await put_checked(pub, 200, numel)).delivered(timeout=60)
             assert len(report.members) == 4

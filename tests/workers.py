@@ -247,6 +247,11 @@ async def tp_generator(spec: dict) -> dict:
 
     rank, world = spec["rank"], spec["world"]
     store = dist.TCPStore("127.0.0.1", spec["store_port"], is_master=False, timeout=dt.timedelta(seconds=60))
+    # the engine's own world only gives its DTensors a mesh; nothing is sent over it, so it is
+    # built lazily: torch 2.13's eager gloo constructor (connecting the full mesh) crashed with
+    # SIGSEGV here about 1 run in 4 on a loaded 2-core machine (faulthandler: inside
+    # ProcessGroupGloo's constructor, before any weightsync object existed)
+    os.environ["TORCH_GLOO_LAZY_INIT"] = "1"
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=dt.timedelta(seconds=60))
     mesh = init_device_mesh("cpu", (world,))
     from tests.statedicts import TP_OF_FSDP
@@ -309,9 +314,10 @@ def load_spec(arg: str) -> dict:
 
 if __name__ == "__main__":
     # a hung worker tells where it hangs: every thread's stack on SIGUSR2, and on the SIGTERM an
-    # orchestrator's aclose() sends before its SIGKILL
+    # orchestrator's aclose() sends before its SIGKILL; a crashed one, where it crashed
     faulthandler.register(signal.SIGUSR2, all_threads=True)
     faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
+    faulthandler.enable(all_threads=True)  # a crash (SIGSEGV, SIGABRT) prints where it happened
     spec = load_spec(sys.argv[1])
     if spec.get("loop") == "uvloop":
         import uvloop
