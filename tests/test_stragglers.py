@@ -264,6 +264,7 @@ async def test_soak_200_versions_4_subscribers_one_killed_and_replaced_every_50(
                                    mode="follow", deadline=380, fr_dir=str(tmp_path)) for i in range(4)]
             await pub.wait_subscribers(4, timeout=60)
             samples: dict[int, tuple[int, float]] = {}
+            kinds: dict[int, dict[str, int]] = {}
             for v in range(200):
                 if v in (50, 100, 150):
                     await pub.wait_subscribers(4, timeout=90)  # the last replacement is in
@@ -285,7 +286,7 @@ async def test_soak_200_versions_4_subscribers_one_killed_and_replaced_every_50(
                 if v in (75, 199):  # once retired groups are torn down (in the background, bounded)
                     assert await asyncio.get_running_loop().run_in_executor(None, drain_retired, 60.0)
                     samples[v] = (open_files(), rss_mib())
-                    print(f"v{v} descriptors: {fd_kinds()}", file=sys.stderr)
+                    kinds[v] = fd_kinds()
             await pub.wait_subscribers(4, timeout=90)
             report = await (await put_checked(pub, 200, numel)).delivered(timeout=60)
             assert len(report.members) == 4
@@ -294,6 +295,9 @@ async def test_soak_200_versions_4_subscribers_one_killed_and_replaced_every_50(
     (files_early, rss_early), (files_late, rss_late) = samples[75], samples[199]
     print(f"publisher process: open files {files_early} -> {files_late}, RSS {rss_early:.0f} -> {rss_late:.0f} MiB "
           f"(versions 75 -> 199)")
-    assert files_late - files_early <= 4, samples  # nothing leaks per generation or per replacement
-    assert rss_late - rss_early < 64, samples
+    # between the two samples: 2 members killed and replaced, at least 4 generations. Anything
+    # leaked per generation or per replacement shows as 4 or more; one is allowed for a connection
+    # still closing. Measured here: 30 -> 30 descriptors, +2 MiB (and +8 MiB in another run)
+    assert files_late - files_early <= 1, kinds
+    assert rss_late - rss_early < 16, samples
     await all_ended_on(200, procs, workers[3:], tmp_path, replacements=3, numel=numel)
