@@ -132,7 +132,15 @@ class DedicatedGroup:
                 pairs = transfer.sends(i)
             except Exception as err:  # noqa: BLE001 - gathering our own bucket: a local failure
                 raise LocalFailure(f"gathering bucket {i} failed: {type(err).__name__}: {err}") from err
-            return [compat.send(self._pg, piece, dst, i) for dst, piece in pairs if piece.numel()]
+            works: list[Any] = []
+            try:
+                for dst, piece in pairs:
+                    if piece.numel():
+                        works.append(compat.send(self._pg, piece, dst, i))
+            except RuntimeError:
+                self._orphans.extend(works)  # those already issued: the reaper's, like any hung work
+                raise
+            return works
 
         self._run(transfer, op, depth, issue)
 
@@ -143,7 +151,6 @@ class DedicatedGroup:
         if self._pg is None:
             return
         pending: list[tuple[int, list[Any], Any, float]] = []  # (bucket, works, recorder entry, deadline)
-        issued: list[Any] = []  # every work of this transfer, kept until it is known to be over
         fan = self.size - 1 if transfer.direct and self.rank == 0 else 1  # rank 0 sends each member its own
         try:
             for i, tensor in enumerate(transfer.buckets):
@@ -158,25 +165,27 @@ class DedicatedGroup:
                     works = issue(i, tensor, limit)
                 except RuntimeError as err:
                     raise PeerFailure(f"bucket {i} could not be issued: {err}") from err
-                issued.extend(works)
                 pending[-1] = (i, works, entry, time.monotonic() + limit)
             while pending:
                 self._finish_oldest(pending, transfer)
         except BaseException as err:
-            for _, _, entry, _ in pending:  # buckets still in flight will never complete
+            for _, works, entry, _ in pending:  # buckets still in flight will never complete
                 entry.fail(f"abandoned: {err}", aborted=True)
-            # a work still hung on a dead peer blocks whoever destroys it (measured on 2.13: a
-            # receiver stuck for seconds in a plain assignment): the reaper destroys them later
-            self._orphans.extend(issued)
+                # a work still hung on a dead peer blocks whoever destroys it (measured on 2.13: a
+                # receiver stuck for seconds in a plain assignment): the reaper destroys them later
+                self._orphans.extend(works)
             raise
 
     def _finish_oldest(self, pending: list[tuple[int, list[Any], Any, float]], transfer: Transfer) -> None:
+        """Wait for the oldest bucket's works; once they completed nothing here holds them (a work
+        keeps its tensors alive: a gathered piece for a sliced member is freed with it)."""
         i, works, entry, limit = pending.pop(0)
         try:
             for work in works:
                 self._wait(work, limit, transfer.cancelled)
         except BaseException as err:
             entry.fail(err)
+            self._orphans.extend(works)
             raise
         entry.complete()
         _hook(transfer.after, i, "checking")
