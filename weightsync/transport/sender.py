@@ -164,6 +164,7 @@ class Sender:
         self._evicted: list[MemberInfo] = []
         self._gens: Generations | None = None
         self.wants: dict[str, tuple[_wire.Want, ...] | None] = {}  # sliced members' boxes, from their Join
+        self._scratch: dict[str, list[torch.Tensor]] = {}  # per sliced member: two gather buffers
 
     # any thread ---------------------------------------------------------------------------
     def submit(self, event: Event) -> None:
@@ -333,6 +334,7 @@ class Sender:
                     # bound) ends the wait for it now: the transfer is abandoned and re-sent to
                     # the rest, not left to time out
                     sent: dict[int, list[tuple[str, torch.Tensor]]] = {}
+                    scratch = self._gather_buffers(plans, slices[0].device if slices else self._buckets.device)
 
                     def sends(i: int) -> list[tuple[int, torch.Tensor]]:
                         pairs, sliced = [], []
@@ -340,7 +342,9 @@ class Sender:
                             piece = slices[i]
                             if member in plans:
                                 plan = plans[member]
-                                piece = sharding.gather(slices[i], plan[i] if plan is not None else ())
+                                # two buffers per member, in turns: bucket i+2 is gathered once i completed
+                                piece = sharding.gather(slices[i], plan[i] if plan is not None else (),
+                                                        out=scratch[member][i % 2] if member in scratch else None)
                                 sliced.append((member, piece))
                             pairs.append((rank, piece))
                         sent[i] = sliced
@@ -382,6 +386,18 @@ class Sender:
             return failed
         self._finish(job, t0)
         return None
+
+    def _gather_buffers(self, plans: dict[str, list[list[sharding.Run]] | None],
+                        device: torch.device) -> dict[str, list[torch.Tensor]]:
+        """Two gather buffers per sliced member, kept across versions (grown when a plan needs more)."""
+        for member in [m for m in self._scratch if m not in plans]:
+            del self._scratch[member]
+        for member, plan in plans.items():
+            need = 0 if plan is None else sharding.gathered_bytes(plan)
+            have = self._scratch.get(member)
+            if need and (have is None or have[0].numel() < need or have[0].device != device):
+                self._scratch[member] = [torch.empty(need, dtype=torch.uint8, device=device) for _ in range(2)]
+        return self._scratch
 
     def _plan(self, member: str, job: Job, ranges: list[tuple[int, int]]) -> list[list[sharding.Run]] | None:
         """A sliced member's runs of each bucket of ``job``; None (nothing sent) when its boxes do not

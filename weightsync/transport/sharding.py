@@ -424,14 +424,23 @@ def _extend(runs: list[Run], run: Run) -> None:
     runs.append(run)
 
 
-def gather(bucket: torch.Tensor, runs: Sequence[Run]) -> torch.Tensor:
-    """What a sliced member is sent of ``bucket``: its runs back to back (a view when one run)."""
+def gather(bucket: torch.Tensor, runs: Sequence[Run], out: torch.Tensor | None = None) -> torch.Tensor:
+    """What a sliced member is sent of ``bucket``: its runs back to back (a view when one run),
+    in ``out`` (at least that long) when given."""
     if len(runs) == 1:
         src, _dst, n = runs[0]
         return bucket[src : src + n]
     if not runs:
         return bucket[:0]
-    return torch.cat([bucket[src : src + n] for src, _dst, n in runs])
+    pieces = [bucket[src : src + n] for src, _dst, n in runs]
+    if out is None:
+        return torch.cat(pieces)
+    return torch.cat(pieces, out=out[: sum(n for _s, _d, n in runs)])
+
+
+def gathered_bytes(plan: Sequence[Sequence[Run]]) -> int:
+    """The largest bucket share of ``plan`` that :func:`gather` copies (several runs)."""
+    return max((sum(n for _s, _d, n in runs) for runs in plan if len(runs) > 1), default=0)
 
 
 class SlicePlacer:
