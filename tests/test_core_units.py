@@ -288,3 +288,42 @@ def test_analyzer_a_member_silent_after_its_last_bucket_and_a_clean_run() -> Non
     assert render(result).endswith("nothing wrong found")
     result = analyze([dump("a", got)])
     assert not result.ok and result.missing_dumps == ["publisher"]
+
+
+def _members(*names: str) -> Membership:
+    membership = Membership("ch", FlightRecorder(capacity=100))
+    for name in names:
+        assert membership.request_join(name)
+    membership.commit(membership.plan_next(), ok=True)
+    assert membership.members == list(names)
+    return membership
+
+
+def test_two_failed_versions_in_a_row_evict_as_failed_and_a_delivered_one_forgives() -> None:
+    """fault-tolerance.md: a member that fails a version is kept; after two in a row it is evicted
+    ("failed"); a version it delivers in between starts the count again."""
+    membership = _members("a", "b")
+    plan = membership.plan_next(failed={"a"})  # one failure: kept
+    assert plan.evicted == () and "a" in plan.members
+    membership.commit(plan, ok=True)
+    membership.note_delivered({"a", "b"}, 1, {}, {})  # it delivered the next one: forgiven
+    membership.commit(membership.plan_next(failed={"a"}), ok=True)
+    assert "a" in membership.members
+    plan = membership.plan_next(failed={"a"})  # the second in a row
+    assert plan.evicted == ("a",) and plan.reasons == {"a": "failed"} and plan.members == ("b",)
+
+
+def test_slow_needs_window_versions_in_a_row_and_a_uniformly_slow_network_flags_nobody() -> None:
+    from weightsync.pg.membership import StragglerPolicy
+
+    policy = StragglerPolicy(slow_factor=3.0, slow_floor=0.05, window=3, on_slow="keep")
+    membership = _members("a", "b", "c")
+    slow = {"a": 1.0, "b": 0.1, "c": 0.1}
+    assert membership.slow_members(policy, slow) == {}
+    assert membership.slow_members(policy, slow) == {}
+    assert membership.slow_members(policy, {"a": 0.1, "b": 0.1, "c": 0.1}) == {}  # the streak breaks
+    for _ in range(2):
+        assert membership.slow_members(policy, slow) == {}
+    assert set(membership.slow_members(policy, slow)) == {"a"}  # three in a row
+    everyone = {"a": 5.0, "b": 5.0, "c": 5.0}  # everyone equally slow: a slow network, nobody's fault
+    assert all(membership.slow_members(policy, everyone) == {} for _ in range(5))
