@@ -142,8 +142,11 @@ def _tp_want(spec: dict) -> dict:
 
     store = dist.TCPStore("127.0.0.1", spec["store_port"], is_master=False, timeout=dt.timedelta(seconds=120))
     os.environ["TORCH_GLOO_LAZY_INIT"] = "1"  # nothing is sent over the engine's own world (docs/torch-versions.md)
-    dist.init_process_group("gloo", store=dist.PrefixStore(f"tp-{spec['world']}", store), rank=spec["index"],
-                            world_size=2, timeout=dt.timedelta(seconds=300))
+    try:
+        dist.init_process_group("gloo", store=dist.PrefixStore(f"tp-{spec['world']}", store), rank=spec["index"],
+                                world_size=2, timeout=dt.timedelta(seconds=300))
+    finally:
+        del os.environ["TORCH_GLOO_LAZY_INIT"]
     mesh = init_device_mesh("cpu", (2,))
     rows = _rows(spec["mib"])
     want = {}

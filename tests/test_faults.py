@@ -94,6 +94,30 @@ async def test_a_sliced_member_killed_or_frozen_mid_version_costs_the_others_not
         assert seen == digests({"body": body(int(version))["body"]}), version
 
 
+async def test_members_with_lazy_gloo_in_their_environment_do_not_crash_the_publisher(procs: Procs) -> None:
+    """``TORCH_GLOO_LAZY_INIT=1`` left in a member's environment (the user's, or set for its own
+    world): on torch 2.15 a reconfigurable backend made with it crashed the publisher (SIGSEGV in
+    its next in-place re-form). Members join one after the other, so generations re-form."""
+    async with ws.Publisher("lazy", timeout=5.0, heartbeat_interval=0.25) as pub:
+        expected = {}
+        workers = []
+        for i in range(2):
+            workers.append(procs.spawn("subscriber", channel="lazy", address=pub.address, member=f"gen{i}",
+                                       until_version=2, deadline=60, env={"TORCH_GLOO_LAZY_INIT": "1"}))
+            await pub.wait_subscribers(i + 1, timeout=60)
+            sd = {"w": torch.full((1000,), float(i))}
+            expected[str(i)] = digests(sd)
+            await (await pub.put(sd, version=i)).delivered(timeout=30)
+        sd = {"w": torch.full((1000,), 2.0)}
+        expected["2"] = digests(sd)
+        report = await (await pub.put(sd, version=2)).delivered(timeout=30)
+        assert set(report.members) == {"gen0", "gen1"}
+        results = [await procs.result(w, timeout=60) for w in workers]
+    for result in results:
+        for version, seen in result["digests"].items():
+            assert seen == expected[version], version
+
+
 async def test_wrong_token_is_denied_and_publisher_keeps_serving() -> None:
     async with ws.Publisher("secure", secret="s3cret", timeout=15, heartbeat_interval=0.25) as pub:
         with pytest.raises(ws.AdmissionDenied):

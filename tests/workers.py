@@ -252,7 +252,10 @@ async def tp_generator(spec: dict) -> dict:
     # SIGSEGV here about 1 run in 4 on a loaded 2-core machine (faulthandler: inside
     # ProcessGroupGloo's constructor, before any weightsync object existed)
     os.environ["TORCH_GLOO_LAZY_INIT"] = "1"
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=dt.timedelta(seconds=60))
+    try:
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=dt.timedelta(seconds=60))
+    finally:
+        del os.environ["TORCH_GLOO_LAZY_INIT"]  # weightsync's own groups are the library's business
     mesh = init_device_mesh("cpu", (world,))
     from tests.statedicts import TP_OF_FSDP
 

@@ -164,17 +164,26 @@ def make_gloo(store: dist.Store, rank: int, size: int, timeout: float, host: str
 
 
 def make_gloo_reconfigurable(store: dist.Store, slot: int, timeout: float, host: str | None = None) -> Any:
-    """A lazy gloo backend (2.14+) that joins a group only through :func:`reconfigure`.
+    """A gloo backend (2.14+) that joins a group only through :func:`reconfigure`.
 
     ``slot`` must be unique among the backends that will ever share a group: it is part of the
-    reconfigure handle, and handles must differ.
+    reconfigure handle, and handles must differ. ``TORCH_GLOO_LAZY_INIT`` is held off around the
+    constructor (under the same lock as :func:`make_gloo`): measured on 2.15, one member whose
+    reconfigurable backend was made with it set (the variable left in its environment) crashed
+    the *publisher* with SIGSEGV inside its next ``reconfigure``.
     """
-    gloo: Any = dist.ProcessGroupGloo
-    options = gloo._Options()
-    options._timeout = _td(timeout)
-    options.enable_reconfigure = True
-    options._devices = [gloo_device(host)]
-    return gloo(store, slot, slot + 1, options)
+    with _lazy_lock:
+        previous = os.environ.pop(_LAZY_ENV, None)
+        try:
+            gloo: Any = dist.ProcessGroupGloo
+            options = gloo._Options()
+            options._timeout = _td(timeout)
+            options.enable_reconfigure = True
+            options._devices = [gloo_device(host)]
+            return gloo(store, slot, slot + 1, options)
+        finally:
+            if previous is not None:
+                os.environ[_LAZY_ENV] = previous
 
 
 def reconfigure_handle(pg: Any) -> str:
