@@ -20,7 +20,7 @@ import torch.distributed as dist
 import weightsync as ws
 from tests.conftest import REPO, Procs
 from weightsync import _wire
-from weightsync.transport import layout, sharding, shm
+from weightsync.transport import layout, sharding, shm, slicing
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -358,7 +358,7 @@ def test_routes_carry_exactly_each_generator_ranks_overlap(trainer_dim: int | No
             offset, shape = _chunk_box(tuple(t.shape), gen_dim, g, 2)
             wants.append(_wire.Want(name, offset, shape))
         wants = [w for w in wants if w.name != "c" or g == 0]  # rank 1 does not take c at all
-        mine = sharding.sliced_manifest(manifest, wants)
+        mine = slicing.sliced_manifest(manifest, wants)
         slot = torch.full((mine.total_bytes,), 0xAB, dtype=torch.uint8)
         sent = 0
         for r in range(trainers):
@@ -376,10 +376,10 @@ def test_routes_carry_exactly_each_generator_ranks_overlap(trainer_dim: int | No
             src = torch.empty(lane.total_bytes, dtype=torch.uint8)
             layout.pack_into(src, lane, [(n, t) for n, t, _ in local])
             ranges = sharding.bucket_plan(lane, 64)
-            plan = sharding.routes(lane, pieces, manifest, wants, ranges)
-            placer = sharding.SlicePlacer(slot, plan)
+            plan = slicing.routes(lane, pieces, manifest, wants, ranges)
+            placer = slicing.SlicePlacer(slot, plan)
             for i, (lo, hi) in enumerate(ranges):
-                piece = sharding.gather(src[lo:hi], plan[i])
+                piece = slicing.gather(src[lo:hi], plan[i])
                 placer.targets[i].copy_(piece)
                 placer.place(i)
                 sent += piece.numel()
@@ -394,12 +394,12 @@ def test_routes_carry_exactly_each_generator_ranks_overlap(trainer_dim: int | No
 def test_a_want_that_does_not_fit_the_version_is_refused_by_name() -> None:
     manifest = sharding.global_manifest([("w", torch.float32, (4, 3))])
     with pytest.raises(ValueError, match="'w'.*does not fit"):
-        sharding.sliced_manifest(manifest, [_wire.Want("w", (2, 0), (3, 3))])
+        slicing.sliced_manifest(manifest, [_wire.Want("w", (2, 0), (3, 3))])
     with pytest.raises(ValueError, match="twice"):
-        sharding.sliced_manifest(manifest, [_wire.Want("w", (0, 0), (1, 3))] * 2)
-    assert sharding.sliced_manifest(manifest, [_wire.Want("other", (0,), (1,))]).tensors == ()
+        slicing.sliced_manifest(manifest, [_wire.Want("w", (0, 0), (1, 3))] * 2)
+    assert slicing.sliced_manifest(manifest, [_wire.Want("other", (0,), (1,))]).tensors == ()
     with pytest.raises(TypeError):
-        sharding.wants_of({"w": [1, 2]})
+        slicing.wants_of({"w": [1, 2]})
 
 
 def test_a_placement_outside_the_full_layout_is_a_protocol_error_not_a_write() -> None:

@@ -68,7 +68,7 @@ from weightsync.errors import (
 from weightsync.pg.group import GroupPlane
 from weightsync.pg.recorder import FlightRecorder
 from weightsync.testing import Hooks
-from weightsync.transport import layout, sharding
+from weightsync.transport import layout, sharding, slicing
 from weightsync.transport.checksum import checksum
 from weightsync.transport.dataplane import DataPlane, GenerationSpec, Transfer
 from weightsync.transport.lifecycle import Latch
@@ -342,7 +342,7 @@ class Receiver:
         ok, error, in_move, sealing = False, "", 0.0, 0.0
         checking = [0.0]  # of the time in move(), what this member spent on its own buckets
         assembly, epoch = announce.assembly, 0
-        placer: sharding.Placer | sharding.SlicePlacer | None = None
+        placer: sharding.Placer | slicing.SlicePlacer | None = None
         try:
             if assembly is not None and assembly.rank != self.lane:
                 raise ProtocolError(f"trainer rank {self.lane}'s lane announced rank {assembly.rank}'s part")
@@ -414,7 +414,7 @@ class Receiver:
         self._acknowledge(announce, ok=ok, error=error, seconds=seconds, own=own)
 
     def _sliced_targets(self, announce: _wire.Announce,
-                        ranges: list[tuple[int, int]]) -> tuple[sharding.SlicePlacer, list[torch.Tensor], int]:
+                        ranges: list[tuple[int, int]]) -> tuple[slicing.SlicePlacer, list[torch.Tensor], int]:
         """A sliced member's slot for ``announce`` and where each bucket's share of it lands."""
         assert self.want is not None and self.deadlines is not None
         if not announce.direct:
@@ -422,8 +422,8 @@ class Receiver:
         assembly = announce.assembly
         full = announce.manifest if assembly is None else assembly.manifest
         try:
-            mine = sharding.sliced_manifest(full, self.want)
-            plan = sharding.cached_routes(announce.manifest, None if assembly is None else assembly.pieces, full,
+            mine = slicing.sliced_manifest(full, self.want)
+            plan = slicing.cached_routes(announce.manifest, None if assembly is None else assembly.pieces, full,
                                           self.want, tuple(ranges))
         except ValueError as err:  # the engine asked for what this channel does not publish: say so, stop
             raise ManifestMismatch(f"want= does not fit version {announce.version}: {err}", channel=self.channel,
@@ -434,7 +434,7 @@ class Receiver:
         else:
             slot, epoch = self._slots.prepare_part(self.lane, mine, self.deadlines.readers())
         try:
-            placer = sharding.SlicePlacer(slot, plan)
+            placer = slicing.SlicePlacer(slot, plan)
         except ValueError as err:
             raise ProtocolError(f"version {announce.version}: {err}") from err
         return placer, placer.targets, epoch

@@ -44,7 +44,7 @@ from weightsync.errors import WeightSyncError
 from weightsync.pg.generations import Control, Generations, Rendezvous
 from weightsync.pg.membership import MemberInfo, Membership, StragglerPolicy
 from weightsync.pg.recorder import FlightRecorder
-from weightsync.transport import layout, sharding
+from weightsync.transport import layout, sharding, slicing
 from weightsync.transport.checksum import checksum
 from weightsync.transport.dataplane import DataPlane, Transfer
 from weightsync.transport.handles import DeliveryReport
@@ -163,8 +163,8 @@ class Sender:
         self._evicted_lock = threading.Lock()
         self._evicted: list[MemberInfo] = []
         self._gens: Generations | None = None
-        self.wants: dict[str, tuple[_wire.Want, ...] | None] = {}  # sliced members' boxes, from their Join
-        self._scratch: dict[str, list[torch.Tensor]] = {}  # per sliced member: two gather buffers
+        self.wants: dict[str, tuple[_wire.Want, ...]] = {}  # sliced members' boxes, from their Join
+        self._gathers = slicing.GatherBuffers()  # per sliced member: two buffers its runs are gathered into
 
     # any thread ---------------------------------------------------------------------------
     def submit(self, event: Event) -> None:
@@ -254,7 +254,13 @@ class Sender:
             # from now on the control server speaks for this member through this connection;
             # one that hung up meanwhile is found dead by the next plan
             self.control.bind(event.incarnation)
-            self.wants[event.member_id] = event.want
+            # a sliced member's boxes; ids no longer in the channel are forgotten here, so the table
+            # holds at most the current members
+            self.wants = {m: w for m, w in self.wants.items() if self.membership.is_member_or_joining(m)}
+            if event.want is not None:
+                self.wants[event.member_id] = event.want
+            else:
+                self.wants.pop(event.member_id, None)
             self._gens.register(event.member_id, event.incarnation, host=event.host, pid=event.pid,
                                 transport=event.transport)
         elif isinstance(event, Leave):
@@ -304,7 +310,7 @@ class Sender:
         verify = self.checksum
         # a sliced member in the group: every member gets its buckets point to point, the sliced
         # ones only their runs of each (docs/sharding.md says why not a broadcast then)
-        plans = {m: self._plan(m, job, ranges) for m in group if self.wants.get(m) is not None}
+        plans = {m: self._plan(m, job, ranges) for m in group if m in self.wants}
         direct = bool(plans)
         t0 = time.monotonic()
         try:
@@ -327,50 +333,34 @@ class Sender:
                 slices, before = bucket_slices(job, ranges, self._buckets, self.settings.bucket_bytes,
                                                self.deadlines.bucket)
                 sums: list[int] = []
-                own: dict[str, list[int]] = {m: [] for m in plans}  # what each sliced member was sent
+                fanout = slicing.Fanout(group, plans, self._gathers.for_plans(
+                    plans, slices[0].device if slices else self._buckets.device), checksum) if direct else None
                 if group:
                     # each bucket's digest is taken once it is on the wire, while the next one
                     # transfers; a member known dead (its connection closed, or silent past its
                     # bound) ends the wait for it now: the transfer is abandoned and re-sent to
                     # the rest, not left to time out
-                    sent: dict[int, list[tuple[str, torch.Tensor]]] = {}
-                    scratch = self._gather_buffers(plans, slices[0].device if slices else self._buckets.device)
-
-                    def sends(i: int) -> list[tuple[int, torch.Tensor]]:
-                        pairs, sliced = [], []
-                        for rank, member in enumerate(group, start=1):
-                            piece = slices[i]
-                            if member in plans:
-                                plan = plans[member]
-                                # two buffers per member, in turns: bucket i+2 is gathered once i completed
-                                piece = sharding.gather(slices[i], plan[i] if plan is not None else (),
-                                                        out=scratch[member][i % 2] if member in scratch else None)
-                                sliced.append((member, piece))
-                            pairs.append((rank, piece))
-                        sent[i] = sliced
-                        return pairs
 
                     def after(i: int) -> None:
-                        pieces = sent.pop(i, [])
+                        if fanout is not None:
+                            fanout.done(i, verify)
                         if verify:
                             sums.append(checksum(slices[i]))
-                            for member, piece in pieces:
-                                own[member].append(checksum(piece) if piece.numel() else 0)
 
                     gens.plane.move(Transfer(job.version, slices, self.deadlines.bucket, before=before, after=after,
                                              cancelled=self._generation_broken, direct=direct,
-                                             sends=sends if direct else None))
+                                             sends=None if fanout is None else lambda i: fanout.sends(i, slices[i])))
                 elif verify:  # same-host members only: they copy while the digests are taken
                     for i, piece in enumerate(slices):
                         if before is not None:
                             before(i)
                         sums.append(checksum(piece))
-                if verify:
-                    for to, digests in [(tuple(m for m in members if m not in own), sums), *(
-                            ((m,), sums_m) for m, sums_m in own.items())]:
-                        if to:
-                            gens.tell(to, _wire.Seal(generation=gen, seq=seq, version=job.version,
-                                                     checksums=tuple(digests)))
+                if verify:  # a sliced member checks exactly what it was sent; everyone else the buckets
+                    own = {} if fanout is None else fanout.digests
+                    whole = tuple(m for m in members if m not in own)
+                    for to, digests in ([(whole, sums)] if whole else []) + [((m,), d) for m, d in own.items()]:
+                        gens.tell(to, _wire.Seal(generation=gen, seq=seq, version=job.version,
+                                                 checksums=tuple(digests)))
             if job.flat is None:
                 job.release()
             acked, failed = gens.collect_acks(gen, seq, members, job.version, self.deadlines.acknowledgements())
@@ -387,26 +377,13 @@ class Sender:
         self._finish(job, t0)
         return None
 
-    def _gather_buffers(self, plans: dict[str, list[list[sharding.Run]] | None],
-                        device: torch.device) -> dict[str, list[torch.Tensor]]:
-        """Two gather buffers per sliced member, kept across versions (grown when a plan needs more)."""
-        for member in [m for m in self._scratch if m not in plans]:
-            del self._scratch[member]
-        for member, plan in plans.items():
-            need = 0 if plan is None else sharding.gathered_bytes(plan)
-            have = self._scratch.get(member)
-            if need and (have is None or have[0].numel() < need or have[0].device != device):
-                self._scratch[member] = [torch.empty(need, dtype=torch.uint8, device=device) for _ in range(2)]
-        return self._scratch
-
-    def _plan(self, member: str, job: Job, ranges: list[tuple[int, int]]) -> list[list[sharding.Run]] | None:
+    def _plan(self, member: str, job: Job, ranges: list[tuple[int, int]]) -> list[list[slicing.Run]] | None:
         """A sliced member's runs of each bucket of ``job``; None (nothing sent) when its boxes do not
         fit this version: the member finds that out itself and stops with a clear error."""
-        want = self.wants.get(member)
-        assert want is not None
+        want = self.wants[member]
         full = job.manifest if job.assembly is None else job.assembly.manifest
         try:
-            return sharding.cached_routes(job.manifest, None if job.assembly is None else job.assembly.pieces,
+            return slicing.cached_routes(job.manifest, None if job.assembly is None else job.assembly.pieces,
                                           full, want, tuple(ranges))
         except ValueError as err:
             self._rec.record("send", version=job.version, peers=(member,)).fail(f"its want= does not fit: {err}")

@@ -35,7 +35,7 @@ from weightsync.errors import Closed, SyncTimeout, TransportUnavailable, WeightS
 from weightsync.pg.group import resolve_backend
 from weightsync.pg.recorder import FlightRecorder, process_recorder
 from weightsync.testing import Hooks
-from weightsync.transport import layout, lifecycle, sharding
+from weightsync.transport import layout, lifecycle, sharding, slicing
 from weightsync.transport.handles import Weights, WeightStream
 from weightsync.transport.lifecycle import EndState, call_soon
 from weightsync.transport.options import parse_address, resolve_device
@@ -115,7 +115,7 @@ class Subscriber:
         if transport == "shm" and self._slots.device.type != "cpu":
             raise TransportUnavailable(f"transport='shm' receives into host memory; device={self.device} with "
                                        f"backend={self.backend!r} receives on the GPU", channel=name)
-        self._want = None if want is None else sharding.wants_of(want)
+        self._want = None if want is None else slicing.wants_of(want)
         if self._want is not None and transport == "shm":
             raise TransportUnavailable("want= receives point to point over the group; transport='shm' copies whole "
                                        "versions", channel=name)

@@ -1,0 +1,261 @@
+"""Sliced members: a generator rank that receives only its boxes of a version.
+
+A sliced member (a tensor-parallel generator rank) names the boxes it wants (``_wire.Want``);
+each trainer rank then sends it, point to point in its own group, only the bytes of its
+buckets that fall in those boxes: a *route* per bucket, ``(offset in the bucket, offset in
+the member's slot, bytes)`` runs in bucket order. The member's slot packs its boxes in the
+full manifest's order (``sliced_manifest``); both ends compute the same routes.
+
+Who calls what: :class:`~weightsync.transport.subscriber.Subscriber` turns ``want=`` into boxes
+(:func:`wants_of`); the Sender computes each sliced member's routes and gathers its runs of
+every bucket; the Receiver computes the same routes and places what arrives (:class:`SlicePlacer`).
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from weightsync import _wire
+from weightsync.transport import layout
+from weightsync.transport.sharding import blocks_of, global_manifest, is_dtensor
+
+Run = tuple[int, int, int]  # (offset in the bucket, offset in the member's slot, bytes)
+
+
+def wants_of(dest: Mapping[str, Any]) -> tuple[_wire.Want, ...]:
+    """What a generator holding ``dest`` receives: each DTensor's local box (nothing where this
+    rank is not in its mesh), each plain tensor whole."""
+    if not isinstance(dest, Mapping) or not dest:
+        raise ValueError("want must be a non-empty mapping of names to tensors or DTensors (the engine's own)")
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    out = []
+    for name, value in dest.items():
+        if not isinstance(name, str):
+            raise TypeError(f"want's keys must be tensor names, got {type(name).__name__}")
+        if is_dtensor(value):
+            for placement in value.placements:
+                if not (placement.is_shard() or placement.is_replicate()):
+                    raise ValueError(f"{name!r}: placement {placement} cannot be received as a slice")
+            if value.device_mesh.get_coordinate() is None:
+                continue
+            shape, offset = compute_local_shape_and_global_offset(tuple(value.shape), value.device_mesh,
+                                                                  value.placements)
+            out.append(_wire.Want(name, tuple(int(o) for o in offset), tuple(int(n) for n in shape)))
+        elif isinstance(value, torch.Tensor):
+            out.append(_wire.Want(name, (0,) * value.dim(), tuple(value.shape)))
+        else:
+            raise TypeError(f"{name!r}: want's values must be tensors or DTensors, got {type(value).__name__}")
+    return tuple(out)
+
+
+def sliced_manifest(full: _wire.Manifest, wants: Sequence[_wire.Want]) -> _wire.Manifest:
+    """A sliced member's slot layout: its boxes of ``full``'s tensors, packed in ``full``'s order.
+    Raises ValueError for a box that does not fit its tensor; names ``full`` lacks are left out."""
+    boxes: dict[str, _wire.Want] = {}
+    for want in wants:
+        if want.name in boxes:
+            raise ValueError(f"{want.name!r} is wanted twice")
+        boxes[want.name] = want
+    specs = []
+    for spec in full.tensors:
+        box = boxes.get(spec.name)
+        if box is None:
+            continue
+        want = box
+        if len(want.offset) != len(spec.shape) or len(want.shape) != len(spec.shape) or any(
+                o < 0 or n < 0 or o + n > g for o, n, g in zip(want.offset, want.shape, spec.shape, strict=True)):
+            raise ValueError(f"{spec.name!r}: the wanted box {tuple(want.shape)} at {tuple(want.offset)} does not "
+                             f"fit the published shape {tuple(spec.shape)}")
+        specs.append((spec.name, layout.dtype_from_name(spec.dtype), tuple(want.shape)))
+    return global_manifest(specs)
+
+
+def _runs(blocks: Sequence[tuple[int, int, int, int]]) -> list[tuple[int, int]]:
+    """A block list as ``(start, bytes)`` runs in ascending order."""
+    return [(offset + k * stride, run) for offset, run, count, stride in blocks for k in range(count)]
+
+
+def routes(source: _wire.Manifest, pieces: Sequence[_wire.Piece] | None, full: _wire.Manifest,
+           wants: Sequence[_wire.Want], ranges: Sequence[tuple[int, int]]) -> list[list[Run]]:
+    """Per bucket (``ranges`` of ``source``, the sender's packed layout), the runs a sliced member
+    wanting ``wants`` of ``full`` gets. ``pieces``: where ``source``'s tensors lie in ``full`` (a
+    sharded lane); None when ``source`` is ``full`` itself. Raises ValueError where a box does not fit."""
+    mine = sliced_manifest(full, wants)
+    index = {spec.name: i for i, spec in enumerate(full.tensors)}
+    boxes = {want.name: want for want in wants}
+    # per full tensor: the wanted bytes as (global start, global end, slot offset), ascending
+    wanted: dict[int, list[tuple[int, int, int]]] = {}
+    for spec in mine.tensors:
+        whole = full.tensors[index[spec.name]]
+        want = boxes[spec.name]
+        size = layout.dtype_from_name(whole.dtype).itemsize
+        at, spans = spec.offset, []
+        for start, n in _runs(blocks_of(whole.shape, want.shape, want.offset, size, whole.offset)):
+            spans.append((start, start + n, at))
+            at += n
+        wanted[index[spec.name]] = spans
+    if pieces is None:
+        pieces = [_wire.Piece(i, ((spec.offset, spec.nbytes, 1, spec.nbytes),) if spec.nbytes else ())
+                  for i, spec in enumerate(full.tensors)]
+    out: list[Run] = []  # (offset in source, offset in slot, bytes)
+    for spec, piece in zip(source.tensors, pieces, strict=True):
+        if not wanted.get(piece.tensor):
+            continue
+        spans = wanted[piece.tensor]
+        starts = [s for s, _e, _a in spans]
+        at = spec.offset
+        for start, n in _runs(piece.blocks):
+            k = max(bisect.bisect_right(starts, start) - 1, 0)
+            while k < len(spans) and spans[k][0] < start + n:
+                lo, hi, slot_at = spans[k]
+                a, b = max(lo, start), min(hi, start + n)
+                if a < b:
+                    _extend(out, (at + a - start, slot_at + a - lo, b - a))
+                k += 1
+            at += n
+    out.sort()
+    per_bucket: list[list[Run]] = [[] for _ in ranges]
+    edges = [lo for lo, _hi in ranges]
+    for src, dst, n in out:
+        while n:
+            i = bisect.bisect_right(edges, src) - 1
+            lo, hi = ranges[i]
+            take = min(n, hi - src)
+            _extend(per_bucket[i], (src - lo, dst, take))
+            src, dst, n = src + take, dst + take, n - take
+    return per_bucket
+
+
+@functools.lru_cache(maxsize=64)
+def cached_routes(source: _wire.Manifest, pieces: tuple[_wire.Piece, ...] | None, full: _wire.Manifest,
+                  wants: tuple[_wire.Want, ...], ranges: tuple[tuple[int, int], ...]) -> list[list[Run]]:
+    """:func:`routes`, computed once per layout (every version of a model has the same one).
+    The result is shared: never modified."""
+    return routes(source, pieces, full, wants, ranges)
+
+
+def _extend(runs: list[Run], run: Run) -> None:
+    """Append ``run``, merged into the last one when both sides continue it."""
+    if runs:
+        src, dst, n = runs[-1]
+        if src + n == run[0] and dst + n == run[1]:
+            runs[-1] = (src, dst, n + run[2])
+            return
+    runs.append(run)
+
+
+def gather(bucket: torch.Tensor, runs: Sequence[Run], out: torch.Tensor | None = None) -> torch.Tensor:
+    """What a sliced member is sent of ``bucket``: its runs back to back (a view when one run),
+    in ``out`` (at least that long) when given."""
+    if len(runs) == 1:
+        src, _dst, n = runs[0]
+        return bucket[src : src + n]
+    if not runs:
+        return bucket[:0]
+    pieces = [bucket[src : src + n] for src, _dst, n in runs]
+    if out is None:
+        return torch.cat(pieces)
+    return torch.cat(pieces, out=out[: sum(n for _s, _d, n in runs)])
+
+
+def gathered_bytes(plan: Sequence[Sequence[Run]]) -> int:
+    """The largest bucket share of ``plan`` that :func:`gather` copies (several runs)."""
+    return max((sum(n for _s, _d, n in runs) for runs in plan if len(runs) > 1), default=0)
+
+
+class SlicePlacer:
+    """A sliced member's receive targets for one version from one trainer rank: per bucket, a view
+    of its slot (one run), an empty tensor (nothing wanted), or one of two scratch buffers
+    scattered into the slot once the bucket arrived (``place``)."""
+
+    def __init__(self, slot: torch.Tensor, plan: Sequence[Sequence[Run]]) -> None:
+        self._slot, self._plan = slot, plan
+        self.targets: list[torch.Tensor] = []
+        total = slot.numel()
+        for runs in plan:
+            for _src, dst, n in runs:
+                if dst < 0 or n <= 0 or dst + n > total:
+                    raise ValueError(f"a run of {n} bytes at {dst} lies outside the {total}-byte slot")
+        size = max((sum(n for _s, _d, n in runs) for runs in plan if len(runs) > 1), default=0)
+        scratch = [torch.empty(size, dtype=torch.uint8, device=slot.device) for _ in range(2)] if size else []
+        turn = 0
+        for runs in plan:
+            if len(runs) > 1:
+                self.targets.append(scratch[turn % 2][: sum(n for _s, _d, n in runs)])
+                turn += 1
+            elif runs:
+                _src, dst, n = runs[0]
+                self.targets.append(slot[dst : dst + n])
+            else:
+                self.targets.append(slot[:0])
+
+    def place(self, i: int) -> None:
+        """Bucket ``i``'s share arrived: scatter it into the slot (nothing to do for a view)."""
+        runs = self._plan[i]
+        if len(runs) < 2:
+            return
+        src, at = self.targets[i], 0
+        for _s, dst, n in runs:
+            self._slot[dst : dst + n].copy_(src[at : at + n])
+            at += n
+
+
+class Fanout:
+    """Rank 0's point-to-point sends of one version (a generation with sliced members): each
+    member's share of every bucket, and the digests of what each sliced member was sent.
+
+    ``plans``: per sliced member, its routes (None: its boxes do not fit, it is sent nothing);
+    ``buffers``: two gather buffers per sliced member (:class:`GatherBuffers`), used in turns,
+    so bucket i+2 is gathered only once bucket i completed (the data plane keeps two in flight).
+    """
+
+    def __init__(self, group: Sequence[str], plans: Mapping[str, list[list[Run]] | None],
+                 buffers: Mapping[str, list[torch.Tensor]], digest: Any) -> None:
+        self._group, self._plans, self._buffers, self._digest = group, plans, buffers, digest
+        self._sent: dict[int, list[tuple[str, torch.Tensor]]] = {}
+        self.digests: dict[str, list[int]] = {m: [] for m in plans}  # per sliced member, per bucket
+
+    def sends(self, i: int, bucket: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+        """Bucket ``i``'s ``(rank, bytes)`` pairs: the whole bucket to full members, its runs to sliced ones."""
+        pairs, sliced = [], []
+        for rank, member in enumerate(self._group, start=1):
+            piece = bucket
+            if member in self._plans:
+                plan = self._plans[member]
+                turns = self._buffers.get(member)
+                piece = gather(bucket, plan[i] if plan is not None else (),
+                               out=turns[i % 2] if turns is not None else None)
+                sliced.append((member, piece))
+            pairs.append((rank, piece))
+        self._sent[i] = sliced
+        return pairs
+
+    def done(self, i: int, verify: bool) -> None:
+        """Bucket ``i`` completed: digest what each sliced member got (0 where nothing), let it go."""
+        for member, piece in self._sent.pop(i, []):
+            if verify:
+                self.digests[member].append(self._digest(piece) if piece.numel() else 0)
+
+
+class GatherBuffers:
+    """Two gather buffers per sliced member, kept across versions (grown when a plan needs more)."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, list[torch.Tensor]] = {}
+
+    def for_plans(self, plans: Mapping[str, list[list[Run]] | None],
+                  device: torch.device) -> dict[str, list[torch.Tensor]]:
+        for member in [m for m in self._buffers if m not in plans]:
+            del self._buffers[member]
+        for member, plan in plans.items():
+            need = 0 if plan is None else gathered_bytes(plan)
+            have = self._buffers.get(member)
+            if need and (have is None or have[0].numel() < need or have[0].device != device):
+                self._buffers[member] = [torch.empty(need, dtype=torch.uint8, device=device) for _ in range(2)]
+        return self._buffers
