@@ -141,10 +141,47 @@ async def test_five_times_slower_member_is_evicted_and_replaced(procs: Procs, tm
     await all_ended_on(final, procs, workers[:2], tmp_path, replacements=1, numel=numel)
 
 
+async def test_a_slow_member_under_keep_is_flagged_and_still_gets_every_version(procs: Procs, tmp_path: Path) -> None:
+    """``on_slow="keep"``: the Sender flags a member five times slower (the recorder's ``slow``
+    entries name it) and evicts nobody, replaces nobody; it reads every version, bit-exact."""
+    numel = 2 << 20  # 8 MiB in 1 MiB buckets
+    policy = ws.StragglerPolicy(window=3, on_slow="keep")
+    rec = FlightRecorder(directory=tmp_path, label="publisher")
+    async with ws.Publisher("keep", timeout=10, heartbeat_interval=0.25, bucket_bytes=1 << 20, policy=policy,
+                            recorder=rec) as pub:
+        assert pub.address is not None
+        async with orchestrator(tmp_path, "keep", pub.address) as orch:
+            pub.orchestrator = orch
+            workers = [procs.spawn("subscriber", faults={"slow": 5.0} if i == 2 else None,
+                                   channel="keep", address=pub.address, member=f"gen{i}", mode="follow",
+                                   deadline=180) for i in range(3)]
+            await pub.wait_subscribers(3, timeout=60)
+            version = 0
+            while not any(e.op == "slow" for e in rec.snapshot()):
+                assert version < 3 * policy.window + 3, "the slow member was never flagged"
+                report = await (await put_checked(pub, version, numel)).delivered(timeout=60)
+                assert set(report.members) == {"gen0", "gen1", "gen2"}, (report, pub.evicted)
+                version += 1
+            for _ in range(2):  # flagged, and still served
+                report = await (await put_checked(pub, version, numel)).delivered(timeout=60)
+                assert set(report.members) == {"gen0", "gen1", "gen2"}, (report, pub.evicted)
+                version += 1
+            assert {e.peers for e in rec.snapshot() if e.op == "slow"} == {("gen2",)}
+            assert pub.evicted == [] and orch.started == [] and set(pub.members) == {"gen0", "gen1", "gen2"}
+            final = version - 1
+            await close_then_reap(pub, orch)
+    results = [await procs.result(w, timeout=60) for w in workers]
+    for result in results:
+        check_exact(result, numel)
+        assert result["order"][-1] == final, (result["member"], result["order"][-5:])
+
+
 async def test_killed_member_others_continue_and_replacement_catches_up(procs: Procs, tmp_path: Path) -> None:
     """The done-when: 4 subscribers, one killed mid-transfer, a replacement from the orchestrator."""
     numel, timeout = 4 << 20, 4.0  # 16 MiB in 1 MiB buckets
-    async with ws.Publisher("kill", timeout=timeout, heartbeat_interval=0.25, bucket_bytes=1 << 20) as pub:
+    rec = FlightRecorder(directory=tmp_path, label="publisher")
+    async with ws.Publisher("kill", timeout=timeout, heartbeat_interval=0.25, bucket_bytes=1 << 20,
+                            recorder=rec) as pub:
         assert pub.address is not None
         async with orchestrator(tmp_path, "kill", pub.address) as orch:
             pub.orchestrator = orch
@@ -154,6 +191,8 @@ async def test_killed_member_others_continue_and_replacement_catches_up(procs: P
             for v in range(3):
                 await (await put_checked(pub, v, numel)).delivered(timeout=60)
             handle = await put_checked(pub, 3, numel)
+            await wait_for(lambda: any(e.op == "bucket_send" and e.version == 3 for e in rec.snapshot()), 30,
+                           "version 3 on the wire")
             procs.signal(workers[3], signal.SIGKILL)  # while version 3 is on the wire
             killed = time.monotonic()
             report = await handle.delivered(timeout=60)
