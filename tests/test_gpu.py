@@ -32,6 +32,32 @@ async def test_one_rank_nccl_channel() -> None:
         assert any(e.op == "rebuild" and e.state == "completed" for e in entries)
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL refuses two ranks on one GPU: needs two GPUs")
+async def test_nccl_broadcast_from_one_gpu_to_another(procs: Procs) -> None:
+    """A real NCCL broadcast: the publisher on cuda:0, a subscriber process on cuda:1, two
+    versions of mixed dtypes bit-exact, the second with the caller writing right after put."""
+    if not compat.nccl_available():
+        pytest.skip("torch without NCCL")
+    async with ws.Publisher("gpu-nccl", backend="nccl", device="cuda:0", timeout=30) as pub:
+        w = procs.spawn("subscriber", channel=pub.name, address=pub.address, member="gpu1", backend="nccl",
+                        device="cuda:1", until_version=1, deadline=180)
+        await pub.wait_subscribers(1, timeout=120)
+        expected = {}
+        for v in range(2):
+            sd = {k: t.to("cuda:0") for k, t in mixed_state_dict(v, mib=8).items()}
+            expected[str(v)] = digests(sd)
+            handle = await pub.put(sd, version=v)
+            next(iter(sd.values())).zero_()  # ordered after the snapshot on the device
+            report = await handle.delivered(timeout=120)
+            assert report.members == ("gpu1",)
+        result = await procs.result(w, timeout=120)
+    assert "1" in result["digests"]  # the last one always; version 0 unless 1 superseded it unread
+    for version, got in result["digests"].items():
+        assert got == expected[version]
+    entries = [e for e in ws.pg.process_recorder().snapshot() if e.channel == "gpu-nccl"]
+    assert any(e.op == "bucket_send" and e.state == "completed" for e in entries)
+
+
 @pytest.mark.parametrize("transport", ["group", "auto"])
 async def test_cuda_snapshot_is_ordered_before_the_callers_next_write(transport: str) -> None:
     """put() enqueues the device copy on a side stream and returns without waiting for it; a

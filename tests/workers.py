@@ -33,7 +33,8 @@ async def subscriber(spec: dict) -> dict:
         want = {name: torch.empty(shape, dtype=getattr(torch, dtype)) for name, (shape, dtype) in spec["want"].items()}
     sub = ws.Subscriber(spec["channel"], address=spec["address"], member_id=spec["member"],
                         timeout=spec.get("timeout", 10.0), flight_recorder_dir=spec.get("fr_dir"),
-                        transport=spec.get("transport"), want=want)
+                        transport=spec.get("transport"), want=want, backend=spec.get("backend", "auto"),
+                        device=spec.get("device"))
     if spec.get("faults"):  # a fault plan for this worker (see weightsync.testing)
         inject(sub, Faults(**spec["faults"]))
     async with sub:
