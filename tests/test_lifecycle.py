@@ -137,3 +137,77 @@ async def test_neither_an_operator_eviction_nor_a_leave_is_replaced() -> None:
     assert [(m.member_id, m.reason) for m in pub.evicted] == [("g0", "operator")]
     # replacements are for the dead, the failed and the slow (test_stragglers.py checks those)
     assert orchestrator.asked == []
+
+
+# a replacement for LocalProcessOrchestrator: writes what it was given, then waits to be stopped;
+# one replacing a "slow" member ignores SIGTERM, so only the SIGKILL after the grace ends it
+REPLACEMENT = """
+import json, os, signal, sys, time
+member, n, reason, out = sys.argv[1:5]
+if reason == "slow":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+env = {k: os.environ.get(k) for k in ("WEIGHTSYNC_REPLACES", "WEIGHTSYNC_REPLACEMENT", "EXTRA")}
+with open(os.path.join(out, f"started-{n}.json.tmp"), "w") as fh:
+    json.dump({"argv": [member, n, reason], "env": env, "cwd": os.getcwd(), "pid": os.getpid()}, fh)
+os.rename(os.path.join(out, f"started-{n}.json.tmp"), os.path.join(out, f"started-{n}.json"))
+time.sleep(600)
+"""
+
+
+async def started(path, timeout: float = 30.0) -> dict:
+    """The record a replacement wrote once it ran (polled with a deadline)."""
+    import json
+    import time
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path.name} never written"
+        await asyncio.sleep(0.02)  # polling for a child's file, bounded
+    return json.loads(path.read_text())
+
+
+async def test_local_process_orchestrator_formats_commands_and_stops_only_what_it_started(tmp_path) -> None:
+    import socket
+    import sys
+    host = socket.gethostname()
+    orch = ws.LocalProcessOrchestrator([sys.executable, "-c", REPLACEMENT, "{member}", "{n}", "{reason}",
+                                        str(tmp_path)], env={"EXTRA": "yes"}, cwd=str(tmp_path), stop_old=True,
+                                       grace=1.0)
+    await orch.replace(ws.MemberInfo("gen0", host=host, pid=0, reason="dead", generation=3))
+    first = await started(tmp_path / "started-1.json")
+    assert first["argv"] == ["gen0", "1", "dead"]
+    assert first["env"] == {"WEIGHTSYNC_REPLACES": "gen0", "WEIGHTSYNC_REPLACEMENT": "1", "EXTRA": "yes"}
+    assert first["cwd"] == str(tmp_path)
+    # the replacement itself turns out slow: stop_old kills it (it is this orchestrator's child)
+    # before starting the next one
+    await orch.replace(ws.MemberInfo("repl-1", host=host, pid=first["pid"], reason="slow", generation=4))
+    second = await started(tmp_path / "started-2.json")
+    assert second["argv"] == ["repl-1", "2", "slow"] and second["env"]["WEIGHTSYNC_REPLACEMENT"] == "2"
+    old = orch.processes()[0]
+    assert old.wait(timeout=10) == -9
+    # a member on another host with the same pid is never signalled
+    survivor = orch.processes()[1]
+    await orch.replace(ws.MemberInfo("far", host=host + "-elsewhere", pid=survivor.pid, reason="dead"))
+    await started(tmp_path / "started-3.json")
+    assert survivor.poll() is None
+    # aclose: SIGTERM to each, SIGKILL after the grace to the one that ignores it
+    t0 = asyncio.get_running_loop().time()
+    await orch.aclose()
+    assert asyncio.get_running_loop().time() - t0 < orch.grace + 10  # liveness bound
+    assert [p.returncode for p in orch.processes()] == [-9, -9, -15]
+    assert [m.member_id for m, _ in orch.started] == ["gen0", "repl-1", "far"]
+
+
+async def test_local_process_orchestrator_target_and_bad_arguments() -> None:
+    calls: list[str] = []
+
+    async def later(member: ws.MemberInfo) -> str:
+        calls.append(member.member_id)
+        return f"started for {member.member_id}"
+
+    async with ws.LocalProcessOrchestrator(target=later) as orch:
+        await orch.replace(ws.MemberInfo("g", reason="failed"))
+        assert calls == ["g"] and orch.started[0][1] == "started for g"
+        assert orch.processes() == []  # a result without poll() is not a process to stop
+    for bad in ({}, {"command": ["x"], "target": later}, {"command": "python gen.py"}, {"command": []}):
+        with pytest.raises(ValueError):
+            ws.LocalProcessOrchestrator(**bad)
