@@ -164,6 +164,101 @@ def test_a_joiner_that_dies_before_it_is_planned_frees_its_id() -> None:
     assert membership.request_join("ghost")  # a new incarnation may use the id again
 
 
+def quick_setup() -> tuple[FakeControl, Membership, FakePlane, Generations, FlightRecorder, Liveness]:
+    """As setup(), with a rendezvous bound of about a second."""
+    control, membership, plane, _, rec, live = setup()
+    settings = ChannelOptions(timeout=0.5, heartbeat_interval=0.25, bucket_bytes=1 << 16).settings(
+        checksum=True, in_place=False)
+    gens = Generations("ch", control=control, table=FakeTable(), membership=membership, recorder=rec, plane=plane,
+                       settings=settings, stopped=lambda: False, on_change=lambda: None)
+    return control, membership, plane, gens, rec, live
+
+
+def form_first(control: FakeControl, membership: Membership, gens: Generations, seen: dict[str, list],
+               *members: str) -> None:
+    """Generation 1 with ``members``, each answering its Admit."""
+    threads = [play_member(control, m, seen) for m in members]
+    join(gens, membership, *members)
+    gens.advance(reason="membership change")
+    for t in threads:
+        t.join(5)
+    assert membership.members == list(members)
+
+
+def evictions(rec: FlightRecorder) -> list[tuple[tuple[str, ...], str]]:
+    return [(e.peers, e.error) for e in rec.snapshot() if e.op == "evict"]
+
+
+def test_a_member_that_dies_while_a_generation_forms_is_dropped_and_the_rest_form_the_next() -> None:
+    control, membership, plane, gens, rec, live = quick_setup()
+    seen: dict[str, list] = {}
+    form_first(control, membership, gens, seen, "a", "b", "c")
+    outbox = control.outbox["inc-c"]
+
+    def dies_on_reconfigure() -> None:  # c's process dies as the next generation forms
+        while not isinstance(outbox.get(timeout=5), _wire.Reconfigure):
+            pass
+        live.seen["c"] = (time.monotonic(), False)  # its connection closed
+
+    threads = [play_member(control, m, seen, until=_wire.Go) for m in ("a", "b", "d")]
+    threads.append(threading.Thread(target=dies_on_reconfigure, daemon=True))
+    threads[-1].start()
+    join(gens, membership, "d")  # a newcomer: the next generation forms
+    gens.advance(reason="membership change")
+    for t in threads:
+        t.join(5)
+    assert membership.members == ["a", "b", "d"]
+    assert plane.entered[-1].members == ("a", "b", "d")
+    assert evictions(rec) == [(("c",), "dead")]  # only the dead; a and b, who waited on it, stay
+    failed = [e for e in rec.snapshot() if e.op == "rendezvous" and e.state == "failed"]
+    assert failed and all("c" in e.error for e in failed)
+
+
+def test_a_member_late_for_the_rendezvous_gets_a_second_bound() -> None:
+    control, membership, plane, gens, rec, _ = quick_setup()
+    seen: dict[str, list] = {}
+    form_first(control, membership, gens, seen, "a", "b")
+    outbox = control.outbox["inc-b"]
+
+    def late() -> None:  # alive, but answers only once the first bound has passed
+        message = outbox.get(timeout=5)
+        assert isinstance(message, _wire.Reconfigure)
+        deadline = time.monotonic() + 10
+        while not any("waiting once more" in e.error for e in rec.snapshot()):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)  # polling the recorder with a deadline
+        control.replies.put(_wire.Ready(generation=message.next_generation, member_id="b"))
+
+    threads = [play_member(control, m, seen) for m in ("a", "d")]
+    threads.append(threading.Thread(target=late, daemon=True))
+    threads[-1].start()
+    join(gens, membership, "d")
+    gens.advance(reason="membership change")
+    for t in threads:
+        t.join(5)
+    assert membership.members == ["a", "b", "d"] and membership.generation == 2  # the first attempt held
+    assert evictions(rec) == []
+    late_entries = [e for e in rec.snapshot() if "waiting once more" in e.error]
+    assert [e.peers for e in late_entries] == [("b",)]
+
+
+def test_a_member_alive_but_never_at_the_rendezvous_is_evicted_as_failed_after_two_attempts() -> None:
+    control, membership, plane, gens, rec, _ = quick_setup()
+    seen: dict[str, list] = {}
+    form_first(control, membership, gens, seen, "a", "b")
+    threads = [play_member(control, "a", seen), play_member(control, "b", seen, ready=False, until=_wire.Shutdown)]
+    join(gens, membership, "d")
+    threads.append(play_member(control, "d", seen))
+    gens.advance(reason="membership change")
+    assert membership.members == ["a", "d"]
+    assert evictions(rec) == [(("b",), "failed")]
+    attempts = [e for e in rec.snapshot() if e.op == "rendezvous" and e.state == "failed" and "not ready" in e.error]
+    assert len(attempts) == 2  # two attempts, each with its second bound, before b counts as failed
+    gens.shutdown()
+    for t in threads:
+        t.join(5)
+
+
 def test_deadlines_come_from_the_publishers_settings() -> None:
     big = ChannelOptions(timeout=7.0, min_bandwidth=1e6, bucket_bytes=1 << 30).settings(checksum=True, in_place=False)
     d = Deadlines(big)

@@ -123,6 +123,7 @@ async def test_frozen_member_is_named_with_version_and_bucket(procs: Procs, tmp_
         assert time.monotonic() - t0 < timeout * 4 + 10  # the deadline fired; nobody waited forever
         assert set(report.members) == {"gen0", "gen1"}  # healthy members lost nothing
         assert [(m.member_id, m.reason) for m in pub.evicted] == [("gen2", "dead")]
+        assert [(e.peers, e.error) for e in rec.snapshot() if e.op == "evict"] == [(("gen2",), "dead")]
         body.fill_(2)
         await (await pub.put({"body": body}, version=2)).delivered(timeout=60)
         results = [await procs.result(w, timeout=60) for w in workers[:2]]

@@ -61,7 +61,7 @@ class Entry(msgspec.Struct, kw_only=True):
         return self
 
     def complete(self) -> Entry:
-        return self._end(COMPLETED, "")
+        return self._end(COMPLETED, self.error)
 
     def fail(self, error: BaseException | str, *, aborted: bool = False) -> Entry:
         return self._end(ABORTED if aborted else FAILED, str(error)[:500])
