@@ -26,9 +26,14 @@ async def test_aclose_sends_what_is_pending_before_it_stops() -> None:
     await pub.wait_subscribers(1, timeout=10)
     sd = mixed_state_dict(3, mib=4)
     handle = await pub.put(sd, version=1)
+    waiting = asyncio.create_task(sub.get(min_version=2, timeout=None))  # for a version that never comes
     await pub.aclose()  # right away: the version is pending, and aclose must send it
     report = await handle.delivered(timeout=1)  # resolved by the time aclose returned
     assert report.members == (sub.member_id,) and not report.superseded
+    with pytest.raises(ws.PublisherGone):  # the Shutdown ends a wait that has no timeout
+        await asyncio.wait_for(waiting, 20)
+    with pytest.raises(ws.PublisherGone):  # and every new one
+        await sub.get(min_version=2, timeout=5)
     w = await sub.get(min_version=1, timeout=5)  # kept after the publisher is gone
     assert w.version == 1 and digests(w) == digests(sd)
     await sub.aclose()
