@@ -138,12 +138,16 @@ async def test_versions_must_increase_and_closed_raises() -> None:
     await (await pub.put({"x": torch.zeros(1)}, version=3))
     with pytest.raises(ValueError, match="increase"):
         await pub.put({"x": torch.zeros(1)}, version=3)
+    nxt = await pub.put({"x": torch.zeros(1)})  # version=None: the next integer
+    assert nxt.version == 4 and (await nxt.delivered(timeout=10)).version == 4
+    with pytest.raises(ValueError):
+        await pub.evict("not-a-member")
     await close(pub, subs)
     await close(pub, subs)  # idempotent
     with pytest.raises(ws.Closed):
         await pub.put({"x": torch.zeros(1)})
     w = await subs[0].get(timeout=1)  # the last complete version stays readable
-    assert w.version == 3
+    assert w.version == 4
 
 
 async def test_latest_wins_bounded_memory_no_torn_versions() -> None:

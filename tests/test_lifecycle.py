@@ -52,6 +52,7 @@ async def test_abort_fails_unsent_puts_with_closed() -> None:
         await asyncio.sleep(0.005)  # until the recorder shows version 1 on its way (else 2 supersedes it)
     second = await pub.put({"w": torch.ones(1 << 20)}, version=2)
     await pub.abort()
+    await pub.abort()  # idempotent
     with pytest.raises(ws.Closed):
         await second.delivered(timeout=5)
     try:  # the one on the wire either made it or was cut off: either way it resolves

@@ -253,3 +253,33 @@ def test_checksum_catches_flips_and_swaps_and_ignores_alignment() -> None:
     assert checksum(data[:0]) == checksum(torch.empty(0, dtype=torch.uint8))
     with pytest.raises(ValueError, match="flat contiguous uint8"):
         checksum(data.view(torch.int64))
+
+
+def test_connect_store_reaches_an_applications_store_and_gives_up_on_a_silent_listener() -> None:
+    import socket
+    import time
+
+    import torch.distributed as dist
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    client = ws.connect_store(f"127.0.0.1:{server.port}", timeout=5.0)
+    client.set("flag", b"stop")
+    assert server.get("flag") == b"stop" and client.check(["flag"])
+    client.queue_push("rollouts", b"r1")
+    assert server.queue_pop("rollouts") == b"r1"
+    with pytest.raises(ValueError, match="port 0"):
+        ws.connect_store("127.0.0.1:0")
+    silent = socket.socket()  # accepts connections (the kernel's backlog) and never answers
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises((RuntimeError, dist.DistError)):
+            ws.connect_store(f"127.0.0.1:{silent.getsockname()[1]}", timeout=0.5)
+        assert time.monotonic() - t0 < 30  # a few probes of about a second each, not forever
+    finally:
+        silent.close()  # the constructors given up on wake up (connection reset) and end
+    stuck = [t for t in threading.enumerate() if t.name == "ws-store-connect"]
+    for thread in stuck:
+        thread.join(10)
+    assert not any(t.is_alive() for t in stuck)

@@ -86,7 +86,35 @@ def _validated(make: Any, timeout: float) -> Any:
 
 
 def new_store_client(host: str, port: int, timeout: float) -> Any:
-    return _validated(lambda t: dist.TCPStore(host, port, is_master=False, timeout=t), timeout)
+    return _validated(lambda t: _within(lambda: dist.TCPStore(host, port, is_master=False, timeout=t),
+                                        t.total_seconds() + 1.0), timeout)
+
+
+def _within(make: Any, seconds: float) -> Any:
+    """``make()`` on a daemon thread, given up on after ``seconds``.
+
+    Measured on torch 2.13: a TCPStore client whose TCP connection is accepted (a listener's
+    backlog) but never answered blocks in its constructor far past its timeout (over 40 s with
+    ``timeout=1 s``); the timeout bounds only the connect retries. A silent peer would hold the
+    caller forever, so the constructor runs here. A thread given up on stays blocked on that
+    socket until the peer closes it: at most ``_CONNECT_ATTEMPTS`` per call.
+    """
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["store"] = make()
+        except BaseException as err:  # noqa: BLE001 - handed to the caller as is
+            box["error"] = err
+
+    thread = threading.Thread(target=run, name="ws-store-connect", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        raise RuntimeError(f"the store accepted the connection but did not answer within {seconds:.1f}s")
+    if "error" in box:
+        raise box["error"]
+    return box["store"]
 
 
 def clone_store(store: Any, timeout: float) -> Any:
