@@ -112,6 +112,14 @@ async def test_corrupted_bucket_is_never_readable_and_is_resent(procs: Procs, tm
     assert [e.peers for e in nacks] == [("gen0",)] and "corrupted" in nacks[0].error
 
 
+async def followers_third_slow(procs: Procs, pub: ws.Publisher, channel: str) -> list[int]:
+    """gen0, gen1 and gen2 (five times slower than the wire) following ``channel``, all joined."""
+    workers = [procs.spawn("subscriber", faults={"slow": 5.0} if i == 2 else None, channel=channel,
+                           address=pub.address, member=f"gen{i}", mode="follow", deadline=180) for i in range(3)]
+    await pub.wait_subscribers(3, timeout=60)
+    return workers
+
+
 async def test_five_times_slower_member_is_evicted_and_replaced(procs: Procs, tmp_path: Path) -> None:
     numel = 2 << 20  # 8 MiB in 1 MiB buckets
     policy = ws.StragglerPolicy(window=3)
@@ -120,10 +128,7 @@ async def test_five_times_slower_member_is_evicted_and_replaced(procs: Procs, tm
         assert pub.address is not None
         async with orchestrator(tmp_path, "slow", pub.address) as orch:
             pub.orchestrator = orch
-            workers = [procs.spawn("subscriber", faults={"slow": 5.0} if i == 2 else None,
-                                   channel="slow", address=pub.address, member=f"gen{i}", mode="follow",
-                                   deadline=180) for i in range(3)]
-            await pub.wait_subscribers(3, timeout=60)
+            workers = await followers_third_slow(procs, pub, "slow")
             version, evicted_at, report = 0, None, None
             deadline = time.monotonic() + 150
             while evicted_at is None or report is None or "repl-1" not in report.members:
@@ -152,10 +157,7 @@ async def test_a_slow_member_under_keep_is_flagged_and_still_gets_every_version(
         assert pub.address is not None
         async with orchestrator(tmp_path, "keep", pub.address) as orch:
             pub.orchestrator = orch
-            workers = [procs.spawn("subscriber", faults={"slow": 5.0} if i == 2 else None,
-                                   channel="keep", address=pub.address, member=f"gen{i}", mode="follow",
-                                   deadline=180) for i in range(3)]
-            await pub.wait_subscribers(3, timeout=60)
+            workers = await followers_third_slow(procs, pub, "keep")
             version = 0
             while not any(e.op == "slow" for e in rec.snapshot()):
                 assert version < 3 * policy.window + 3, "the slow member was never flagged"
