@@ -54,7 +54,9 @@ async def test_kill_9_subscriber_mid_run_others_lose_nothing(procs: Procs) -> No
                     assert "gen0" in report.members
                     if done > 3:
                         assert report.members == ("gen0",)
-        assert pub.members == ("gen0",) and [m.member_id for m in pub.evicted] == ["gen1"]
+            if v == 8:  # before version 9, after which gen0 leaves on its own
+                assert pub.members == ("gen0",)
+        assert [m.member_id for m in pub.evicted] == ["gen1"]
         result = await procs.result(workers[0], timeout=60)
     assert result["order"] == sorted(result["order"]) and result["order"][-1] == 9
     for version, seen in result["digests"].items():  # every version read is exactly what was put
@@ -87,7 +89,9 @@ async def test_a_sliced_member_killed_or_frozen_mid_version_costs_the_others_not
                 procs.signal(workers[1], how)
             report = await handle.delivered(timeout=timeout * 3 + 30)
             assert "gen0" in report.members
-        assert pub.members == ("gen0",) and [m.member_id for m in pub.evicted] == ["gen1"]
+            if v == 4:  # before version 5, after which gen0 leaves on its own
+                assert pub.members == ("gen0",)
+        assert [m.member_id for m in pub.evicted] == ["gen1"]
         result = await procs.result(workers[0], timeout=60)
     assert result["order"] == sorted(result["order"]) and result["order"][-1] == 5
     for version, seen in result["digests"].items():  # only the wanted tensor, exactly what was put
