@@ -4,6 +4,11 @@ admission by environment, operator evictions. Publisher and subscribers in one p
 from __future__ import annotations
 
 import asyncio
+import json
+import socket
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -160,10 +165,8 @@ time.sleep(600)
 """
 
 
-async def started(path, timeout: float = 30.0) -> dict:
+async def started(path: Path, timeout: float = 30.0) -> dict:
     """The record a replacement wrote once it ran (polled with a deadline)."""
-    import json
-    import time
     deadline = time.monotonic() + timeout
     while not path.exists():
         assert time.monotonic() < deadline, f"{path.name} never written"
@@ -171,9 +174,7 @@ async def started(path, timeout: float = 30.0) -> dict:
     return json.loads(path.read_text())
 
 
-async def test_local_process_orchestrator_formats_commands_and_stops_only_what_it_started(tmp_path) -> None:
-    import socket
-    import sys
+async def test_local_process_orchestrator_formats_commands_and_stops_only_what_it_started(tmp_path: Path) -> None:
     host = socket.gethostname()
     orch = ws.LocalProcessOrchestrator([sys.executable, "-c", REPLACEMENT, "{member}", "{n}", "{reason}",
                                         str(tmp_path)], env={"EXTRA": "yes"}, cwd=str(tmp_path), stop_old=True,

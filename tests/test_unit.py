@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 import subprocess
 import sys
 import threading
+import time
 
 import msgspec
 import pytest
 import torch
+import torch.distributed as dist
 
 import weightsync as ws
 from tests.statedicts import digests, mixed_state_dict
@@ -256,11 +259,6 @@ def test_checksum_catches_flips_and_swaps_and_ignores_alignment() -> None:
 
 
 def test_connect_store_reaches_an_applications_store_and_gives_up_on_a_silent_listener() -> None:
-    import socket
-    import time
-
-    import torch.distributed as dist
-
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     client = ws.connect_store(f"127.0.0.1:{server.port}", timeout=5.0)
     client.set("flag", b"stop")

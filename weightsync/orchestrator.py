@@ -17,6 +17,7 @@ import asyncio
 import inspect
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -98,13 +99,19 @@ class Replacements:
                 task.cancel()
 
 
+# one pass over each argv item: an id holding "{n}" stays as it is, and so does any other brace
+# (str.format took a `python -c` script's dict literals for fields)
+_PLACEHOLDER = re.compile(r"\{(member|n|reason)\}")
+
+
 class LocalProcessOrchestrator:
     """Starts replacements on this host, from a command or a callable.
 
     Args:
         command: argv of the replacement; in each item ``{member}`` (the dropped member's id),
-            ``{n}`` (a counter from 1) and ``{reason}`` are replaced, other braces kept as written. The environment gets
-            ``WEIGHTSYNC_REPLACES`` (the dropped id) and ``WEIGHTSYNC_REPLACEMENT`` (``{n}``).
+            ``{n}`` (a counter from 1) and ``{reason}`` are replaced, other braces kept as
+            written. The environment gets ``WEIGHTSYNC_REPLACES`` (the dropped id) and
+            ``WEIGHTSYNC_REPLACEMENT`` (``{n}``).
         target: instead of a command, ``target(member)``; it may return an awaitable (awaited)
             or a process-like object with ``poll()``/``pid`` (tracked and stopped by ``aclose``).
         env: extra environment for commands.
@@ -143,8 +150,8 @@ class LocalProcessOrchestrator:
             self._stop_old(member)
         n = len(self.started) + 1
         if self.command is not None:
-            fields = {"{member}": member.member_id, "{n}": str(n), "{reason}": member.reason}
-            argv = [_fill(part, fields) for part in self.command]
+            fields = {"member": member.member_id, "n": str(n), "reason": member.reason}
+            argv = [_PLACEHOLDER.sub(lambda m: fields[m.group(1)], part) for part in self.command]
             env = dict(os.environ, **self.env, WEIGHTSYNC_REPLACES=member.member_id, WEIGHTSYNC_REPLACEMENT=str(n))
             proc: Any = subprocess.Popen(argv, env=env, cwd=self.cwd, stdout=self.stdout, stderr=self.stderr,
                                          start_new_session=True)
@@ -180,14 +187,6 @@ class LocalProcessOrchestrator:
             if proc.poll() is None:
                 _signal(proc, signal.SIGKILL)
                 await asyncio.get_running_loop().run_in_executor(None, _reap, proc)
-
-
-def _fill(part: str, fields: Mapping[str, str]) -> str:
-    """``part`` with each placeholder replaced; any other brace is left as it is (an argv may hold
-    a ``python -c`` script, whose dict literals ``str.format`` would take for fields)."""
-    for placeholder, value in fields.items():
-        part = part.replace(placeholder, value)
-    return part
 
 
 def _signal(proc: Any, sig: int) -> None:

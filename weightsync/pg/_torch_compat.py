@@ -86,8 +86,10 @@ def _validated(make: Any, timeout: float) -> Any:
 
 
 def new_store_client(host: str, port: int, timeout: float) -> Any:
-    return _validated(lambda t: _within(lambda: dist.TCPStore(host, port, is_master=False, timeout=t),
-                                        t.total_seconds() + 1.0), timeout)
+    def make(t: dt.timedelta) -> Any:
+        return _within(lambda: dist.TCPStore(host, port, is_master=False, timeout=t), t.total_seconds() + 1.0)
+
+    return _validated(make, timeout)
 
 
 def _within(make: Any, seconds: float) -> Any:
