@@ -7,12 +7,15 @@ every version they read is bit-exact, and the trainer's ``put`` never waits on t
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
 import os
 import resource
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import msgspec
@@ -56,12 +59,18 @@ def replacement_command(tmp: Path, channel: str, address: str) -> list[str]:
     return [sys.executable, "-m", "tests.workers", f"@{spec}"]
 
 
-def orchestrator(tmp: Path, channel: str, address: str) -> ws.LocalProcessOrchestrator:
-    """Starts follow-mode replacements; their output and flight-recorder dumps go to ``tmp``."""
-    log = tmp / "replacements.log"
-    return ws.LocalProcessOrchestrator(replacement_command(tmp, channel, address), cwd=str(REPO),
-                                       env={"PYTHONPATH": str(REPO), "WEIGHTSYNC_FR_DIR": str(tmp)},
-                                       stdout=log.open("ab"), stderr=subprocess.STDOUT)
+@contextlib.asynccontextmanager
+async def orchestrator(tmp: Path, channel: str, address: str) -> AsyncIterator[ws.LocalProcessOrchestrator]:
+    """Starts follow-mode replacements; their output and flight-recorder dumps go to ``tmp``.
+
+    The log file is closed here, once the orchestrator stopped its processes: left to the
+    garbage collector it closed at any moment, and the soak, which counts this process's open
+    files, once saw an earlier test's log go away between its two samples."""
+    with (tmp / "replacements.log").open("ab") as log:
+        async with ws.LocalProcessOrchestrator(replacement_command(tmp, channel, address), cwd=str(REPO),
+                                               env={"PYTHONPATH": str(REPO), "WEIGHTSYNC_FR_DIR": str(tmp)},
+                                               stdout=log, stderr=subprocess.STDOUT) as orch:
+            yield orch
 
 
 def replacement_result(tmp: Path, n: int) -> dict:
@@ -360,6 +369,7 @@ async def test_soak_200_versions_4_subscribers_one_killed_and_replaced_every_50(
                 if v in (75, 199):  # once retired groups are torn down (in the background, bounded)
                     assert len(report.members) == 4
                     assert await asyncio.get_running_loop().run_in_executor(None, drain_retired, 60.0)
+                    gc.collect()  # garbage with descriptors goes now, not between the samples
                     samples[v] = (open_files(), rss_mib())
                     kinds[v] = fd_kinds()
                     sockets[v] = socket_detail()
