@@ -68,7 +68,7 @@ async def test_a_replayed_join_is_refused_on_another_connection() -> None:
         reply = await in_thread(thief.read)
         assert isinstance(reply, _wire.Deny) and reply.kind == "token"
         assert await in_thread(thief.closed_within, 5.0)
-        assert any(e.op == "admit" and e.error == "missing or wrong token" for e in rec.snapshot())
+        assert any(e.op == "admit" and "wrong token" in e.error for e in rec.snapshot())
         insider.close()
         await still_serves(pub, subs, 1)
     finally:

@@ -257,9 +257,13 @@ async def test_ranks_that_disagree_on_a_version_send_nothing_and_say_why() -> No
     subscriber sees nothing; a plain tensor put by both with owners splits it by rank."""
     p0 = ws.Publisher("agree", rank=0, world_size=2, timeout=5.0)
     start = asyncio.create_task(p0.start())
-    while p0.address is None:
-        await asyncio.sleep(0.01)  # the address exists once rank 0 listens (its start waits for rank 1)
-    p1 = ws.Publisher("agree", rank=1, world_size=2, address=p0.address, timeout=5.0)
+    address = None
+    while address is None:  # the address exists once rank 0 listens (its start waits for rank 1)
+        try:
+            address = p0.address
+        except RuntimeError:
+            await asyncio.sleep(0.01)
+    p1 = ws.Publisher("agree", rank=1, world_size=2, address=address, timeout=5.0)
     await asyncio.gather(start, p1.start())
     try:
         async with ws.Subscriber("agree", address=p0.address, timeout=5.0) as sub:

@@ -28,6 +28,8 @@ def test_public_names_are_pinned() -> None:
         "AdmissionDenied", "Closed", "DeliveryReport", "Evicted", "FlightRecorder", "HandshakeMismatch",
         "LocalProcessOrchestrator", "ManifestMismatch", "MemberInfo", "Orchestrator", "Publisher", "PublisherGone",
         "PutHandle", "RankMismatch", "StragglerPolicy", "Subscriber", "SyncTimeout", "TransportUnavailable",
+        "BlockingPublisher", "BlockingSubscriber", "MemberStatistics", "NotDelivered", "PublisherStatistics",
+        "SubscriberStatistics",
         "WeightStream", "Weights", "WeightSyncError", "__version__", "connect_store"])
     for name in ws.__all__:
         assert hasattr(ws, name)
@@ -58,7 +60,7 @@ def test_import_has_no_side_effects() -> None:
 
 
 def test_loop_thread_bounds_every_call_and_stops() -> None:
-    from weightsync.integrations._bridge import LoopThread
+    from weightsync.transport.loopthread import LoopThread
 
     bridge = LoopThread("test-bridge")
     assert bridge.run(asyncio.sleep(0, result=7), 5.0, "a quick call") == 7

@@ -15,6 +15,7 @@ cost a peer a strike or an eviction::
      └── ControlFailure     the control connection
           ├── StoreTimeout       an answer did not come in time
           └── StoreUnreachable   the connection closed or could not be made
+               └── NotListening  nothing accepted the connection (a publisher not up yet)
 
 Torch backend errors (``RuntimeError``, ``DistError``) are translated into these in one place,
 :mod:`weightsync.pg.group` (data plane); the control plane (:mod:`weightsync.control`) raises
@@ -63,6 +64,10 @@ class StoreTimeout(ControlFailure, TimeoutError):
 
 class StoreUnreachable(ControlFailure, ConnectionError):
     """The control connection closed or could not be made (the other end is gone)."""
+
+
+class NotListening(StoreUnreachable):
+    """Nothing accepted a connection at the address (refused, unreachable): maybe not started yet."""
 
 
 #: what a data-plane step may fail with without anyone's code being wrong

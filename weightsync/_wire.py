@@ -26,8 +26,9 @@ from typing import Union
 
 import msgspec
 
-PROTOCOL_VERSION = 6  # 2: settings in Admit; CRC32C. 3: link probes. 4: same-host shm. 5: sharded (lanes).
+PROTOCOL_VERSION = 7  # 2: settings in Admit; CRC32C. 3: link probes. 4: same-host shm. 5: sharded (lanes).
 # 6: sliced members (Join.want, point-to-point buckets: Announce.direct)
+# 7: tied tensors sent once (Manifest.ties); Challenge.open
 
 
 class TensorSpec(msgspec.Struct, frozen=True, array_like=True):
@@ -45,6 +46,9 @@ class Manifest(msgspec.Struct, frozen=True):
 
     tensors: tuple[TensorSpec, ...]
     total_bytes: int
+    # (name, source): tensor ``name`` is ``source`` itself (tied weights: an embedding and a head
+    # sharing storage), sent once and re-tied on the member
+    ties: tuple[tuple[str, str], ...] = ()
 
 
 class Fingerprint(msgspec.Struct, frozen=True):
@@ -116,6 +120,7 @@ class Challenge(msgspec.Struct, frozen=True, tag="challenge"):
     channel: str
     nonce: bytes  # fresh per connection: a recorded Join is worthless on another one
     shm: ShmOffer | None = None  # the publisher's shared memory, for members on its host
+    open: bool = False  # the channel has no secret: a subscriber holding one is told why it cannot join
 
 
 class Join(msgspec.Struct, frozen=True, tag="join"):

@@ -12,7 +12,9 @@ the boundary with ``raise ... from err`` so callers never match on backend messa
      ├── Evicted                           this subscriber was removed from the channel
      ├── AdmissionDenied                   the join token was missing or wrong
      ├── HandshakeMismatch                 environment fingerprints disagree
-     └── TransportUnavailable              the transport asked for cannot work here
+     ├── TransportUnavailable              the transport asked for cannot work here
+     ├── RankMismatch                      a sharded trainer's ranks disagree about a version
+     └── NotDelivered                      a put reached fewer members than the caller required
 
 Each carries optional context (``channel``, ``generation``, ``member``, ``version``) that
 appears in its message and stays available as attributes.
@@ -26,7 +28,9 @@ __all__ = [
     "Evicted",
     "HandshakeMismatch",
     "ManifestMismatch",
+    "NotDelivered",
     "PublisherGone",
+    "RankMismatch",
     "SyncTimeout",
     "TransportUnavailable",
     "WeightSyncError",
@@ -93,3 +97,19 @@ class HandshakeMismatch(WeightSyncError):
 
 class TransportUnavailable(WeightSyncError):
     """The transport asked for cannot work here (``transport="shm"`` with a publisher on another host)."""
+
+
+class RankMismatch(WeightSyncError):
+    """The trainer ranks disagree about a version (its number, tensors or who sends which bytes)."""
+
+
+class NotDelivered(WeightSyncError):
+    """``handle.delivered(min_members=n)``: the version reached fewer than ``n`` members.
+
+    ``report`` is the :class:`~weightsync.DeliveryReport` it did get (``report.members`` may be
+    empty: a put with no subscriber is delivered to nobody).
+    """
+
+    def __init__(self, message: str, *, report: object = None, **ctx: object) -> None:
+        super().__init__(message, **ctx)  # type: ignore[arg-type]
+        self.report = report

@@ -1,6 +1,7 @@
 """Replacing members: the ``Orchestrator`` protocol and a local-process implementation.
 
-The publisher calls ``await orchestrator.replace(member)`` on its event loop after it evicted a
+The publisher calls ``await orchestrator.replace(member)`` on its own replacement thread's event
+loop (never the application's, which a synchronous training step may hold) after it evicted a
 member that its :class:`~weightsync.StragglerPolicy` says to replace (dead by default; slow by
 default too). ``member`` is a :class:`MemberInfo`: id, host, pid, reason (``"dead"``,
 ``"slow"``, ``"failed"``) and the generation that dropped it. The replacement is an ordinary
@@ -14,6 +15,7 @@ How other launchers implement the protocol is in docs/fault-tolerance.md.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import inspect
 import logging
 import os
@@ -21,15 +23,16 @@ import re
 import signal
 import socket
 import subprocess
-import sys
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from weightsync.pg.membership import MemberInfo, StragglerPolicy
 from weightsync.pg.recorder import FlightRecorder
+from weightsync.transport.loopthread import LoopThread
 
-log = logging.getLogger("weightsync")
+log = logging.getLogger("weightsync.orchestrator")
 
 __all__ = ["LocalProcessOrchestrator", "MemberInfo", "Orchestrator", "Replacements"]
 
@@ -44,11 +47,13 @@ class Orchestrator(Protocol):
 class Replacements:
     """The publisher's side: asks the orchestrator for a replacement of each dropped member.
 
-    The Sender reports every dropped member (:meth:`member_dropped`, any thread); the policy
-    decides whether it is replaced; ``orchestrator.replace`` then runs as a task on the
-    publisher's event loop. Its failures are recorded and logged, never raised into ``put``.
-    ``policy`` and ``orchestrator`` are read when a member is dropped, so a publisher may set
-    its orchestrator after construction (once its address is known).
+    The Sender reports every dropped member (:meth:`member_dropped`, on its own thread); the
+    policy decides whether it is replaced; ``orchestrator.replace`` then runs on this object's
+    own event loop in its own thread (``ws-<channel>-replace``, started with the first
+    replacement), never on the application's: a training step that holds the application's
+    loop for seconds does not delay a replacement. Its failures are recorded and logged, never
+    raised into ``put``. ``policy`` and ``orchestrator`` are read when a member is dropped, so a
+    publisher may set its orchestrator after construction (once its address is known).
     """
 
     def __init__(self, channel: str, *, recorder: FlightRecorder, policy: Callable[[], StragglerPolicy],
@@ -56,47 +61,51 @@ class Replacements:
         self.channel = channel
         self._recorder, self._policy, self._orchestrator, self._stopped = recorder, policy, orchestrator, stopped
         self._rec = recorder.scope(channel, "publisher")
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self.tasks: list[asyncio.Task[None]] = []
+        self._lock = threading.Lock()
+        self._thread: LoopThread | None = None
+        self._closed = False
+        self.futures: list[concurrent.futures.Future[None]] = []
 
     def bind(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
+        """Kept for the publisher's start; replacements no longer run on ``loop``."""
 
     def member_dropped(self, member: MemberInfo) -> None:
         """Any thread: ``member`` was dropped; replace it when the policy says so."""
         policy = self._policy()
         action = {"slow": policy.on_slow, "dead": policy.on_dead, "failed": policy.on_dead}.get(
             member.reason, "evict")  # operator evictions and leaves are not replaced
-        if action != "replace" or self._orchestrator() is None or self._loop is None or self._stopped():
-            return
-        try:
-            self._loop.call_soon_threadsafe(self._start, member)
-        except RuntimeError:  # the loop is closed: nobody to replace for
-            pass
-
-    def _start(self, member: MemberInfo) -> None:
         orchestrator = self._orchestrator()
-        if orchestrator is None:
+        if action != "replace" or orchestrator is None or self._stopped():
             return
-        entry = self._rec.record("replace", peers=(member.member_id,), error=member.reason).start()
+        with self._lock:
+            if self._closed:
+                return
+            if self._thread is None:
+                self._thread = LoopThread(f"ws-{self.channel}-replace")
+            entry = self._rec.record("replace", peers=(member.member_id,), error=member.reason).start()
+            log.info("replacing %s (%s) in channel %r", member.member_id, member.reason, self.channel)
+            self.futures.append(self._thread.submit(self._run(orchestrator, member, entry)))
 
-        async def run() -> None:
-            try:
-                await orchestrator.replace(member)
-            except Exception as err:  # noqa: BLE001 - a failed replacement must never reach put()
-                entry.fail(f"{type(err).__name__}: {err}")
-                log.warning("weightsync: replacing %s failed: %s", member.member_id, err)
-            else:
-                entry.complete()
-
-        self.tasks.append(asyncio.ensure_future(run()))
+    async def _run(self, orchestrator: Orchestrator, member: MemberInfo, entry: Any) -> None:
+        try:
+            await orchestrator.replace(member)
+        except Exception as err:  # noqa: BLE001 - a failed replacement must never reach put()
+            entry.fail(f"{type(err).__name__}: {err}")
+            log.warning("replacing %s failed: %s", member.member_id, err)
+        else:
+            entry.complete()
 
     async def finish(self, timeout: float) -> None:
         """Replacements being started finish (bounded); none start after this."""
-        if self.tasks:
-            _done, late = await asyncio.wait(self.tasks, timeout=timeout)
+        with self._lock:
+            self._closed = True
+            thread, futures = self._thread, list(self.futures)
+        if futures:
+            _done, late = await asyncio.wait([asyncio.wrap_future(f) for f in futures], timeout=timeout)
             for task in late:
                 task.cancel()
+        if thread is not None:
+            await asyncio.get_running_loop().run_in_executor(None, thread.close, 1.0)
 
 
 # one pass over each argv item: an id holding "{n}" stays as it is, and so does any other brace
@@ -156,7 +165,7 @@ class LocalProcessOrchestrator:
             proc: Any = subprocess.Popen(argv, env=env, cwd=self.cwd, stdout=self.stdout, stderr=self.stderr,
                                          start_new_session=True)
             self.started.append((member, proc))
-            log.info("weightsync: started %s (pid %d) to replace %s (%s)", argv[0], proc.pid, member.member_id,
+            log.info("started %s (pid %d) to replace %s (%s)", argv[0], proc.pid, member.member_id,
                      member.reason)
             return
         assert self.target is not None
@@ -206,4 +215,4 @@ def _reap(proc: Any) -> None:
         elif hasattr(proc, "join"):
             proc.join(10)
     except subprocess.TimeoutExpired:
-        print(f"weightsync: process {proc.pid} survived SIGKILL for 10 s", file=sys.stderr)
+        log.error("process %d survived SIGKILL for 10 s", proc.pid)

@@ -117,8 +117,11 @@ def admission_problem(join: Join, *, channel: str, server_nonce: bytes, secret: 
         expected = join_proof(secret, channel=channel, server_nonce=server_nonce, client_nonce=join.nonce,
                               member_id=join.member_id, fp=join.fingerprint, transport=join.transport,
                               want=join.want)
+        if not join.proof:
+            return Deny(reason="secret: the publisher requires a secret, this subscriber has none (pass secret= "
+                               f"or set ${TOKEN_ENV} on both ends)", kind="token")
         if len(join.nonce) < NONCE_BYTES or not hmac.compare_digest(expected, join.proof):
-            return Deny(reason="missing or wrong token", kind="token")
+            return Deny(reason="secret: this subscriber's secret is not the publisher's (wrong token)", kind="token")
     diffs = compare(mine, join.fingerprint)
     if diffs:
         return Deny(reason="; ".join(diffs), kind="handshake")

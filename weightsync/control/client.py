@@ -28,7 +28,7 @@ import time
 from typing import Any
 
 from weightsync import _wire
-from weightsync._errors import StoreUnreachable
+from weightsync._errors import NotListening, StoreUnreachable
 from weightsync.control import auth
 from weightsync.control.framing import (
     HANDSHAKE_FRAME,
@@ -41,7 +41,7 @@ from weightsync.control.framing import (
     frame_length,
     open_refusal,
 )
-from weightsync.errors import TransportUnavailable
+from weightsync.errors import AdmissionDenied, HandshakeMismatch, TransportUnavailable
 from weightsync.pg.recorder import RecorderScope
 from weightsync.transport import shm
 
@@ -86,14 +86,15 @@ class ControlClient:
         try:
             sock = socket.create_connection((self._host, self._port), timeout=max(timeout, 0.01))
         except OSError as err:
-            raise StoreUnreachable(f"cannot connect to {self._host}:{self._port}: {err}") from err
+            raise NotListening(f"cannot connect to {self._host}:{self._port}: {err}") from err
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         session = Session(outgoing=TO_SERVER, incoming=TO_CLIENT)
         try:
             sock.settimeout(max(deadline - time.monotonic(), 0.01))
             challenge = session.open(self._read_frame(sock, HANDSHAKE_FRAME), _wire.server_decoder)
-            if not isinstance(challenge, _wire.Challenge) or challenge.channel != self.channel:
-                raise BadFrame(f"not this channel's challenge: {challenge!r:.120}")
+            if not isinstance(challenge, _wire.Challenge):
+                raise BadFrame(f"the first frame is a {type(challenge).__name__}, not a Challenge")
+            self._check_challenge(challenge)
             self.transport = self._choose_transport(challenge.shm)
             nonce = auth.new_nonce()
             proof = auth.join_proof(self._secret, channel=self.channel, server_nonce=challenge.nonce,
@@ -107,7 +108,7 @@ class ControlClient:
         except (OSError, BadFrame) as err:
             sock.close()
             raise StoreUnreachable(f"the publisher did not answer the handshake: {err}") from err
-        except TransportUnavailable:
+        except (TransportUnavailable, HandshakeMismatch, AdmissionDenied):
             sock.close()
             raise
         # the reader has its own descriptor: a socket's timeout is per object, and the reader's
@@ -117,6 +118,23 @@ class ControlClient:
         self.last_heard = time.monotonic()
         self._reader = threading.Thread(target=self._read_loop, name=f"ws-{self.channel}-control", daemon=True)
         self._reader.start()
+
+    def _check_challenge(self, challenge: _wire.Challenge) -> None:
+        """A publisher we must not join, said in one line naming both sides (never key material)."""
+        where = f"{self._host}:{self._port}"
+        if challenge.protocol != _wire.PROTOCOL_VERSION:
+            raise HandshakeMismatch(f"protocol: the publisher at {where} speaks weightsync protocol "
+                                    f"{challenge.protocol}, this subscriber {_wire.PROTOCOL_VERSION} "
+                                    "(install the same weightsync release on both ends)",
+                                    channel=self.channel, member=self.member_id)
+        if challenge.channel != self.channel:
+            raise HandshakeMismatch(f"channel: the publisher at {where} serves channel {challenge.channel[:80]!r}, "
+                                    f"this subscriber asked for {self.channel!r}", channel=self.channel,
+                                    member=self.member_id)
+        if challenge.open and self._secret is not None:
+            raise AdmissionDenied(f"secret: the publisher at {where} has no secret (an open channel), this "
+                                  "subscriber has one (secret= or $WEIGHTSYNC_TOKEN): give both ends the same "
+                                  "secret, or neither", channel=self.channel, member=self.member_id)
 
     def _choose_transport(self, offer: _wire.ShmOffer | None) -> str:
         """``"shm"`` when asked for (or ``"auto"``) and this process can read the publisher's memory."""

@@ -291,7 +291,8 @@ class ControlServer:
         nonce = auth.new_nonce()
         session = Session(outgoing=TO_CLIENT, incoming=TO_SERVER)
         offer = self._shm_offer()
-        writer.write(session.seal(_wire.Challenge(_wire.PROTOCOL_VERSION, self.channel, nonce, shm=offer)))
+        writer.write(session.seal(_wire.Challenge(_wire.PROTOCOL_VERSION, self.channel, nonce, shm=offer,
+                                                  open=self._secret is None)))
         length = frame_length(await reader.readexactly(HEADER.size), HANDSHAKE_FRAME)
         join = session.open(await reader.readexactly(length), _wire.client_decoder)
         if not isinstance(join, _wire.Join):

@@ -17,6 +17,7 @@ to blame) from members that failed while waiting on them (victims).
 from __future__ import annotations
 
 import itertools
+import logging
 import queue
 import secrets
 import time
@@ -30,6 +31,8 @@ from weightsync.pg.membership import MemberInfo, Membership, Plan
 from weightsync.pg.recorder import FlightRecorder
 from weightsync.transport.dataplane import DataPlane, GenerationSpec
 from weightsync.transport.options import Deadlines
+
+log = logging.getLogger("weightsync.membership")
 
 PUBLISHER = "publisher"
 
@@ -157,12 +160,24 @@ class Generations:
                 failed, reason = self.membership.unresponsive(), f"rendezvous failed: {err}"
                 continue
             self.membership.commit(plan, ok=True)
+            for member in plan.admitted:
+                known = self._info.get(member)
+                log.info("channel %r: %s joined (host %s, pid %s, %s) in generation %d", self.channel, member,
+                         known.host if known else "?", known.pid if known else "?", self.transport_of(member),
+                         plan.generation)
             for member in plan.left:
                 self.forget(member, "left")
+                log.info("channel %r: %s left", self.channel, member)
             for member in plan.evicted:
                 info = self.forget(member, plan.reasons.get(member, "evicted")) or MemberInfo(member)
                 info.reason, info.generation = plan.reasons.get(member, "evicted"), plan.generation
+                dumped = self._recorder.dump_on_trouble(f"{member} evicted ({info.reason})") \
+                    or self._recorder.last_dump_path
+                log.warning("channel %r: %s evicted (%s) in generation %d; flight recorder: %s", self.channel,
+                            member, info.reason, plan.generation, dumped or "no dump")
                 self._on_evicted(info)
+            log.info("channel %r: generation %d formed with %d members %s (%s)", self.channel, plan.generation,
+                     len(plan.members), list(plan.members)[:8], reason)
             self._on_change()
             return
         raise WeightSyncError("could not form a generation after 4 attempts", channel=self.channel)

@@ -247,6 +247,12 @@ class Membership:
                     flagged[member] = mine / max(typical, 1e-6)
         return flagged
 
+    def last_versions(self) -> dict[str, tuple[int | None, float | None]]:
+        """Per current member: the newest version it acknowledged and its last receive time."""
+        with self._lock:
+            return {m: (self._versions.get(m), self.receive_seconds[m][-1] if self.receive_seconds.get(m) else None)
+                    for m in self.members}
+
     def lacking(self, version: int) -> bool:
         """True when some current member does not have ``version`` yet."""
         with self._lock:

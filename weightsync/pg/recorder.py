@@ -33,7 +33,7 @@ DUMP_FORMAT_VERSION = 1
 DUMP_SUFFIX = ".wsfr"
 DIR_ENV = "WEIGHTSYNC_FR_DIR"
 _MIN_AUTO_DUMP_INTERVAL = 0.5
-log = logging.getLogger("weightsync")
+log = logging.getLogger("weightsync.recorder")
 
 
 class Entry(msgspec.Struct, kw_only=True):
@@ -181,7 +181,7 @@ class FlightRecorder:
         self.last_dump_path = target
         if path is None and not self._announced_dir:
             self._announced_dir = True
-            log.warning("weightsync flight recorder: dumps go to %s", target.parent)
+            log.warning("flight recorder dumps go to %s", target.parent)
         return target
 
     def dump_on_trouble(self, reason: str, *, force: bool = False) -> Path | None:
@@ -195,7 +195,7 @@ class FlightRecorder:
         try:
             return self.dump(reason=reason)
         except OSError as err:
-            log.warning("weightsync flight recorder: could not dump (%s)", err)
+            log.warning("flight recorder could not dump (%s)", err)
             return None
 
     def resize(self, capacity: int) -> None:
@@ -251,6 +251,6 @@ def install_signal_handler(recorder: FlightRecorder | None = None, signum: int =
 
     def handler(_sig: int, _frame: Any) -> None:
         path = target.dump(reason=f"signal {signal.Signals(_sig).name}")
-        log.warning("weightsync flight recorder: dumped %s", path)
+        log.warning("flight recorder dumped %s", path)
 
     signal.signal(signum, handler)

@@ -8,6 +8,7 @@ wire and a closed loop is not an error for a background thread.
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Generator, Iterator, Mapping
 from typing import Any, TypeVar
 
@@ -15,7 +16,7 @@ import msgspec
 import torch
 
 from weightsync._wire import Manifest
-from weightsync.errors import SyncTimeout
+from weightsync.errors import NotDelivered, SyncTimeout
 from weightsync.transport import layout
 from weightsync.transport.lifecycle import call_soon
 
@@ -29,8 +30,11 @@ class DeliveryReport(msgspec.Struct, frozen=True):
         version: the version that was put.
         members: ids of the subscribers that have it (complete and readable).
         nbytes: payload bytes sent per subscriber (0 when superseded).
-        seconds: from the start of sending to the last acknowledgement.
+        seconds: from the start of sending to the last acknowledgement, timed on the
+            publisher's sender thread (a busy event loop does not lengthen it).
         superseded: True when a newer put replaced it before it was sent.
+        delivered_at: ``time.time()`` when the sender thread decided the outcome (0.0 for a
+            superseded put); the handle may resolve later when the event loop is busy.
     """
 
     version: int
@@ -38,6 +42,24 @@ class DeliveryReport(msgspec.Struct, frozen=True):
     nbytes: int
     seconds: float
     superseded: bool = False
+    delivered_at: float = 0.0
+
+    @property
+    def nobody(self) -> bool:
+        """True when the version was sent but no member has it (a put with no subscriber)."""
+        return not self.members and not self.superseded
+
+
+def check_timeout(what: str, value: object, *, allow_none: bool = True) -> float | None:
+    """A timeout argument: None (when allowed) or a finite number of seconds >= 0, else a clear error."""
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{what} must be a number of seconds{' or None' if allow_none else ''}, "
+                        f"got {type(value).__name__}")
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{what} must be a finite number of seconds >= 0, got {value!r}")
+    return float(value)
 
 
 def _settle(fut: asyncio.Future[Any], result: Any = None, error: BaseException | None = None) -> None:
@@ -73,12 +95,26 @@ class PutHandle:
         self._delivered: asyncio.Future[DeliveryReport] = loop.create_future()
         self._released: asyncio.Future[None] = loop.create_future()
 
-    async def delivered(self, timeout: float | None = None) -> DeliveryReport:
-        """The DeliveryReport; SyncTimeout if it is not known within ``timeout`` seconds."""
-        return await wait_future(self._delivered, timeout, "delivery", channel=self.channel, version=self.version)
+    async def delivered(self, timeout: float | None = None, *, min_members: int = 0) -> DeliveryReport:
+        """The DeliveryReport; SyncTimeout if it is not known within ``timeout`` seconds.
+
+        ``min_members=n``: raise :class:`NotDelivered` (carrying the report) when the version
+        reached fewer than ``n`` members; a superseded put never raises it (a newer one went).
+        """
+        check_timeout("timeout", timeout)
+        if not isinstance(min_members, int) or isinstance(min_members, bool) or min_members < 0:
+            raise ValueError(f"min_members must be an int >= 0, got {min_members!r}")
+        report = await wait_future(self._delivered, timeout, "delivery", channel=self.channel,
+                                   version=self.version)
+        if not report.superseded and len(report.members) < min_members:
+            raise NotDelivered(f"version {report.version} reached {len(report.members)} of the {min_members} "
+                               f"members required ({list(report.members)})", report=report,
+                               channel=self.channel, version=self.version)
+        return report
 
     async def released(self, timeout: float | None = None) -> None:
         """With ``copy=False``: resolves once the caller may change its tensors again."""
+        check_timeout("timeout", timeout)
         await wait_future(self._released, timeout, "release", channel=self.channel, version=self.version)
 
     def done(self) -> bool:
@@ -153,9 +189,15 @@ class WeightStream:
             if self._flat is None:
                 raise RuntimeError("this WeightStream ended with its 'async with sub.stream()' block")
             yield spec.name, layout.tensor_view(self._flat, spec)
+        if self._manifest.ties:  # tied names last, as views of their source (sent once)
+            specs = layout.spec_map(self._manifest)
+            for name, _source in self._manifest.ties:
+                if self._flat is None:
+                    raise RuntimeError("this WeightStream ended with its 'async with sub.stream()' block")
+                yield name, layout.tensor_view(self._flat, specs[name])
 
     def __len__(self) -> int:
-        return len(self._manifest.tensors)
+        return len(self._manifest.tensors) + len(self._manifest.ties)
 
     def close(self) -> None:
         self._flat = None

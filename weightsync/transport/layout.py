@@ -52,6 +52,9 @@ def as_items(tensors: TensorsLike, *, sharded: bool = False) -> list[tuple[str, 
     meta tensors (no data), quantized or nested tensors, conjugate or negative-bit views
     (``resolve_conj()``/``resolve_neg()`` them first), names that are not str, too long, or repeated.
     """
+    if isinstance(tensors, (str, bytes, torch.Tensor)) or not isinstance(tensors, (Mapping, Iterable)):
+        raise TypeError(f"tensors must be a Mapping[str, Tensor] (a state_dict) or (name, tensor) pairs, "
+                        f"got {type(tensors).__name__}")
     items = list(tensors.items()) if isinstance(tensors, Mapping) else list(tensors)
     if len(items) > MAX_MANIFEST_TENSORS:
         raise ValueError(f"{len(items)} tensors in one version: at most {MAX_MANIFEST_TENSORS}")
@@ -103,15 +106,36 @@ def _unsendable(tensor: object) -> str:
     return ""
 
 
-def build_manifest(items: list[tuple[str, torch.Tensor]]) -> Manifest:
-    """Lay the tensors out in order, each at a 64-byte aligned offset."""
+def untie(items: list[tuple[str, torch.Tensor]]) -> tuple[list[tuple[str, torch.Tensor]], tuple[tuple[str, str], ...]]:
+    """Tensors that are the same memory under two names (tied weights) are sent once.
+
+    Returns the items with every repeat left out, and ``(name, source)`` for each repeat: the
+    same device, dtype, address, shape and strides as an earlier item. Overlapping but
+    different views are not ties: they are sent as they are.
+    """
+    first: dict[tuple[object, ...], str] = {}
+    kept: list[tuple[str, torch.Tensor]] = []
+    ties: list[tuple[str, str]] = []
+    for name, tensor in items:
+        if tensor.numel():
+            key = (tensor.device, tensor.dtype, tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()))
+            source = first.setdefault(key, name)
+            if source != name:
+                ties.append((name, source))
+                continue
+        kept.append((name, tensor))
+    return kept, tuple(ties)
+
+
+def build_manifest(items: list[tuple[str, torch.Tensor]], ties: tuple[tuple[str, str], ...] = ()) -> Manifest:
+    """Lay the tensors out in order, each at a 64-byte aligned offset (``ties``: see :func:`untie`)."""
     specs = []
     offset = 0
     for name, tensor in items:
         nbytes = tensor.numel() * tensor.element_size()
         specs.append(TensorSpec(name, dtype_name(tensor.dtype), tuple(tensor.shape), offset, nbytes))
         offset = _aligned(offset + nbytes)
-    return Manifest(tensors=tuple(specs), total_bytes=offset)
+    return Manifest(tensors=tuple(specs), total_bytes=offset, ties=ties)
 
 
 def bucket_ranges(total_bytes: int, bucket_bytes: int) -> list[tuple[int, int]]:
@@ -127,7 +151,21 @@ def tensor_view(flat: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
 
 
 def views(flat: torch.Tensor, manifest: Manifest) -> dict[str, torch.Tensor]:
-    return {spec.name: tensor_view(flat, spec) for spec in manifest.tensors}
+    """Every tensor of the version as a view of ``flat``; a tied name is the same view as its source."""
+    out = {spec.name: tensor_view(flat, spec) for spec in manifest.tensors}
+    for name, source in manifest.ties:
+        if source in out:
+            out[name] = out[source]
+    return out
+
+
+def spec_map(manifest: Manifest) -> dict[str, TensorSpec]:
+    """Name -> spec, tied names included (they share their source's spec)."""
+    specs = {spec.name: spec for spec in manifest.tensors}
+    for name, source in manifest.ties:
+        if source in specs:
+            specs[name] = specs[source]
+    return specs
 
 
 def pack_into(flat: torch.Tensor, manifest: Manifest, items: list[tuple[str, torch.Tensor]]) -> None:
@@ -169,7 +207,7 @@ def check_destination(manifest: Manifest, dest: Mapping[str, torch.Tensor]) -> N
     meta tensors, expanded views), so a refused ``get_into`` leaves ``dest`` untouched.
     """
     problems = []
-    wanted = {spec.name: spec for spec in manifest.tensors}
+    wanted = spec_map(manifest)
     missing = sorted(set(wanted) - set(dest))
     extra = sorted(set(dest) - set(wanted))
     if missing:

@@ -145,8 +145,8 @@ def warn_open_channel(channel: str, address: str) -> None:
     if channel in _warned:
         return
     _warned.add(channel)
-    logging.getLogger("weightsync").warning(
-        "weightsync: channel %r listens on %s without a secret: any process that can reach it may join and "
+    logging.getLogger("weightsync.publisher").warning(
+        "channel %r listens on %s without a secret: any process that can reach it may join and "
         "read the weights. Pass secret= (or set WEIGHTSYNC_TOKEN) on both ends; see docs/security.md.",
         channel, address)
 

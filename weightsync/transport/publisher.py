@@ -42,8 +42,9 @@ from weightsync.orchestrator import Orchestrator, Replacements
 from weightsync.pg.group import GroupPlane, reconfigure_enabled, resolve_backend
 from weightsync.pg.membership import MemberInfo, Membership, StragglerPolicy
 from weightsync.pg.recorder import FlightRecorder, process_recorder
+from weightsync.statistics import MemberStatistics, PublisherStatistics, PublisherTally
 from weightsync.transport import layout, lifecycle, ranks, sharding, shm
-from weightsync.transport.handles import DeliveryReport, PutHandle
+from weightsync.transport.handles import DeliveryReport, PutHandle, check_timeout
 from weightsync.transport.lifecycle import EndState, call_soon
 from weightsync.transport.options import (
     ChannelOptions,
@@ -181,13 +182,14 @@ class Publisher:
         self.membership = Membership(name, self._recorder, self.options.heartbeat_interval,
                                      dead_after=deadlines.member_silence(), heard=self._control.heard,
                                      stale=self._control.stale)
+        self._tally = PublisherTally(name)
         self._replacements = Replacements(name, recorder=self._recorder, policy=lambda: self.policy,
                                           orchestrator=lambda: self.orchestrator, stopped=self._stop.is_set)
         self._sender = Sender(name, settings=self.settings, staging=self._staging, membership=self.membership,
                               recorder=self._recorder, policy=self.policy, control=self._control, table=self._table,
                               make_plane=self._make_plane, slot_device=self._slot_device,
                               on_change=self._notify_members, on_evicted=self._replacements.member_dropped,
-                              segments=self._segments)
+                              segments=self._segments, tally=self._tally)
         self._last_version: int | None = None
         self._put_lock: asyncio.Lock | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -393,8 +395,13 @@ class Publisher:
 
     # public surface -----------------------------------------------------------------------
     @property
-    def address(self) -> str | None:
-        """``"host:port"`` of the control server, to hand to subscribers."""
+    def address(self) -> str:
+        """``"host:port"`` of the control server, to hand to subscribers (known once started).
+
+        Raises RuntimeError before ``start()`` (``async with``): the port is chosen then.
+        """
+        if self._address is None:
+            raise RuntimeError("the publisher's address is known once it has started (async with Publisher(...))")
         return self._address
 
     @property
@@ -417,6 +424,9 @@ class Publisher:
 
     async def wait_subscribers(self, n: int, timeout: float | None = None) -> tuple[str, ...]:
         """Wait until at least ``n`` subscribers are in the current generation."""
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise ValueError(f"n must be an int >= 0, got {n!r}")
+        check_timeout("timeout", timeout)
         self._check_running()
         assert self._members_changed is not None
         limit = self.options.timeout if timeout is None else timeout
@@ -449,9 +459,10 @@ class Publisher:
         return self._sender.evicted
 
     @property
-    def replacements(self) -> list[asyncio.Task[None]]:
-        """The orchestrator's replacement tasks started so far."""
-        return self._replacements.tasks
+    def replacements(self) -> list[asyncio.Future[None]]:
+        """The orchestrator's replacements started so far, as futures of the caller's loop (each
+        ``replace`` runs on the publisher's own replacement thread)."""
+        return [asyncio.wrap_future(f) for f in self._replacements.futures]
 
     async def evict(self, member_id: str, reason: str = "operator") -> None:
         """Drop ``member_id`` at the next generation (it raises Evicted and may rejoin)."""
@@ -459,6 +470,15 @@ class Publisher:
         if member_id not in self.membership.members:
             raise ValueError(f"{member_id!r} is not a member of {self.name!r} (members: {self.members})")
         self._sender.submit(Evict(member_id, reason))
+
+    def statistics(self) -> PublisherStatistics:
+        """A frozen snapshot of this publisher's counters, distributions and members (any time)."""
+        newest = self._tally.newest_put
+        members = [MemberStatistics(member_id=m, transport=self._sender.transport_of(m), last_version=v,
+                                    lag=None if v is None or newest is None else max(newest - v, 0),
+                                    last_receive_seconds=s)
+                   for m, (v, s) in self.membership.last_versions().items()]
+        return self._tally.snapshot(generation=self.membership.generation, members=members)
 
     async def put(self, tensors: layout.TensorsLike, *, version: int | None = None, copy: bool = True,
                   owners: Mapping[str, int] | None = None) -> PutHandle:
@@ -475,6 +495,14 @@ class Publisher:
         docs/sharding.md; ``owners`` names the rank that sends a plain tensor, default 0), only
         once every rank's put agreed; the handle resolves once every rank's part was delivered.
         """
+        began = time.perf_counter()
+        handle = await self._put(tensors, version=version, copy=copy, owners=owners)
+        self._tally.put_returned(handle.version, time.perf_counter() - began)
+        return handle
+
+    async def _put(self, tensors: layout.TensorsLike, *, version: int | None = None, copy: bool = True,
+                   owners: Mapping[str, int] | None = None) -> PutHandle:
+        """The body of :meth:`put` (its stall is timed around this)."""
         self._check_running()
         assert self._put_lock is not None and self._loop is not None
         items = layout.as_items(tensors, sharded=self.world_size > 1)
@@ -493,8 +521,9 @@ class Publisher:
             assembly: _wire.Assembly | None = None
             if self.world_size > 1:
                 items, manifest, assembly = await self._agree(items, version, owners)
-            else:
-                manifest = layout.build_manifest(items)
+            else:  # tied weights (one tensor under two names) are sent once
+                items, ties = layout.untie(items)
+                manifest = layout.build_manifest(items, ties)
             if len(_wire.encode(manifest)) + len(_wire.encode(assembly)) > MAX_FRAME // 2:
                 raise ValueError(f"the manifest of {len(items)} tensors is over {MAX_FRAME // 2} bytes encoded: "
                                  "shorter names, or fewer tensors per channel")
@@ -521,6 +550,7 @@ class Publisher:
             self._last_version = version
             entry.complete()
             if displaced is not None:
+                self._tally.count("versions_superseded")
                 displaced.handle.resolve_threadsafe(superseded_report(displaced))
             return self._whole(handle)
 
@@ -620,6 +650,7 @@ class Publisher:
         self._last_version = job.version
         entry.complete()
         if displaced is not None:
+            self._tally.count("versions_superseded")
             displaced.handle.resolve_threadsafe(superseded_report(displaced))
         return self._whole(job.handle)
 

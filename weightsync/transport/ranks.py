@@ -31,7 +31,7 @@ from weightsync import _wire
 from weightsync._errors import ControlFailure
 from weightsync.control.client import ControlClient
 from weightsync.control.rendezvous import KeyValue, LocalStore, RemoteStore
-from weightsync.errors import PublisherGone, SyncTimeout, WeightSyncError
+from weightsync.errors import PublisherGone, RankMismatch, SyncTimeout, WeightSyncError
 from weightsync.pg.recorder import RecorderScope
 from weightsync.transport.options import is_loopback
 
@@ -39,10 +39,6 @@ PREFIX = "@ranks/"
 SLICE = 0.5  # seconds: a wait for other ranks looks for dead ranks this often
 KEEP_VERSIONS = 16  # a rank keeps its keys of this many latest puts (the others may still read them)
 _OWNED = struct.Struct("<Q")
-
-
-class RankMismatch(WeightSyncError):
-    """The trainer ranks disagree about a version (its number, tensors or who sends which bytes)."""
 
 
 def rank_member(rank: int) -> str:

@@ -33,6 +33,7 @@ bug and ends the receiver (FAILED) instead of being blamed on the wire.
 from __future__ import annotations
 
 import enum
+import logging
 import queue
 import threading
 import time
@@ -47,6 +48,7 @@ from weightsync._errors import (
     ChecksumMismatch,
     ControlFailure,
     LocalFailure,
+    NotListening,
     PeerFailure,
     ProtocolError,
     StoreTimeout,
@@ -67,6 +69,7 @@ from weightsync.errors import (
 )
 from weightsync.pg.group import GroupPlane
 from weightsync.pg.recorder import FlightRecorder
+from weightsync.statistics import SubscriberTally
 from weightsync.testing import Hooks
 from weightsync.transport import layout, sharding, slicing
 from weightsync.transport.checksum import checksum
@@ -79,6 +82,9 @@ from weightsync.transport.slots import SlotPair
 #: what a receive may fail with and still be acknowledged (as failed): the wire, not a bug
 RECEIVE_FAILURES = (PeerFailure, Cancelled, ProtocolError, ControlFailure, LocalFailure)
 PRE_ADMISSION_BEAT = 0.25  # seconds between beats until the publisher's interval is known
+CONNECT_BACKOFF = (0.05, 1.0)  # first and longest pause between tries to reach a publisher not up yet
+
+log = logging.getLogger("weightsync.subscriber")
 
 
 class ReceiverState(enum.Enum):
@@ -112,7 +118,8 @@ class Receiver:
     def __init__(self, channel: str, member_id: str, *, host: str, port: int, backend: str, device: torch.device,
                  secret: bytes | None, own_timeout: float, join_timeout: float, recorder: FlightRecorder,
                  slots: SlotPair, on_publish: Callable[[], None], hooks: Hooks, transport: str = "auto",
-                 lane: int = 0, want: tuple[_wire.Want, ...] | None = None) -> None:
+                 lane: int = 0, want: tuple[_wire.Want, ...] | None = None, wait_for_publisher: bool = False,
+                 tally: SubscriberTally | None = None) -> None:
         self.channel, self.member_id = channel, member_id
         self.backend, self.device, self._secret = backend, device, secret
         self.own_timeout, self.join_timeout = own_timeout, join_timeout
@@ -130,6 +137,10 @@ class Receiver:
         self._rec = recorder.scope(channel, member_id if lane == 0 else f"{member_id}@rank{lane}")
         self._plane: DataPlane | None = None
         self._clean_shutdown = False
+        self.tally = tally or SubscriberTally()
+        # never admitted yet: a publisher that is not listening may still be starting (any start order)
+        self._wait_for_publisher = wait_for_publisher
+        self._where = f"{host}:{port}"
         self._client = ControlClient(channel, member_id, host=host, port=port, secret=secret,
                                      fingerprint=auth.fingerprint(backend, device), recorder=self._rec,
                                      send_timeout=own_timeout,
@@ -141,8 +152,17 @@ class Receiver:
         """Any thread: the receiver is over for ``error``'s reason (first one wins)."""
         if self.terminal.set(error):
             self.state = _TERMINAL_STATES.get(type(error), ReceiverState.FAILED)
+            dumped = None
             if not isinstance(error, Closed) and not self._clean_shutdown:
-                self._recorder.dump_on_trouble(f"{type(error).__name__}: {error}")
+                dumped = self._recorder.dump_on_trouble(f"{type(error).__name__}: {error}") \
+                    or self._recorder.last_dump_path
+            if isinstance(error, Closed):
+                log.debug("%s: %s", self.member_id, error)
+            elif self._clean_shutdown:
+                log.info("%s: %s", self.member_id, error)
+            else:
+                log.warning("%s: %s: %s; flight recorder: %s", self.member_id, type(error).__name__, error,
+                            dumped or "no dump")
         self._on_publish()  # wake readers: they raise it
 
     @property
@@ -205,12 +225,7 @@ class Receiver:
     def _join(self) -> tuple[int, tuple[str, ...]]:
         entry = self._rec.record("join").start()
         deadline = time.monotonic() + self.join_timeout
-        try:
-            self._client.connect(self.join_timeout)
-        except ControlFailure as err:
-            entry.fail(err)
-            raise PublisherGone(f"cannot reach the publisher: {err}", channel=self.channel,
-                                member=self.member_id) from err
+        self._connect(deadline, entry)
         try:
             reply = self._next_message(max(deadline - time.monotonic(), 0.0))
         except StoreUnreachable as err:
@@ -234,6 +249,8 @@ class Receiver:
             raise WeightSyncError(f"unexpected reply to join: {type(reply).__name__}", channel=self.channel)
         self.deadlines = Deadlines(reply.settings)
         self.lanes = reply.lanes
+        log.info("%s joined channel %r at %s (generation %d, transport %s)", self.member_id, self.channel,
+                 self._where, reply.generation, self._client.transport)
         if self._client.transport == "shm":  # the publisher's shared memory: no group to join
             self._plane = ShmPlane(self._client.shm_pid, self._rec)
             entry.complete()
@@ -245,6 +262,40 @@ class Receiver:
                                  timeout=self.deadlines.rendezvous(), host=self._client.local_host)
         entry.complete()
         return reply.generation, reply.members
+
+    def _connect(self, deadline: float, entry: Any) -> None:
+        """Open the control connection. A publisher not listening yet (this subscriber was started
+        first, as launchers do) is tried again with backoff until ``deadline``; one that answered
+        once and is gone now is PublisherGone at once. Nothing is dumped for a publisher never reached."""
+        pause, tries, last = CONNECT_BACKOFF[0], 0, ""
+        while True:
+            tries += 1
+            try:
+                self._client.connect(max(deadline - time.monotonic(), 0.01))
+                return
+            except NotListening as err:
+                last = str(err)
+                if not self._wait_for_publisher:
+                    entry.fail(err)
+                    raise PublisherGone(f"cannot reach the publisher: {err}", channel=self.channel,
+                                        member=self.member_id) from err
+            except ControlFailure as err:
+                entry.fail(err)
+                raise PublisherGone(f"cannot reach the publisher: {err}", channel=self.channel,
+                                    member=self.member_id) from err
+            if tries == 1:
+                log.info("%s: no publisher at %s yet; trying again until it answers (%.3gs)", self.member_id,
+                         self._where, max(deadline - time.monotonic(), 0.0))
+            left = deadline - time.monotonic()
+            if left <= 0:
+                entry.fail(f"never answered: {last}")
+                self._clean_shutdown = True  # nothing happened worth a dump
+                raise SyncTimeout(f"the publisher never answered at {self._where} within {self.join_timeout:.3g}s "
+                                  f"({tries} tries; last: {last})", channel=self.channel, member=self.member_id)
+            if self.closing.wait(min(pause, left)):  # closed meanwhile: the caller stops waiting
+                entry.fail("closed while waiting for the publisher")
+                raise Closed("closed while waiting for the publisher", channel=self.channel, member=self.member_id)
+            pause = min(pause * 2, CONNECT_BACKOFF[1])
 
     def _enter(self, generation: int, members: tuple[str, ...]) -> tuple[bool, Any]:
         """Enter ``generation``: (entered, the message that replaced the plan or None).
@@ -392,17 +443,24 @@ class Receiver:
                 if self._slots.part_done(self.lane, assembly.world, announce.version, epoch):
                     self._rec.record("publish", generation=announce.generation, version=announce.version,
                                      nbytes=assembly.manifest.total_bytes).complete()
+                    self.tally.received(assembly.manifest.total_bytes, time.monotonic() - t0)
                     self._on_publish()
             elif self._slots.version is None or announce.version > self._slots.version:
                 self._slots.publish(announce.version)
                 self._rec.record("publish", generation=announce.generation, version=announce.version,
                                       nbytes=manifest.total_bytes).complete()
+                log.debug("%s: version %d readable (%d bytes)", self.member_id, announce.version,
+                          manifest.total_bytes)
+                self.tally.received(manifest.total_bytes, time.monotonic() - t0)
                 self._on_publish()
             ok = True
             entry.complete()
         except RECEIVE_FAILURES as err:
             error = str(err)
             entry.fail(err)
+            self.tally.count("receive_failures")
+            if isinstance(err, ChecksumMismatch):
+                self.tally.count("checksum_failures")
             self._recorder.dump_on_trouble(f"version {announce.version} not received: {err}")
         seconds = time.monotonic() - t0
         # own time: everything but waiting on others (preparing the slot, checking buckets, a
@@ -467,6 +525,8 @@ class Receiver:
         if bad or len(sums) != len(seal.checksums):
             self._rec.record("checksum", generation=announce.generation, version=announce.version,
                                   bucket=bad[0] if bad else -1).fail(f"buckets {bad} do not match")
+            log.warning("%s: version %d: buckets %s arrived corrupted; not made readable (the publisher re-sends)",
+                        self.member_id, announce.version, bad[:8])
             raise ChecksumMismatch(f"version {announce.version}: buckets {bad} arrived corrupted; not made readable")
 
     def _leave(self) -> None:

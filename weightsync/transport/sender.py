@@ -44,6 +44,7 @@ from weightsync.errors import WeightSyncError
 from weightsync.pg.generations import Control, Generations, Rendezvous
 from weightsync.pg.membership import MemberInfo, Membership, StragglerPolicy
 from weightsync.pg.recorder import FlightRecorder
+from weightsync.statistics import PublisherTally
 from weightsync.transport import layout, sharding, slicing
 from weightsync.transport.checksum import checksum
 from weightsync.transport.dataplane import DataPlane, Transfer
@@ -56,7 +57,7 @@ from weightsync.transport.staging import BucketBuffers, Job, Staging, bucket_sli
 PROBE_FROM = 256 << 10  # versions smaller than this are not worth timing links for
 PROBE_MAX = 128 << 10
 
-log = logging.getLogger("weightsync")
+log = logging.getLogger("weightsync.publisher")
 PUBLISHER = "publisher"
 
 
@@ -139,7 +140,8 @@ class Sender:
                  recorder: FlightRecorder, policy: StragglerPolicy, control: Control, table: Rendezvous,
                  make_plane: Callable[[], DataPlane],
                  slot_device: torch.device, on_change: Callable[[], None],
-                 on_evicted: Callable[[MemberInfo], None], segments: SegmentPool | None = None) -> None:
+                 on_evicted: Callable[[MemberInfo], None], segments: SegmentPool | None = None,
+                 tally: PublisherTally | None = None) -> None:
         self.channel = channel
         self.settings = settings
         self.checksum = settings.checksum  # per version: the publisher may turn it off and on
@@ -165,6 +167,8 @@ class Sender:
         self._gens: Generations | None = None
         self.wants: dict[str, tuple[_wire.Want, ...]] = {}  # sliced members' boxes, from their Join
         self._gathers = slicing.GatherBuffers()  # per sliced member: two buffers its runs are gathered into
+        self.tally = tally or PublisherTally(channel)
+        self._nobody_streak = False  # the last version reached nobody (its warning was logged)
 
     # any thread ---------------------------------------------------------------------------
     def submit(self, event: Event) -> None:
@@ -192,7 +196,7 @@ class Sender:
         self.state = SenderState.RUNNING
         self._gens = Generations(self.channel, control=self.control, table=self._table, membership=self.membership,
                                  recorder=self._recorder, plane=self._make_plane(), settings=self.settings,
-                                 stopped=self.aborting.is_set, on_change=self._on_change,
+                                 stopped=self.aborting.is_set, on_change=self._generation_formed,
                                  on_evicted=self._record_evicted, pump=self._pump)
         self._gens.lanes = self.lanes  # set_lanes may come later (rank 0 of a sharded publisher)
         try:
@@ -270,9 +274,18 @@ class Sender:
         elif isinstance(event, Drain) and self.state is SenderState.RUNNING:
             self.state = SenderState.DRAINING
 
+    def _generation_formed(self) -> None:
+        self.tally.count("generations")
+        self._on_change()
+
+    def transport_of(self, member: str) -> str:
+        """How ``member`` receives (``"group"`` or ``"shm"``); any thread."""
+        return "group" if self._gens is None else self._gens.transport_of(member)
+
     def _record_evicted(self, member: MemberInfo) -> None:
         with self._evicted_lock:
             self._evicted.append(member)
+        self.tally.evicted(member.reason)
         self._on_evicted_cb(member)
 
     # one version --------------------------------------------------------------------------
@@ -290,6 +303,10 @@ class Sender:
             if failed is None:
                 return
             # the group is broken: rebuild with the live members and re-send this version
+            self.tally.count("resends")
+            log.warning("channel %r: version %d failed for %s; re-sending it to the others (attempt %d); "
+                        "flight recorder: %s", self.channel, job.version, sorted(failed), _attempt + 2,
+                        self._recorder.last_dump_path or "no dump")
             gens.advance(reason=f"version {job.version} failed", failed=failed)
             if job.flat is None and job.released.is_set():
                 break  # copy=False tensors were released: nothing left to re-send from
@@ -439,13 +456,21 @@ class Sender:
     def _finish(self, job: Job, t0: float, error: BaseException | None = None) -> None:
         self.staging.finish(job, retain=error is None)  # a failed version is never re-sent
         if error is not None:
+            self.tally.count("versions_failed")
             job.handle.resolve_threadsafe(error=WeightSyncError(
                 f"version {job.version} could not be sent: {error}", channel=self.channel, version=job.version))
             return
         members = tuple(m for m in self.membership.members if m in job.members_done)
-        job.handle.resolve_threadsafe(DeliveryReport(version=job.version, members=members,
-                                                     nbytes=job.manifest.total_bytes,
-                                                     seconds=time.monotonic() - (job.started or t0)))
+        report = DeliveryReport(version=job.version, members=members, nbytes=job.manifest.total_bytes,
+                                seconds=time.monotonic() - (job.started or t0), delivered_at=time.time())
+        if not members:  # once per streak: a trainer that starts first puts to nobody for a while
+            (log.debug if self._nobody_streak else log.warning)(
+                "version %d delivered to nobody: channel %r has no members", job.version, self.channel)
+        self._nobody_streak = not members
+        self.tally.delivered(job.manifest.total_bytes, len(members), report.seconds)
+        log.debug("channel %r: version %d delivered to %d members in %.3fs", self.channel, job.version,
+                  len(members), report.seconds)
+        job.handle.resolve_threadsafe(report)
 
     def _score(self, gens: Generations, acked: set[str], version: int, nbytes: int) -> None:
         """Record receive times and act on members the policy finds slow.
@@ -483,6 +508,6 @@ class Sender:
             self._rec.record("slow", version=version,
                                   peers=(member,)).fail(f"{ratio:.1f}x the others' receive time")
             if self.policy.on_slow != "keep":
-                log.warning("weightsync: %s is %.1fx slower than the others: evicting (%s)", member, ratio,
+                log.warning("%s is %.1fx slower than the others: evicting (%s)", member, ratio,
                             self.policy.on_slow)
                 self.membership.request_evict(member, "slow")

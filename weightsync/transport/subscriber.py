@@ -23,6 +23,7 @@ import os
 import socket
 import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -34,15 +35,17 @@ from weightsync.control import auth
 from weightsync.errors import Closed, SyncTimeout, TransportUnavailable, WeightSyncError
 from weightsync.pg.group import resolve_backend
 from weightsync.pg.recorder import FlightRecorder, process_recorder
+from weightsync.statistics import SubscriberStatistics, SubscriberTally
 from weightsync.testing import Hooks
 from weightsync.transport import layout, lifecycle, sharding, slicing
-from weightsync.transport.handles import Weights, WeightStream
+from weightsync.transport.handles import Weights, WeightStream, check_timeout
 from weightsync.transport.lifecycle import EndState, call_soon
 from weightsync.transport.options import parse_address, resolve_device
 from weightsync.transport.receiver import Receiver, ReceiverState
 from weightsync.transport.slots import Slot, SlotPair
 
 TRANSPORTS = ("auto", "group", "shm", "cuda_ipc")
+JOIN_GRACE = 1.0  # seconds past the join deadline the receiver has to say why it was not admitted
 
 class Subscriber:
     """Receives every version of channel ``name`` in the background; reads never tear.
@@ -129,6 +132,10 @@ class Subscriber:
         self._changed: asyncio.Event | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._threads: list[Any] = []
+        self._tally = SubscriberTally()
+        self._admitted_once = False  # from then on a publisher not listening is gone, not starting
+        # the last get_into: (version, id -> (tensor ref, its in-place counter after the copy), count)
+        self._written: tuple[int, dict[int, tuple[weakref.ref[torch.Tensor], int]], int] | None = None
 
     # lifecycle ----------------------------------------------------------------------------
     async def __aenter__(self) -> Subscriber:
@@ -141,7 +148,8 @@ class Subscriber:
     async def start(self, timeout: float | None = None) -> None:
         """Connect, join (handshake, token) and start receiving; raises if admission fails."""
         if self._state is not EndState.NEW:
-            raise RuntimeError("a Subscriber starts once")
+            raise Closed("a Subscriber starts once", channel=self.name, member=self.member_id)
+        check_timeout("timeout", timeout)
         self._state, self._started = EndState.RUNNING, True
         self._loop = asyncio.get_running_loop()
         self._changed = asyncio.Event()
@@ -156,6 +164,7 @@ class Subscriber:
         self._receivers, self._threads = [receiver], []
         self._threads = self._run(receiver)
         await self._admitted(receiver, deadline, limit)
+        self._admitted_once = True
         # a sharded publisher: rank 0's Admit named the other trainer ranks; each sends its own
         # part over its own group, into the same receive slots (a version is readable once all are in)
         for lane, address in enumerate(receiver.lanes, start=1):
@@ -175,7 +184,8 @@ class Subscriber:
         return Receiver(self.name, self.member_id, host=host_port[0], port=host_port[1], backend=self.backend,
                         device=self.device, secret=self._secret, own_timeout=self.timeout, join_timeout=limit,
                         recorder=self._recorder, slots=self._slots, on_publish=self._wake, hooks=self._hooks,
-                        transport=self._transport, lane=lane, want=self._want)
+                        transport=self._transport, lane=lane, want=self._want,
+                        wait_for_publisher=lane == 0 and not self._admitted_once, tally=self._tally)
 
     def _run(self, receiver: Receiver) -> list[Any]:
         prefix = f"ws-{self.name}" if receiver.lane == 0 else f"ws-{self.name}-rank{receiver.lane}"
@@ -183,7 +193,10 @@ class Subscriber:
 
     async def _admitted(self, receiver: Receiver, deadline: float, limit: float) -> None:
         assert self._loop is not None
-        joined = await self._loop.run_in_executor(None, receiver.joined.wait, max(deadline - time.monotonic(), 0.0))
+        # the receiver's own join ends at the same deadline, with the reason (it never answered, it
+        # refused): a moment's grace lets that reason, not a bare timeout, reach the caller
+        joined = await self._loop.run_in_executor(None, receiver.joined.wait,
+                                                  max(deadline - time.monotonic(), 0.0) + JOIN_GRACE)
         if receiver.state is not ReceiverState.FOLLOWING:
             error = receiver.terminal.error
             await self.abort()
@@ -206,6 +219,11 @@ class Subscriber:
     @property
     def generation(self) -> int:
         return -1 if self._receiver is None else self._receiver.generation
+
+    def statistics(self) -> SubscriberStatistics:
+        """A frozen snapshot of this subscriber's counters and receive times (any time)."""
+        return self._tally.snapshot(channel=self.name, member_id=self.member_id, transport=self.transport,
+                                    version=self.version, evicted=self.evicted)
 
     async def rejoin(self, timeout: float | None = None) -> None:
         """Join again after :class:`Evicted`; the last complete version stays readable meanwhile.
@@ -271,10 +289,11 @@ class Subscriber:
             flat, manifest, version = await self._loop.run_in_executor(None, self._copy_out, slot)
         finally:
             self._slots.unpin(slot)
+        self._tally.count("reads")
         return Weights(version, layout.views(flat, manifest), manifest.total_bytes)
 
     async def get_into(self, dest: Mapping[str, torch.Tensor], *, min_version: int | None = None,
-                       timeout: float | None = None) -> int:
+                       timeout: float | None = None, only_newer: bool = False) -> int:
         """Copy the latest version into ``dest`` in place; returns its version.
 
         Names, dtypes and shapes are checked first: on any mismatch ManifestMismatch is
@@ -282,21 +301,47 @@ class Subscriber:
         shard, on its own mesh) gets only its local shard's box of the full tensor (``Shard(d)``,
         ``Replicate()``). A subscriber made with ``want=`` received only those boxes: pass the
         same mapping (or one with the same names and local shapes).
+
+        ``only_newer=True``: when ``dest`` already holds the latest version (this subscriber
+        wrote it there, and torch's in-place counter of every tensor in it says nobody wrote
+        them since), nothing is copied and that version is returned at once. The caller keeps
+        no bookkeeping; a tensor changed by anyone else is written again.
         """
         if not isinstance(dest, Mapping):
             raise TypeError(f"dest must be a Mapping[str, Tensor], got {type(dest).__name__}")
+        bad = next((name for name, t in dest.items() if not isinstance(t, torch.Tensor)), None)
+        if bad is not None:
+            raise TypeError(f"dest[{bad!r}] must be a torch.Tensor, got {type(dest[bad]).__name__}")
         await self._wait_version(min_version, timeout)
         assert self._loop is not None
         slot = self._slots.pin()
         try:
             assert slot.manifest is not None and slot.flat is not None and slot.version is not None
+            if only_newer and self._holds(dest, slot.version):
+                self._tally.count("reads_skipped")
+                return slot.version
             if self._want is not None:  # the slot holds our boxes: write each DTensor's local tensor
                 dest = {name: sharding.local_box(t)[0] if sharding.is_dtensor(t) else t for name, t in dest.items()}
             layout.check_destination(slot.manifest, dest)
             await self._loop.run_in_executor(None, self._copy_into, slot, dest)
+            self._written = (slot.version, {id(t): (weakref.ref(t), t._version) for t in dest.values()}, len(dest))
+            self._tally.count("reads")
             return slot.version
         finally:
             self._slots.unpin(slot)
+
+    def _holds(self, dest: Mapping[str, torch.Tensor], version: int) -> bool:
+        """``dest`` is what the last ``get_into`` wrote ``version`` into, untouched since."""
+        if self._written is None or self._written[0] != version or self._written[2] != len(dest):
+            return False
+        tensors = self._written[1]
+        for tensor in dest.values():
+            if self._want is not None and sharding.is_dtensor(tensor):
+                tensor = sharding.local_box(tensor)[0]
+            known = tensors.get(id(tensor))
+            if known is None or known[0]() is not tensor or known[1] != tensor._version:
+                return False
+        return True
 
     @contextlib.asynccontextmanager
     async def stream(self, *, min_version: int | None = None,
@@ -319,6 +364,7 @@ class Subscriber:
             if slot.flat.is_cuda:
                 torch.cuda.current_stream(slot.flat.device).synchronize()
             weights = WeightStream(slot.version, slot.flat, slot.manifest)
+            self._tally.count("reads")
             try:
                 yield weights
             finally:
@@ -382,10 +428,18 @@ class Subscriber:
                         local.copy_(layout.tensor_view(slot.flat, spec)[box])
                 else:
                     target.copy_(layout.tensor_view(slot.flat, spec))
+            specs = layout.spec_map(slot.manifest) if slot.manifest.ties else {}
+            for name, source in slot.manifest.ties:  # tied in dest too: already written with its source
+                target, tied = dest[name], dest[source]
+                if specs[name].nbytes and target.data_ptr() != tied.data_ptr():
+                    target.copy_(layout.tensor_view(slot.flat, specs[name]))
         if any(t.is_cuda for t in dest.values()):
             torch.cuda.synchronize()
 
     async def _wait_version(self, min_version: int | None, timeout: float | None) -> None:
+        check_timeout("timeout", timeout)
+        if min_version is not None and (not isinstance(min_version, int) or isinstance(min_version, bool)):
+            raise TypeError(f"min_version must be an int or None, got {type(min_version).__name__}")
         if self._state is EndState.NEW:
             raise RuntimeError("start the Subscriber first (async with Subscriber(...) as sub)")
         assert self._loop is not None and self._changed is not None

@@ -37,7 +37,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from weightsync.errors import SyncTimeout, WeightSyncError
-from weightsync.integrations._bridge import LoopThread
+from weightsync.transport.loopthread import LoopThread
 from weightsync.transport.subscriber import Subscriber
 
 if TYPE_CHECKING:

@@ -1,6 +1,8 @@
-"""Drive weightsync's async API from synchronous host code (an engine's worker methods).
+"""Drive weightsync's async API from synchronous code: one event loop in a thread of its own.
 
-A host such as a vLLM worker calls plain methods on its own thread. The Publisher or
+Used by the blocking API (:mod:`weightsync.blocking`), the vLLM workers, and the publisher's
+replacements (an orchestrator's ``replace`` runs here, so a blocked application loop never
+delays a replacement). A host such as a vLLM worker calls plain methods on its own thread. The Publisher or
 Subscriber it owns lives on a private event loop in one daemon thread, and every call into it
 is bounded: a coroutine that has not finished by its bound is cancelled and SyncTimeout is
 raised in the caller, so a host thread never waits without a deadline.
@@ -37,6 +39,13 @@ class LoopThread:
     @property
     def alive(self) -> bool:
         return self._thread.is_alive() and not self.loop.is_closed()
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Start ``coro`` on the loop without waiting for it (any thread)."""
+        if not self.alive:
+            coro.close()
+            raise RuntimeError("the weightsync loop thread has stopped")
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
     def run(self, coro: Coroutine[Any, Any, T], bound: float, what: str) -> T:
         """Run ``coro`` on the loop and return its result; at most ``bound`` seconds."""
