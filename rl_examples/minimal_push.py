@@ -4,6 +4,9 @@ Run it with ``python -m rl_examples.minimal_push``. The trainer
 hosts the channel, starts two generator processes, "trains" (changes its weights) and pushes
 after every step without waiting for the transfer; each generator reads the newest version
 it has and reports what it saw. Everything runs on this machine, no servers to start.
+
+Both sides are plain synchronous code, as most training loops are: ``ws.BlockingPublisher`` and
+``ws.BlockingSubscriber`` run weightsync's event loop in a thread of their own.
 """
 
 from __future__ import annotations
@@ -51,10 +54,10 @@ def policy_at(version: int) -> dict[str, torch.Tensor]:
     return policy
 
 
-async def generator(address: str, member: str, last_version: int) -> None:
-    async with ws.Subscriber("policy", address=address, member_id=member, timeout=20) as sub:
+def generator(address: str, member: str, last_version: int) -> None:
+    with ws.BlockingSubscriber("policy", address=address, member_id=member, timeout=20) as sub:
         versions, exact = [], []
-        async for weights in sub.updates(timeout=60):
+        for weights in sub.updates(timeout=60):
             versions.append(weights.version)
             expected = policy_at(weights.version)  # what the trainer put as this version
             exact.append(weights.keys() == expected.keys()
@@ -65,28 +68,27 @@ async def generator(address: str, member: str, last_version: int) -> None:
     sys.stdout.write(msgspec.json.encode(GeneratorReport(member, versions, exact)).decode() + "\n")
 
 
-async def trainer(steps: int, n_generators: int) -> int:
+def trainer(steps: int, n_generators: int) -> int:
     policy = make_policy()
     mib = sum(t.numel() * t.element_size() for t in policy.values()) / 2**20
-    async with ws.Publisher("policy", address="127.0.0.1:0", timeout=20) as pub:
+    with ws.BlockingPublisher("policy", address="127.0.0.1:0", timeout=20) as pub:
         print(f"[trainer] channel 'policy' at {pub.address}; policy {mib:.1f} MiB over {len(policy)} tensors")
-        assert pub.address is not None
         procs = [subprocess.Popen([sys.executable, "-m", "rl_examples.minimal_push", "--generator", pub.address,
                                    f"gen{i}", str(steps - 1)], stdout=subprocess.PIPE, text=True)
                  for i in range(n_generators)]
         try:
-            await pub.wait_subscribers(n_generators, timeout=60)
+            pub.wait_subscribers(n_generators, timeout=60)
             print(f"[trainer] generators joined: {', '.join(pub.members)}")
             handles = []
             for step in range(steps):
                 train_step(policy, step)  # the weights change every step
                 t0 = time.perf_counter()
-                handle = await pub.put(policy, version=step)
+                handle = pub.put(policy, version=step)
                 stall = (time.perf_counter() - t0) * 1e3
                 handles.append(handle)
                 print(f"[trainer] step {step}: put returned after {stall:.1f} ms (snapshot taken; sending continues)")
             for handle in handles:
-                report = await handle.delivered(timeout=60)
+                report = handle.delivered(timeout=60)
                 state = "superseded by a newer put" if report.superseded else (
                     f"delivered to {len(report.members)} generators in {report.seconds * 1e3:.0f} ms")
                 print(f"[trainer] version {report.version}: {state}")
@@ -113,18 +115,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--generators", type=int, default=2)
     parser.add_argument("--generator", nargs=3, metavar=("ADDRESS", "MEMBER", "LAST_VERSION"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    import uvloop
-
     if args.generator:
         address, member, last = args.generator
-        uvloop.run(generator(address, member, int(last)))
+        generator(address, member, int(last))
         return 0
     if args.steps < 1 or args.generators < 1:
         parser.error("--steps and --generators must be >= 1")
     from weightsync.pg.recorder import install_signal_handler
 
     install_signal_handler()  # `kill -USR1 <pid>` dumps this trainer's flight recorder
-    return uvloop.run(trainer(args.steps, args.generators))
+    return trainer(args.steps, args.generators)
 
 
 if __name__ == "__main__":

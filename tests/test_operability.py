@@ -52,11 +52,12 @@ async def test_a_subscriber_started_before_its_publisher_joins_once_it_is_up(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="weightsync")
     port = free_port()
-    sub = ws.Subscriber("order", address=f"127.0.0.1:{port}", timeout=10.0, flight_recorder_dir=tmp_path / "fr")
+    sub = ws.Subscriber("order", address=f"127.0.0.1:{port}", timeout=10.0, flight_recorder_dir=tmp_path / "fr",
+                        recorder=ws.FlightRecorder())  # its own: the process's may hold earlier tests' trouble
     joining = asyncio.create_task(sub.start())
     await until(lambda: any("no publisher at" in r.getMessage() for r in caplog.records), 10, "a first try")
     assert not joining.done()  # still trying, not failed with "connection refused"
-    async with ws.Publisher("order", address=f"127.0.0.1:{port}", **FAST) as pub:
+    async with ws.Publisher("order", address=f"127.0.0.1:{port}", recorder=ws.FlightRecorder(), **FAST) as pub:
         await asyncio.wait_for(joining, 30)
         await pub.wait_subscribers(1, timeout=10)
         await (await pub.put({"w": torch.arange(4.0)}, version=1)).delivered(timeout=10)
@@ -68,7 +69,8 @@ async def test_a_subscriber_started_before_its_publisher_joins_once_it_is_up(
 @pytest.mark.asyncio
 async def test_a_publisher_that_never_comes_is_a_timeout_naming_the_address(tmp_path: Path) -> None:
     port = free_port()
-    sub = ws.Subscriber("never", address=f"127.0.0.1:{port}", timeout=0.75, flight_recorder_dir=tmp_path / "fr")
+    sub = ws.Subscriber("never", address=f"127.0.0.1:{port}", timeout=0.75, flight_recorder_dir=tmp_path / "fr",
+                        recorder=ws.FlightRecorder())
     t0 = time.monotonic()
     with pytest.raises(ws.SyncTimeout, match=f"never answered at 127.0.0.1:{port}") as info:
         await sub.start()
@@ -443,3 +445,19 @@ def test_the_cli_answers_help_without_importing_torch() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO)
     assert out.returncode == 0, out.stderr
     assert "fr" in out.stdout and "doctor" in out.stdout
+
+
+def test_closing_the_rendezvous_table_ends_every_wait() -> None:
+    """The publisher's close ends a retired group's rendezvous wait for a member that died while
+    it formed (it held aclose for the rendezvous deadline, 60 s with the defaults)."""
+    from weightsync.control.rendezvous import KeyValue
+
+    table, results, called = KeyValue(), [], []
+    waiter = threading.Thread(target=lambda: results.append(table.wait(("never",), 60.0)))
+    waiter.start()
+    table.when_set(("never",), 60.0, called.append)
+    table.close()
+    waiter.join(10)
+    assert results == [False] and called == [False] and not waiter.is_alive()
+    table.when_set(("late",), 60.0, called.append)
+    assert called == [False, False]

@@ -90,6 +90,12 @@ def test_update_generates_what_the_trainers_checkpoint_generates(report: driver.
     assert report.after.tokens != report.before.tokens  # the update changed what the engine does
 
 
+def test_an_engine_started_before_its_trainer_joins_once_the_trainer_is_up(report: driver.Report) -> None:
+    """init_weight_transfer_engine called before the trainer process even started (the order
+    of most launchers) waits for it instead of failing with "connection refused"."""
+    assert report.early_join is None, f"the early join failed: {report.early_join}"
+
+
 def test_wrong_secret_is_refused(report: driver.Report) -> None:
     assert report.wrong_secret is not None, "a join with the wrong secret was admitted"
     assert "wrong token" in report.wrong_secret.error

@@ -2,14 +2,16 @@
 
     python -m tests.vllm_driver scenario RESULT.json WORKDIR
     python -m tests.vllm_driver tensor-parallel RESULT.json WORKDIR   (a TP=2 engine)
-    python -m tests.vllm_driver publisher WORKDIR SECRET      (started by the scenario)
+    python -m tests.vllm_driver publisher WORKDIR SECRET ADDRESS   (started by the scenario)
 
 The scenario builds a tiny random Llama checkpoint A, starts a trainer process (the publisher)
 that loads A, perturbs every weight and saves the result as checkpoint B, and starts a vLLM
 engine from A with ``weight_transfer_config={"backend": "weightsync"}``. Then, in order:
 
 1. greedy generations from A (``before``);
-2. ``init_weight_transfer_engine`` with a wrong secret (must be refused), then the right one;
+2. ``init_weight_transfer_engine`` called *before* the trainer process starts (the usual order
+   under a job launcher): it must wait for the trainer and join once it listens; then with a
+   wrong secret (must be refused), then the right one;
 3. the trainer puts B as version 1; ``update(llm, 1)``; generations (``after``);
 4. the trainer is frozen with SIGSTOP; ``update(llm, 2, timeout=T)`` must fail within its bound
    and the engine must still generate ``after``;
@@ -30,8 +32,10 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -55,6 +59,7 @@ class Failure(msgspec.Struct):
 
 
 class Report(msgspec.Struct):
+    early_join: Failure | None  # init_weight_transfer_engine before the trainer was up: None when it joined
     before: Generation
     wrong_secret: Failure | None
     after: Generation
@@ -104,9 +109,10 @@ class Trainer:
     """The publisher process: it perturbs checkpoint A into B (the same B on every run) and
     puts B as version N when told ``put N``."""
 
-    def __init__(self, work: Path, secret: str) -> None:
+    def __init__(self, work: Path, secret: str, address: str = "127.0.0.1:0") -> None:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen([sys.executable, "-m", "tests.vllm_driver", "publisher", str(work), secret],
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.vllm_driver", "publisher", str(work), secret,
+                                      address],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         assert self.proc.stdout is not None and self.proc.stdin is not None
         self.stdin, self.stdout = self.proc.stdin, self.proc.stdout
@@ -158,11 +164,19 @@ def scenario(result: Path, work: Path) -> None:
 
     _llama.build(work / "A", seed=0)
     secret = "s3cret-" + os.urandom(4).hex()
-    trainer = Trainer(work, secret)
-    address = trainer.address
+    with socket.socket() as probe:  # a free port for the trainer that is not started yet
+        probe.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{probe.getsockname()[1]}"
+    llm = engine(str(work / "A"), weight_transfer_config={"backend": "weightsync"})
+    before = generate(llm)
+    early: list[Failure | None] = []
+    joining = threading.Thread(target=lambda: early.append(failure(lambda: llm.init_weight_transfer_engine(
+        {"init_info": {"address": address, "channel": CHANNEL, "secret": secret, "timeout": 60}}))))
+    joining.start()  # the engine dials first; the trainer comes up while it waits
+    trainer = Trainer(work, secret, address)
     try:
-        llm = engine(str(work / "A"), weight_transfer_config={"backend": "weightsync"})
-        before = generate(llm)
+        joining.join(150)
+        early_join = early[0] if early else Failure("TimeoutError: still joining after 150 s", 150.0)
         init = {"address": address, "channel": CHANNEL, "timeout": FAIL_TIMEOUT}
         wrong = failure(lambda: llm.init_weight_transfer_engine({"init_info": {**init, "secret": "wrong"}}))
         llm.init_weight_transfer_engine({"init_info": {**init, "secret": secret}})
@@ -189,7 +203,7 @@ def scenario(result: Path, work: Path) -> None:
         reference = generate(engine(str(work / "B")))
     finally:
         trainer.kill()
-    report = Report(before, wrong, after, version, info, frozen, after_frozen, rejoined, killed, after_killed,
+    report = Report(early_join, before, wrong, after, version, info, frozen, after_frozen, rejoined, killed, after_killed,
                     trainer_api_version, trainer_api, reference)
     result.write_bytes(msgspec.json.encode(report))
 
@@ -221,7 +235,7 @@ def _shutdown() -> None:
     gc.collect()
 
 
-async def publisher(work: Path, secret: str) -> None:
+async def publisher(work: Path, secret: str, address: str) -> None:
     """The trainer: perturb checkpoint A into B, serve it as version N on ``put N``."""
     from transformers import LlamaForCausalLM
 
@@ -235,7 +249,7 @@ async def publisher(work: Path, secret: str) -> None:
             param.add_(torch.randn(param.shape, generator=gen) * param.std().clamp_min(0.02))
     _llama.save(model, work / "B")
     weights = {name: t.detach() for name, t in model.state_dict().items()}
-    async with ws.Publisher(CHANNEL, address="127.0.0.1:0", secret=secret, timeout=FAIL_TIMEOUT) as pub:
+    async with ws.Publisher(CHANNEL, address=address, secret=secret, timeout=FAIL_TIMEOUT) as pub:
         print("address", pub.address, flush=True)
         loop = asyncio.get_running_loop()
         while line := await loop.run_in_executor(None, sys.stdin.readline):
@@ -252,6 +266,6 @@ if __name__ == "__main__":
     elif role == "tensor-parallel":
         tensor_parallel(Path(sys.argv[2]), Path(sys.argv[3]))
     elif role == "publisher":
-        asyncio.run(publisher(Path(sys.argv[2]), sys.argv[3]))
+        asyncio.run(publisher(Path(sys.argv[2]), sys.argv[3], sys.argv[4]))
     else:
         raise SystemExit(f"unknown role {role!r}")

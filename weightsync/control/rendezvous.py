@@ -47,6 +47,17 @@ class KeyValue:
         self._data: dict[str, tuple[bytes, int]] = {}  # key -> (value, generation it was set in)
         self._generation = 0
         self._waiters: list[tuple[tuple[str, ...], float, Callable[[bool], None]]] = []
+        self._closed = False
+
+    def close(self) -> None:
+        """The publisher stops: every wait ends now, unanswered (a group still forming with a member
+        that died gives up at once, instead of holding the close for its rendezvous deadline)."""
+        with self._cond:
+            self._closed = True
+            waiters, self._waiters = self._waiters, []
+            self._cond.notify_all()
+        for _keys, _deadline, callback in waiters:
+            callback(False)
 
     def begin_generation(self, generation: int) -> None:
         """Keys of generations before ``generation - 1`` are dropped (bounded memory)."""
@@ -101,15 +112,17 @@ class KeyValue:
     def wait(self, keys: tuple[str, ...], timeout: float) -> bool:
         """Block (a local caller) until every key is set; False on timeout."""
         with self._cond:
-            return self._cond.wait_for(lambda: all(k in self._data for k in keys), max(timeout, 0.0))
+            return self._cond.wait_for(lambda: self._closed or all(k in self._data for k in keys),
+                                       max(timeout, 0.0)) and not self._closed
 
     def when_set(self, keys: tuple[str, ...], timeout: float, callback: Callable[[bool], None]) -> None:
         """Call ``callback(True)`` once every key is set, or ``callback(False)`` at ``expire``."""
         with self._cond:
-            if not all(k in self._data for k in keys):
+            closed = self._closed
+            if not closed and not all(k in self._data for k in keys):
                 self._waiters.append((keys, time.monotonic() + timeout, callback))
                 return
-        callback(True)
+        callback(not closed)
 
     def expire(self) -> None:
         """Fail the waiters whose deadline passed (the server calls this periodically)."""

@@ -383,6 +383,7 @@ class Publisher:
         if self._hub is not None and not at_once:  # the other ranks may still read the table (their outcomes)
             await self._loop.run_in_executor(None, self._hub.wait_gone, max(deadline - time.monotonic(), 0.0))
         await self._loop.run_in_executor(None, self._control.stop, max(deadline - time.monotonic(), 1.0))
+        self._table.close()  # a retired group still forming (a member died meanwhile) gives up now
         for job in self._staging.drain():
             job.handle.resolve_threadsafe(error=Closed("publisher closed before sending", channel=self.name,
                                                        version=job.version))

@@ -23,6 +23,7 @@ What happens in one update:
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import socket
 import time
@@ -48,6 +49,7 @@ if TYPE_CHECKING:
 
 # extra seconds a host-side call may take beyond the weightsync deadline it carries
 GRACE = 5.0
+log = logging.getLogger("weightsync.vllm")
 
 
 @dataclass
@@ -157,6 +159,7 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
             self._bridge = None
             raise
         self._sub, self._member = sub, member
+        log.info("vLLM worker %s joined channel %r at %s", member, init_info.channel, init_info.address)
 
     def shutdown(self) -> None:
         """Leave the channel; the model keeps whatever weights it has."""
@@ -210,6 +213,8 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         self._release()
         self.version = weights.version
         self.last = UpdateStats(weights.version, self._wait_s, time.monotonic() - self._load_began, weights.nbytes)
+        log.info("vLLM worker %s now serves version %d (waited %.3fs, loaded %.3fs)", self._member, self.version,
+                 self.last.wait_s, self.last.load_s)
 
     # helpers ------------------------------------------------------------------------------
     def _pin_agreed(self, min_version: int, timeout: float) -> None:

@@ -1,0 +1,89 @@
+"""The docs' snippets run as written: every code block marked ``<!-- file: NAME -->`` in the README
+and docs/ is saved under that name and run, in the orders users run them (the generator first)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+MARKED = re.compile(r"<!-- file: (\S+?)(?: [^>]*)? -->\n```python\n(.*?)```", re.S)
+
+
+def snippets() -> dict[str, str]:
+    found: dict[str, str] = {}
+    for doc in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+        for name, code in MARKED.findall(doc.read_text()):
+            assert name not in found, f"{name} is marked twice"
+            found[name] = code
+    return found
+
+
+@pytest.fixture
+def scripts(tmp_path: Path) -> Path:
+    for name, code in snippets().items():
+        (tmp_path / name).write_text(code)
+    return tmp_path
+
+
+def env_for(port: int | None = None) -> dict[str, str]:
+    env = dict(os.environ, WEIGHTSYNC_TOKEN="docs-test-secret", PYTHONUNBUFFERED="1")
+    env.pop("PYTHONPATH", None)  # as a user runs them: the installed weightsync, from their own folder
+    if port is not None:
+        env["TRAINER_ADDRESS"] = f"127.0.0.1:{port}"
+    return env
+
+
+def start(path: Path, env: dict[str, str]) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, path.name], cwd=path.parent, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def finish(proc: subprocess.Popen[str], timeout: float = 120) -> str:
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=10)
+        raise AssertionError(f"{proc.args} still running after {timeout}s:\n{out[-3000:]}") from None
+    assert proc.returncode == 0, f"{proc.args} exited {proc.returncode}:\n{out[-3000:]}"
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_every_marked_snippet_is_run_by_this_module() -> None:
+    assert set(snippets()) == {"trainer.py", "generator.py", "sync_trainer.py", "replace.py", "ft_replace.py"}
+
+
+@pytest.mark.parametrize("trainer", ["trainer.py", "sync_trainer.py"])
+def test_the_generator_started_before_the_trainer_gets_every_last_version(scripts: Path, trainer: str) -> None:
+    env = env_for(free_port())
+    generator = start(scripts / "generator.py", env)
+    try:
+        trained = finish(start(scripts / trainer, env))
+        served = finish(generator, 60)
+    finally:
+        if generator.poll() is None:
+            os.killpg(generator.pid, signal.SIGKILL)
+    assert "delivered to" in trained or "DeliveryReport(version=19" in trained, trained
+    assert "serving version 19" in served, served
+
+
+@pytest.mark.parametrize("script", ["replace.py", "ft_replace.py"])
+def test_the_orchestrator_snippets_replace_a_killed_generator(scripts: Path, script: str) -> None:
+    out = finish(start(scripts / script, env_for()), 180)
+    assert ("replaced" in out and "with ('" in out) or "members now ('" in out, out
