@@ -203,8 +203,8 @@ def scenario(result: Path, work: Path) -> None:
         reference = generate(engine(str(work / "B")))
     finally:
         trainer.kill()
-    report = Report(early_join, before, wrong, after, version, info, frozen, after_frozen, rejoined, killed, after_killed,
-                    trainer_api_version, trainer_api, reference)
+    report = Report(early_join, before, wrong, after, version, info, frozen, after_frozen, rejoined, killed,
+                    after_killed, trainer_api_version, trainer_api, reference)
     result.write_bytes(msgspec.json.encode(report))
 
 
