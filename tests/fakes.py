@@ -22,6 +22,7 @@ class FakeControl:
         self.outbox: dict[str, queue.SimpleQueue[Any]] = defaultdict(queue.SimpleQueue)
         self.bound: set[str] = set()
         self.released: list[tuple[str, str]] = []
+        self.scopes: dict[str, Any] = {}  # member -> the rendezvous keys it may touch (its last grant)
 
     def send(self, incarnation: str, message: Any) -> bool:
         self.outbox[incarnation].put(message)
@@ -39,6 +40,9 @@ class FakeControl:
 
     def link_seconds(self, member_id: str) -> tuple[float, int] | None:
         return None
+
+    def grant(self, member_id: str, scope: Any) -> None:
+        self.scopes[member_id] = scope
 
 
 class FakeTable:
@@ -62,6 +66,12 @@ class FakePlane:
     def offer(self) -> str:
         self.calls.append(("offer", None))
         return "publisher-handle"
+
+    def rendezvous_prefixes(self, spec: GenerationSpec) -> tuple[str, ...]:
+        return (f"fake/{spec.generation}/",)
+
+    def broadcast_parent(self, rank: int) -> int | None:
+        return rank - (1 << (rank.bit_length() - 1)) if rank > 0 else None  # gloo's binomial tree
 
     def enter(self, spec: GenerationSpec) -> None:
         self.calls.append(("enter", spec.generation))

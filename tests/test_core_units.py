@@ -422,3 +422,40 @@ def test_slow_needs_window_versions_in_a_row_and_a_uniformly_slow_network_flags_
     assert set(membership.slow_members(policy, slow)) == {"a"}  # three in a row
     everyone = {"a": 5.0, "b": 5.0, "c": 5.0}  # everyone equally slow: a slow network, nobody's fault
     assert all(membership.slow_members(policy, everyone) == {} for _ in range(5))
+
+
+def test_a_member_that_reports_zero_own_time_cannot_make_an_honest_one_slow() -> None:
+    """An insider acknowledging every version with 0 s of its own time: the median of the others
+    was its 0 (two members) or half an honest one's time (three), and an honest member within the
+    policy's factor was evicted as slow. The upper median of at least two others is an honest
+    report; with one other member nobody is scored at all."""
+    from weightsync.pg.membership import StragglerPolicy
+
+    policy = StragglerPolicy(slow_factor=3.0, slow_floor=0.05, window=3, on_slow="evict")
+    pair = _members("honest", "liar")
+    assert all(pair.slow_members(policy, {"honest": 0.2, "liar": 0.0}) == {} for _ in range(6))
+    trio = _members("a", "b", "liar")
+    assert all(trio.slow_members(policy, {"a": 0.25, "b": 0.1, "liar": 0.0}) == {} for _ in range(6))
+    slow = _members("a", "b", "slow")  # a member really slower than the policy allows is still found
+    for _ in range(2):
+        assert slow.slow_members(policy, {"a": 0.1, "b": 0.1, "slow": 1.0}) == {}
+    assert set(slow.slow_members(policy, {"a": 0.1, "b": 0.1, "slow": 1.0})) == {"slow"}
+
+
+def test_relay_suspects_blame_the_relay_whose_children_were_fed_bad_bytes() -> None:
+    """gloo's binomial tree over the publisher (0) and members 1..n: 3 and 5 hear from 1, 6 from 2."""
+    from weightsync.pg.generations import relay_suspects
+
+    def parent(r: int) -> int | None:
+        return r - (1 << (r.bit_length() - 1)) if r > 0 else None
+
+    group = ("r1", "r2", "r3", "r4", "r5", "r6")
+    # r1 forwards corrupted bytes: its children 3 and 5 were corrupt through the tree, intact directly
+    assert relay_suspects(group, {"r3", "r5"}, set(), parent) == {"r1"}
+    # r3 is corrupt itself (again when sent directly): nobody else is suspected
+    assert relay_suspects(group, {"r3"}, {"r3"}, parent) == set()
+    # a bad receiving NIC on r2 corrupts what it forwards to r6 as well: r2 is corrupt again directly,
+    # r6 is not, and above r6 the first intact copy is the publisher's: nobody but r2 itself
+    assert relay_suspects(group, {"r2", "r6"}, {"r2"}, parent) == set()
+    assert relay_suspects(group, {"r1"}, set(), parent) == set()  # straight from the publisher: no relay
+    assert relay_suspects(group, {"r3"}, set(), lambda r: None) == set()  # an unknown tree (NCCL)

@@ -15,7 +15,8 @@ cost a peer a strike or an eviction::
      └── ControlFailure     the control connection
           ├── StoreTimeout       an answer did not come in time
           └── StoreUnreachable   the connection closed or could not be made
-               └── NotListening  nothing accepted the connection (a publisher not up yet)
+               ├── NotListening  nothing accepted the connection (a publisher not up yet)
+               └── PublisherBusy too many connections mid-handshake there (a flood): try again
 
 Torch backend errors (``RuntimeError``, ``DistError``) are translated into these in one place,
 :mod:`weightsync.pg.group` (data plane); the control plane (:mod:`weightsync.control`) raises
@@ -68,6 +69,10 @@ class StoreUnreachable(ControlFailure, ConnectionError):
 
 class NotListening(StoreUnreachable):
     """Nothing accepted a connection at the address (refused, unreachable): maybe not started yet."""
+
+
+class PublisherBusy(StoreUnreachable):
+    """The publisher turned the connection away at the door (too many mid-handshake): try again."""
 
 
 #: what a data-plane step may fail with without anyone's code being wrong

@@ -171,7 +171,7 @@ class Admit(msgspec.Struct, frozen=True, tag="admit"):
 
 class Deny(msgspec.Struct, frozen=True, tag="deny"):
     reason: str
-    kind: str  # "token" | "handshake" | "closed" | "duplicate"
+    kind: str  # "token" | "handshake" | "closed" | "duplicate" | "busy" (at the door, before any Challenge)
 
 
 class Go(msgspec.Struct, frozen=True, tag="go"):
@@ -249,6 +249,7 @@ class Ack(msgspec.Struct, frozen=True, tag="ack"):
     seconds: float = 0.0
     own_seconds: float = 0.0  # of `seconds`, the time not spent waiting on the collective
     error: str = ""
+    corrupt: bool = False  # not ok because the bytes arrived but did not match the Seal
 
 
 class Beat(msgspec.Struct, frozen=True, tag="beat"):

@@ -28,7 +28,7 @@ import time
 from typing import Any
 
 from weightsync import _wire
-from weightsync._errors import NotListening, StoreUnreachable
+from weightsync._errors import NotListening, PublisherBusy, StoreUnreachable
 from weightsync.control import auth
 from weightsync.control.framing import (
     HANDSHAKE_FRAME,
@@ -92,6 +92,9 @@ class ControlClient:
         try:
             sock.settimeout(max(deadline - time.monotonic(), 0.01))
             challenge = session.open(self._read_frame(sock, HANDSHAKE_FRAME), _wire.server_decoder)
+            if isinstance(challenge, _wire.Deny) and challenge.kind == "busy":
+                raise PublisherBusy(f"the publisher at {self._host}:{self._port} turned us away: "
+                                    f"{challenge.reason[:200]}")
             if not isinstance(challenge, _wire.Challenge):
                 raise BadFrame(f"the first frame is a {type(challenge).__name__}, not a Challenge")
             self._check_challenge(challenge)
@@ -108,7 +111,7 @@ class ControlClient:
         except (OSError, BadFrame) as err:
             sock.close()
             raise StoreUnreachable(f"the publisher did not answer the handshake: {err}") from err
-        except (TransportUnavailable, HandshakeMismatch, AdmissionDenied):
+        except (TransportUnavailable, HandshakeMismatch, AdmissionDenied, PublisherBusy):
             sock.close()
             raise
         # the reader has its own descriptor: a socket's timeout is per object, and the reader's

@@ -10,9 +10,18 @@ through their authenticated control connection. Two adapters make it a c10d Stor
   connection, answered with a ``StoreResult`` (a ``get`` of a key not there yet waits on the
   publisher's side, bounded).
 
-Bounds: at most ``MAX_KEYS`` keys of at most ``MAX_VALUE`` bytes; keys set during generation g
-are forgotten once generation g + 2 begins (:meth:`KeyValue.begin_generation`). Every key lives
-under the generation's random prefix, so nobody can pre-write a future generation's keys.
+Bounds: at most ``MAX_KEYS`` keys of at most ``MAX_VALUE`` bytes and ``MAX_KEY`` bytes of name;
+keys set during generation g are forgotten once generation g + 2 begins
+(:meth:`KeyValue.begin_generation`). Every key lives under the generation's random prefix, so
+nobody can pre-write a future generation's keys.
+
+A member speaks only for itself here too (:func:`store_problem`, checked by the control server
+before anything reaches the table): it may read only its current generation's keys, and write
+only its own: a key whose last path component is a rank number belongs to that rank (gloo's
+full mesh and the in-place re-form on 2.14+ name every rank's address ``.../0/<rank>``,
+measured on 2.13 and 2.15); any other key to whoever set it first. A member owns at most
+``MAX_MEMBER_KEYS`` keys and waits on at most ``MAX_MEMBER_WAITS`` at once
+(``MAX_WAITS`` in all); its waits end with its connection, and last no longer than its bound.
 
 The Store subclass needs its Python object alive while torch holds it (the pybind trampoline
 looks its methods up on it): owners keep a reference.
@@ -25,6 +34,7 @@ import itertools
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
@@ -34,6 +44,49 @@ from weightsync._errors import ControlFailure
 
 MAX_KEYS = 4096
 MAX_VALUE = 1 << 20
+MAX_KEY = 512  # bytes of a key's name (gloo's are under 100)
+MAX_MEMBER_KEYS = 64  # keys one member may own at once (it sets one per generation)
+MAX_MEMBER_WAITS = 64  # waits one connection may have outstanding
+MAX_WAITS = 4096  # outstanding waits in all
+RANKS_PREFIX = "@ranks/"  # the trainer ranks' own keys (``transport.ranks``)
+PROBE_KEY = "ws/__probe__"  # what a store clone checks first (``_torch_compat.clone_store``)
+WRITES = ("set", "add", "compare_set", "delete")
+
+
+@dataclass(frozen=True)
+class Scope:
+    """What one member may touch: the keys of its current generation, and of those its own."""
+
+    prefixes: tuple[str, ...]
+    rank: int
+
+
+def store_problem(op: _wire.StoreOp, *, member: str, scope: Scope | None, rank_link: bool,
+                  owner_of: Callable[[str], str | None]) -> str | None:
+    """Why a member's ``op`` must be refused, or None (see the module docstring)."""
+    for key in op.keys:
+        if len(key.encode()) > MAX_KEY:
+            return f"a key of {len(key.encode())} bytes (at most {MAX_KEY})"
+    if rank_link:  # another trainer rank: only the ranks' own keys
+        return None if all(k.startswith(RANKS_PREFIX) for k in op.keys) else "a trainer rank touches @ranks/ keys only"
+    if any(k.startswith(RANKS_PREFIX) for k in op.keys):
+        return "@ranks/ keys are the ranks' own"
+    if op.op == "check" and op.keys == (PROBE_KEY,):
+        return None
+    if scope is None:
+        return "not in a generation's group"
+    outside = next((k for k in op.keys if not k.startswith(scope.prefixes)), None)
+    if outside is not None:
+        return f"key {outside[:80]!r} is not of this member's generation"
+    if op.op in WRITES:
+        key = op.keys[0]
+        last = key.rsplit("/", 1)[-1]
+        if last.isdigit():
+            if int(last) != scope.rank:
+                return f"rank {scope.rank} may not write rank {last}'s key"
+        elif owner_of(key) not in (None, member):
+            return "another member's key"
+    return None
 
 
 PERSISTENT = 1 << 62  # the generation stamp of keys begin_generation never drops
@@ -46,17 +99,61 @@ class KeyValue:
         self._cond = threading.Condition()
         self._data: dict[str, tuple[bytes, int]] = {}  # key -> (value, generation it was set in)
         self._generation = 0
-        self._waiters: list[tuple[tuple[str, ...], float, Callable[[bool], None]]] = []
+        # outstanding waits: (keys, deadline, callback, owner connection or ""), filed under a key still missing
+        self._waiting: dict[str, list[tuple[tuple[str, ...], float, Callable[[bool], None], str]]] = {}
+        self._waits: dict[str, int] = {}  # owner connection -> its outstanding waits
+        self._owner: dict[str, str] = {}  # key -> the member that set it ("" or absent: the publisher)
         self._closed = False
+
+    @property
+    def _waiters(self) -> list[tuple[tuple[str, ...], float, Callable[[bool], None], str]]:
+        return [w for ws in self._waiting.values() for w in ws]
+
+    def waiting(self, owner: str | None = None) -> int:
+        """Outstanding waits (of ``owner``'s connection, or in all)."""
+        with self._cond:
+            return sum(self._waits.values()) if owner is None else self._waits.get(owner, 0)
+
+    def owner(self, key: str) -> str | None:
+        with self._cond:
+            return self._owner.get(key) if key in self._data else None
+
+    def _file(self, waiter: tuple[tuple[str, ...], float, Callable[[bool], None], str]) -> bool:
+        """File ``waiter`` under a key it still lacks; False when it lacks none (it is ready)."""
+        missing = next((k for k in waiter[0] if k not in self._data), None)
+        if missing is None:
+            return False
+        self._waiting.setdefault(missing, []).append(waiter)
+        return True
+
+    def _unfiled(self, waiter: tuple[tuple[str, ...], float, Callable[[bool], None], str]) -> None:
+        owner = waiter[3]
+        left = self._waits.get(owner, 0) - 1
+        if left > 0:
+            self._waits[owner] = left
+        else:
+            self._waits.pop(owner, None)
+
+    def forget(self, owner: str) -> None:
+        """A connection closed: its waits go with it, unanswered (nobody is left to answer)."""
+        with self._cond:
+            for key in list(self._waiting):
+                kept = [w for w in self._waiting[key] if w[3] != owner]
+                if kept:
+                    self._waiting[key] = kept
+                else:
+                    del self._waiting[key]
+            self._waits.pop(owner, None)
 
     def close(self) -> None:
         """The publisher stops: every wait ends now, unanswered (a group still forming with a member
         that died gives up at once, instead of holding the close for its rendezvous deadline)."""
         with self._cond:
             self._closed = True
-            waiters, self._waiters = self._waiters, []
+            waiters = self._waiters
+            self._waiting, self._waits = {}, {}
             self._cond.notify_all()
-        for _keys, _deadline, callback in waiters:
+        for _keys, _deadline, callback, _owner in waiters:
             callback(False)
 
     def begin_generation(self, generation: int) -> None:
@@ -64,19 +161,31 @@ class KeyValue:
         with self._cond:
             self._generation = generation
             self._data = {k: v for k, v in self._data.items() if v[1] >= generation - 1}
+            self._owner = {k: m for k, m in self._owner.items() if k in self._data}
 
-    def set(self, key: str, value: bytes) -> None:
+    def set(self, key: str, value: bytes, member: str = "") -> None:
+        """Set ``key`` (``member``: the member that sets it, "" for the publisher or a trainer rank)."""
         if len(value) > MAX_VALUE:
             raise ValueError(f"rendezvous value of {len(value)} bytes exceeds {MAX_VALUE}")
+        if len(key.encode()) > MAX_KEY:
+            raise ValueError(f"a rendezvous key of {len(key.encode())} bytes exceeds {MAX_KEY}")
+        ready = []
         with self._cond:
             if key not in self._data and len(self._data) >= MAX_KEYS:
                 raise ValueError(f"rendezvous table full ({MAX_KEYS} keys)")
+            if member and key not in self._data and \
+                    sum(1 for m in self._owner.values() if m == member) >= MAX_MEMBER_KEYS:
+                raise ValueError(f"{member} owns {MAX_MEMBER_KEYS} rendezvous keys already")
             # the trainer ranks' keys (``transport.ranks``) outlive generations; they delete their own
-            self._data[key] = (bytes(value), PERSISTENT if key.startswith("@ranks/") else self._generation)
+            self._data[key] = (bytes(value), PERSISTENT if key.startswith(RANKS_PREFIX) else self._generation)
+            if member:
+                self._owner.setdefault(key, member)
             self._cond.notify_all()
-            ready = [w for w in self._waiters if all(k in self._data for k in w[0])]
-            self._waiters = [w for w in self._waiters if w not in ready]
-        for _keys, _deadline, callback in ready:
+            for waiter in self._waiting.pop(key, []):  # only the waits filed under this key are looked at
+                if not self._file(waiter):
+                    self._unfiled(waiter)
+                    ready.append(waiter)
+        for _keys, _deadline, callback, _owner in ready:
             callback(True)
 
     def get_now(self, key: str) -> bytes | None:
@@ -84,13 +193,13 @@ class KeyValue:
             entry = self._data.get(key)
             return None if entry is None else entry[0]
 
-    def add(self, key: str, amount: int) -> int:
+    def add(self, key: str, amount: int, member: str = "") -> int:
         with self._cond:
             value = int(self._data.get(key, (b"0", 0))[0]) + amount
-        self.set(key, str(value).encode())
+        self.set(key, str(value).encode(), member)
         return value
 
-    def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
+    def compare_set(self, key: str, expected: bytes, desired: bytes, member: str = "") -> bytes:
         """c10d's compareSet: set ``desired`` if the value is ``expected`` (absent counts as b"")."""
         with self._cond:
             current = self._data.get(key)
@@ -98,7 +207,7 @@ class KeyValue:
                 return expected
             if current is not None and current[0] != expected:
                 return current[0]
-        self.set(key, desired)
+        self.set(key, desired, member)
         return desired
 
     def check(self, keys: tuple[str, ...]) -> bool:
@@ -107,6 +216,7 @@ class KeyValue:
 
     def delete(self, key: str) -> bool:
         with self._cond:
+            self._owner.pop(key, None)
             return self._data.pop(key, None) is not None
 
     def wait(self, keys: tuple[str, ...], timeout: float) -> bool:
@@ -115,34 +225,60 @@ class KeyValue:
             return self._cond.wait_for(lambda: self._closed or all(k in self._data for k in keys),
                                        max(timeout, 0.0)) and not self._closed
 
-    def when_set(self, keys: tuple[str, ...], timeout: float, callback: Callable[[bool], None]) -> None:
-        """Call ``callback(True)`` once every key is set, or ``callback(False)`` at ``expire``."""
+    def when_set(self, keys: tuple[str, ...], timeout: float, callback: Callable[[bool], None],
+                 owner: str = "") -> None:
+        """Call ``callback(True)`` once every key is set, or ``callback(False)`` at ``expire``.
+
+        ``owner``: the connection asking (its waits are bounded, and go when it closes); ValueError
+        when it, or the table, has as many outstanding as allowed.
+        """
         with self._cond:
             closed = self._closed
-            if not closed and not all(k in self._data for k in keys):
-                self._waiters.append((keys, time.monotonic() + timeout, callback))
+            waiter = (keys, time.monotonic() + timeout, callback, owner)
+            if not closed and any(k not in self._data for k in keys):
+                if owner and self._waits.get(owner, 0) >= MAX_MEMBER_WAITS:
+                    raise ValueError(f"{MAX_MEMBER_WAITS} rendezvous waits outstanding already")
+                if sum(self._waits.values()) >= MAX_WAITS:
+                    raise ValueError(f"{MAX_WAITS} rendezvous waits outstanding in all")
+                self._file(waiter)
+                self._waits[owner] = self._waits.get(owner, 0) + 1
                 return
         callback(not closed)
 
     def expire(self) -> None:
         """Fail the waiters whose deadline passed (the server calls this periodically)."""
         now = time.monotonic()
+        late = []
         with self._cond:
-            late = [w for w in self._waiters if w[1] <= now]
-            self._waiters = [w for w in self._waiters if w[1] > now]
-        for _keys, _deadline, callback in late:
+            for key in list(self._waiting):
+                waiters = self._waiting[key]
+                late += [w for w in waiters if w[1] <= now]
+                kept = [w for w in waiters if w[1] > now]
+                if kept:
+                    self._waiting[key] = kept
+                else:
+                    del self._waiting[key]
+            for waiter in late:
+                self._unfiled(waiter)
+        for _keys, _deadline, callback, _owner in late:
             callback(False)
 
-    def serve(self, op: _wire.StoreOp, reply: Callable[[_wire.StoreResult], None]) -> None:
-        """Answer a member's StoreOp (the control server's thread); never blocks."""
+    def serve(self, op: _wire.StoreOp, reply: Callable[[_wire.StoreResult], None], *, member: str = "",
+              owner: str = "", bound: float = 3600.0) -> bool:
+        """Answer a StoreOp (the control server's thread); never blocks. ``member`` sets keys in its
+        name, ``owner`` (its connection) holds the waits, each at most ``bound`` seconds. False when
+        it was refused (over a bound, a malformed op): the server counts those."""
         try:
+            if not op.keys:
+                raise ValueError("a store op without keys")
             if op.op == "set":
-                self.set(op.keys[0], op.value)
+                self.set(op.keys[0], op.value, member)
                 reply(_wire.StoreResult(op.rid, True))
             elif op.op == "add":
-                reply(_wire.StoreResult(op.rid, True, number=self.add(op.keys[0], op.amount)))
+                reply(_wire.StoreResult(op.rid, True, number=self.add(op.keys[0], op.amount, member)))
             elif op.op == "compare_set":
-                reply(_wire.StoreResult(op.rid, True, value=self.compare_set(op.keys[0], op.value, op.desired)))
+                reply(_wire.StoreResult(op.rid, True, value=self.compare_set(op.keys[0], op.value, op.desired,
+                                                                             member)))
             elif op.op == "check":
                 reply(_wire.StoreResult(op.rid, True, number=int(self.check(op.keys))))
             elif op.op == "delete":
@@ -152,11 +288,14 @@ class KeyValue:
                     value = (self.get_now(op.keys[0]) or b"") if op.op == "get" and ok else b""
                     reply(_wire.StoreResult(op.rid, ok, value=value, error="" if ok else "wait timeout"))
 
-                self.when_set(op.keys, min(op.timeout, 3600.0), done)
+                self.when_set(op.keys, min(max(op.timeout, 0.0), bound), done, owner)
             else:
                 reply(_wire.StoreResult(op.rid, False, error=f"unknown store op {op.op!r}"))
+                return False
         except (ValueError, IndexError) as err:
             reply(_wire.StoreResult(op.rid, False, error=str(err)))
+            return False
+        return True
 
 
 def _as_bytes(value: Any) -> bytes:

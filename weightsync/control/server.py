@@ -9,18 +9,24 @@ Per connection, in order:
    the door (``auth.admission_problem``: proof, fingerprint, closing). A refusal is answered
    with Deny, recorded, and the connection closed. Otherwise the session key is derived and
    ``on_join`` hands the link to the Sender, which alone decides about duplicate ids;
-3. read frames: each must carry the next sequence number and a valid MAC, or it is dropped
-   and recorded (``reject`` entries). Ready and Ack go to :attr:`replies` once their member id
+3. read frames: each must carry the next sequence number and a valid MAC, or it is recorded
+   (``reject``) and the connection closed at once (a member whose frame was lost is known dead
+   now, not after its silence bound). Ready and Ack go to :attr:`replies` once their member id
    matches the link's; Leave goes to ``on_leave``; StoreOp is answered from the rendezvous
-   table; any valid frame counts as a sign of life.
+   table if the member may (``rendezvous.store_problem``); any valid frame is a sign of life.
 
 Every ``heartbeat_interval / 2`` the loop beats to every member, expires rendezvous waits, and
 reports each bound member whose connection closed or who fell silent for ``dead_after``, once
 (``on_dead``). A closed connection is reported at once: a killed member is known dead in
 milliseconds, not after missed heartbeats.
 
-Bounds: at most ``MAX_PENDING`` connections may be mid-handshake; a member whose unsent data
-exceeds ``MAX_BACKLOG`` (it stopped reading) is disconnected; frames are length-checked first.
+Bounds: at most ``MAX_PENDING`` connections may be mid-handshake, ``MAX_PENDING_PER_SOURCE`` of
+them from one address (a flood from one host leaves room for the others' joins; a connection
+turned away is told ``Deny(kind="busy")`` and its subscriber tries again); a member whose unsent
+data exceeds ``MAX_BACKLOG`` (it stopped reading) is disconnected; frames are length-checked
+first. Refused connections are aggregated in the flight recorder (the first of each source and
+reason per ``REFUSAL_WINDOW`` seconds, then one count), so a flood cannot push out the entries
+about real work.
 """
 
 from __future__ import annotations
@@ -49,11 +55,15 @@ from weightsync.control.framing import (
     Session,
     frame_length,
 )
-from weightsync.control.rendezvous import KeyValue
+from weightsync.control.rendezvous import KeyValue, Scope, store_problem
 from weightsync.pg.recorder import RecorderScope
 
 MAX_PENDING = 64
+MAX_PENDING_PER_SOURCE = 16  # one address cannot take every handshake place: others can still join
 MAX_BACKLOG = 512 << 20
+MAX_REFUSALS = 64  # store ops refused on one connection before it is closed (a member that keeps trying)
+REFUSAL_WINDOW = 10.0  # seconds over which refused connections of one source and reason are counted, not listed
+MAX_REFUSAL_KEYS = 256  # distinct (source, reason) pairs counted at once; the rest count as "other"
 
 
 PROBE_WINDOW = 3  # a member's link time: the fastest of its last three probes
@@ -77,6 +87,8 @@ class Link:
     link_times: deque[float] = field(default_factory=lambda: deque(maxlen=PROBE_WINDOW))
     transport: str = "group"  # "shm": a same-host member that reads the publisher's shared memory
     want: tuple[_wire.Want, ...] | None = None  # a sliced member's boxes (it receives point to point)
+    scope: Scope | None = None  # the rendezvous keys it may touch (its current generation's), set by grant()
+    refusals: int = 0  # its store ops refused so far
 
 
 class ControlServer:
@@ -90,18 +102,22 @@ class ControlServer:
                  table: KeyValue, recorder: RecorderScope, heartbeat_interval: float, dead_after: float,
                  handshake_timeout: float, closing: Callable[[], bool], on_join: Callable[[Link], None],
                  on_leave: Callable[[Link], None], on_dead: Callable[[str, str], None],
-                 shm_offer: Callable[[], _wire.ShmOffer | None] = lambda: None, rank_links: bool = False) -> None:
+                 shm_offer: Callable[[], _wire.ShmOffer | None] = lambda: None, rank_links: bool = False,
+                 wait_bound: float = 3600.0) -> None:
         self.channel, self._host, self._port = channel, host, port
         self._secret, self._mine, self._table, self._rec = secret, mine, table, recorder
         self._interval, self._dead_after, self._handshake_timeout = heartbeat_interval, dead_after, handshake_timeout
         self._closing, self._on_join, self._on_leave, self._on_dead = closing, on_join, on_leave, on_dead
         self._shm_offer = shm_offer
+        self._wait_bound = wait_bound  # the longest a member's rendezvous wait may last (its deadline)
         self._rank_links = rank_links  # a sharded publisher's rank 0: the other ranks connect here too
         self.replies: queue.SimpleQueue[Any] = queue.SimpleQueue()  # Ready | Ack | Wake, for the Sender
         self.tick = time.monotonic()  # the control loop's own last sign of life
         self._links: dict[str, Link] = {}
         self._members: dict[str, Link] = {}  # member id -> its bound incarnation
         self._pending = 0
+        self._pending_from: dict[str, int] = {}  # source address -> its connections mid-handshake
+        self._refused: dict[tuple[str, str], list[float]] = {}  # (source, reason) -> [window start, count]
         self._probe_seq = 0
         self._probe_bytes = 0
         self._lock = threading.Lock()
@@ -159,6 +175,7 @@ class ControlServer:
     async def _shutdown(self) -> None:
         if self._server is not None:
             self._server.close()
+        self._count_refusals(time.monotonic(), everything=True)  # what a flood left uncounted
         links = list(self._links.values())
         for link in links:  # what is queued (a Shutdown) still goes out, briefly
             self._drop(link, "server stopped", flush=True)
@@ -251,31 +268,49 @@ class ControlServer:
             link.probes[self._probe_seq] = time.monotonic()
             self._write(link, _wire.Probe(self._probe_seq, pad))
 
+    def grant(self, member_id: str, scope: Scope | None) -> None:
+        """Any thread: the rendezvous keys ``member_id``'s current connection may touch from now on."""
+        with self._lock:
+            link = self._members.get(member_id)
+        if link is not None:
+            link.scope = scope
+
     def _drop(self, link: Link, reason: str, flush: bool = False) -> None:
         if link.closed:
             return
         link.closed = True
         with self._lock:
             self._links.pop(link.incarnation, None)
+        self._table.forget(link.incarnation)  # its rendezvous waits end with it
         if flush:
             link.writer.close()  # what is queued is still sent
         else:
             link.writer.transport.abort()
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if self._pending >= MAX_PENDING:
-            writer.transport.abort()
-            self._rec.record("admit").fail("too many connections mid-handshake: refused one")
+        peer = writer.get_extra_info("peername")
+        source = str(peer[0]) if isinstance(peer, tuple) and peer else "?"
+        if self._pending >= MAX_PENDING or self._pending_from.get(source, 0) >= MAX_PENDING_PER_SOURCE:
+            self._refuse(source, "too many connections mid-handshake")
+            busy = _wire.Deny(reason="too many connections mid-handshake; try again", kind="busy")
+            writer.write(Session(outgoing=TO_CLIENT, incoming=TO_SERVER).seal(busy))  # the joiner retries
+            writer.close()
             return
         self._pending += 1
+        self._pending_from[source] = self._pending_from.get(source, 0) + 1
         try:
-            link = await asyncio.wait_for(self._handshake(reader, writer), self._handshake_timeout)
+            link = await asyncio.wait_for(self._handshake(reader, writer, source), self._handshake_timeout)
         except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError, BadFrame) as err:
-            self._rec.record("admit").fail(f"handshake failed: {type(err).__name__}: {err}")
+            self._refuse(source, f"handshake failed: {type(err).__name__}", detail=str(err))
             writer.transport.abort()
             return
         finally:
             self._pending -= 1
+            left = self._pending_from.get(source, 1) - 1
+            if left > 0:
+                self._pending_from[source] = left
+            else:
+                self._pending_from.pop(source, None)
         if link is None:
             return
         try:
@@ -287,7 +322,30 @@ class ControlServer:
             self._rec.record("control", peers=(link.member_id,)).fail(f"{type(err).__name__}: {err}")
             self._lost(link, f"control error: {err}")
 
-    async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> Link | None:
+    def _refuse(self, source: str, reason: str, *, who: str | None = None, detail: str = "") -> None:
+        """Record a refused connection: the first of each source and reason per window in full, the
+        rest as one count when the window closes (:meth:`_count_refusals`), so a flood leaves a few
+        entries instead of pushing every entry about real work out of the recorder."""
+        key = (source, reason[:80])
+        if key not in self._refused and len(self._refused) >= MAX_REFUSAL_KEYS:
+            key = ("other", "refused")
+        counted = self._refused.get(key)
+        if counted is None:
+            self._refused[key] = [time.monotonic(), 0]
+            self._rec.record("admit", peers=(who or source,)).fail(f"{reason}{': ' + detail if detail else ''}"[:400])
+        else:
+            counted[1] += 1
+
+    def _count_refusals(self, now: float, *, everything: bool = False) -> None:
+        for key, (began, count) in list(self._refused.items()):
+            if everything or now - began >= REFUSAL_WINDOW:
+                del self._refused[key]
+                if count:
+                    self._rec.record("admit", peers=(key[0],)).fail(
+                        f"{count} more connections refused in {now - began:.0f}s ({key[1]})")
+
+    async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                         source: str = "?") -> Link | None:
         nonce = auth.new_nonce()
         session = Session(outgoing=TO_CLIENT, incoming=TO_SERVER)
         offer = self._shm_offer()
@@ -304,7 +362,7 @@ class ControlServer:
         if deny is None and self._rank_links and join.transport != "rank" and join.member_id.startswith("rank-"):
             deny = _wire.Deny(reason="member ids rank-N are the trainer ranks' own", kind="duplicate")
         if deny is not None:
-            self._rec.record("admit", peers=(join.member_id[:64],)).fail(deny.reason)  # recorded before answered
+            self._refuse(source, deny.reason, who=join.member_id[:64])  # recorded before answered
             writer.write(session.seal(deny))
             writer.close()
             return None
@@ -324,8 +382,11 @@ class ControlServer:
             try:
                 message = link.session.open(data, _wire.client_decoder)
             except BadFrame as err:
-                self._rec.record("reject", peers=(link.member_id,)).fail(str(err))
-                continue
+                # out of sequence (a frame lost or replayed on the path), forged or malformed: every
+                # later frame would be refused too, so the connection is closed now; a member is then
+                # known dead at once instead of after its silence bound, and may rejoin
+                self._rec.record("reject", peers=(link.member_id,)).fail(f"{err}: connection closed")
+                raise
             link.last_heard = time.monotonic()
             if isinstance(message, (_wire.Ready, _wire.Ack)):
                 if message.member_id != link.member_id or not link.bound:
@@ -344,14 +405,32 @@ class ControlServer:
                     link.reported = True  # its connection closing next is a goodbye, not a death
                     self._on_leave(link)
             elif isinstance(message, _wire.StoreOp):
-                ranks_only = any(key.startswith("@ranks/") for key in message.keys)  # the trainer ranks' keys
-                if link.bound and (link.transport == "rank" or not ranks_only):
-                    self._table.serve(message, functools.partial(self._reply, link))
-                elif link.bound:
-                    self._rec.record("reject", peers=(link.member_id,)).fail("a member touched the ranks' keys")
-                    self._reply(link, _wire.StoreResult(message.rid, False, error="@ranks/ keys are the ranks' own"))
+                self._store_op(link, message)
             elif isinstance(message, _wire.Join):
                 self._rec.record("reject", peers=(link.member_id,)).fail("a second Join on one connection")
+
+    def _store_op(self, link: Link, op: _wire.StoreOp) -> None:
+        """Serve ``op`` from the table if this member may (rendezvous.store_problem), else refuse it;
+        a connection refused ``MAX_REFUSALS`` times is closed (its member is then dead)."""
+        if not link.bound:
+            problem: str | None = "not admitted yet"
+        else:
+            problem = store_problem(op, member=link.member_id, scope=link.scope, rank_link=link.transport == "rank",
+                                    owner_of=self._table.owner)
+        if problem is None:
+            rank = link.transport == "rank"  # the trainer ranks wait for each other for minutes
+            if self._table.serve(op, functools.partial(self._reply, link), member="" if rank else link.member_id,
+                                 owner=link.incarnation, bound=3600.0 if rank else self._wait_bound):
+                return
+            problem = "over the table's bounds"  # answered already: counted like any refusal
+        link.refusals += 1
+        if link.refusals & (link.refusals - 1) == 0:  # the 1st, 2nd, 4th, 8th ...: a flood leaves few entries
+            self._rec.record("reject", peers=(link.member_id,)).fail(
+                f"rendezvous {op.op} refused ({problem}); {link.refusals} so far")
+        if problem != "over the table's bounds":
+            self._reply(link, _wire.StoreResult(op.rid, False, error=problem))
+        if link.refusals >= MAX_REFUSALS:
+            self._lost(link, f"closed after {link.refusals} refused rendezvous ops ({problem})")
 
     def _reply(self, link: Link, result: _wire.StoreResult) -> None:
         """Rendezvous answers may come from any thread (a key set by the publisher's own group)."""
@@ -383,6 +462,7 @@ class ControlServer:
         stalled = now - self.tick > 2 * self._interval + 0.5  # we were not running: silence is ours
         self.tick = now
         self._table.expire()
+        self._count_refusals(now)
         with self._lock:
             links = list(self._links.values())
         for link in links:

@@ -221,6 +221,15 @@ def reconfigure_handle(pg: Any) -> str:
     return str(pg.get_reconfigure_handle())
 
 
+def reconfigure_keys(uuid: int) -> str:
+    """Where, under its store, one re-form (``reconfigure`` with ``uuid``) keeps its rendezvous keys.
+
+    Measured on 2.15: ``reconfigure/<uuid>/claimed`` (rank 0's compare_set) and
+    ``reconfigure/<uuid>/0/<rank>`` (each rank's address, set by that rank).
+    """
+    return f"reconfigure/{uuid}/"
+
+
 def reconfigure(pg: Any, uuid: int, handles: Sequence[str], timeout: float) -> None:
     """Re-form ``pg`` in place with ``handles`` (rank = position); bounded by ``timeout``."""
     opts = _c10d.ReconfigureOptions()

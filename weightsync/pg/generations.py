@@ -26,6 +26,7 @@ from typing import Any, Protocol
 
 from weightsync import _wire
 from weightsync._errors import PeerFailure
+from weightsync.control.rendezvous import Scope
 from weightsync.errors import WeightSyncError
 from weightsync.pg.membership import MemberInfo, Membership, Plan
 from weightsync.pg.recorder import FlightRecorder
@@ -35,6 +36,29 @@ from weightsync.transport.options import Deadlines
 log = logging.getLogger("weightsync.membership")
 
 PUBLISHER = "publisher"
+
+
+def relay_suspects(group: tuple[str, ...], corrupt_in_tree: set[str], corrupt_direct: set[str],
+                   parent: Callable[[int], int | None]) -> set[str]:
+    """The relays that forwarded corrupted bytes (rank = position in ``group`` + 1; 0 is the publisher).
+
+    A version whose bytes reached some members corrupted through the broadcast tree is sent to
+    everyone again point to point (no relays). A member corrupt again is at fault itself (or its
+    own link). One that got it intact directly was fed bad bytes on the way: the suspect is the
+    nearest relay above it whose own copy was intact (it acked the tree's bytes while its child
+    could not). Nobody is suspected where the tree is unknown (``parent`` says None) or the
+    chain reaches the publisher. A pure function: tests/test_core_units.py checks it.
+    """
+    suspects: set[str] = set()
+    for member in corrupt_in_tree - corrupt_direct:
+        if member not in group:
+            continue
+        up = parent(group.index(member) + 1)
+        while up is not None and up > 0 and group[up - 1] in corrupt_in_tree:
+            up = parent(up)
+        if up is not None and up > 0:
+            suspects.add(group[up - 1])
+    return suspects
 
 
 class Control(Protocol):
@@ -51,6 +75,8 @@ class Control(Protocol):
     def probe(self, nbytes: int) -> None: ...
 
     def link_seconds(self, member_id: str) -> tuple[float, int] | None: ...
+
+    def grant(self, member_id: str, scope: Scope | None) -> None: ...
 
 
 class Rendezvous(Protocol):
@@ -95,6 +121,7 @@ class Generations:
         self._next_slot = itertools.count(1)  # 0 is the publisher's
         self._seq = itertools.count()
         self.last_timings: dict[str, tuple[float, float]] = {}  # member -> (seconds, own seconds)
+        self.last_corrupt: set[str] = set()  # members whose bytes arrived corrupted (last collect_acks)
 
     def register(self, member_id: str, incarnation: str, host: str = "", pid: int = 0,
                  transport: str = "group") -> None:
@@ -205,6 +232,10 @@ class Generations:
             ordered = (self.plane.offer(), *(offers[m] for m in group))
             spec = GenerationSpec(plan.generation, group, rank=0, timeout=timeout, uuid=secrets.randbits(62),
                                   offers=ordered, rendezvous=token)
+        # each member may touch only this generation's rendezvous keys, and write only its own
+        prefixes = self.plane.rendezvous_prefixes(spec)
+        for member in plan.members:
+            self.control.grant(member, Scope(prefixes, group.index(member) + 1) if member in group else None)
         self.tell(plan.members, _wire.Go(generation=plan.generation, uuid=spec.uuid, handles=spec.offers,
                                          rendezvous=token, group=group))
         self.plane.enter(spec)
@@ -261,6 +292,7 @@ class Generations:
         acked: set[str] = set()
         nacked: dict[str, str] = {}
         self.last_timings = {}
+        self.last_corrupt = set()
         entry = self._rec.record("ack", generation=gen,
                                       version=version, peers=members).start()
         deadline = time.monotonic() + timeout
@@ -285,6 +317,8 @@ class Generations:
                 self.last_timings[message.member_id] = (message.seconds, message.own_seconds)
             else:
                 nacked[message.member_id] = message.error or f"acked version {message.version}"
+                if message.corrupt:
+                    self.last_corrupt.add(message.member_id)
         if silent or nacked:
             entry.fail(f"silent: {sorted(silent)}; failed: {sorted(nacked)}")
             for member in sorted(silent):  # per member, so the analyzer can tell culprits from victims

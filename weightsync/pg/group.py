@@ -22,6 +22,7 @@ This module is one of the two places where torch backend errors are translated (
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -29,11 +30,23 @@ from typing import Any
 
 import torch
 
-from weightsync._errors import Cancelled, LocalFailure, PeerFailure
+from weightsync._errors import Cancelled, InternalError, LocalFailure, PeerFailure
 from weightsync.pg import _torch_compat as compat
 from weightsync.pg.reaper import PUBLISHER_GRACE, retire
 from weightsync.pg.recorder import FlightRecorder
 from weightsync.transport.dataplane import GenerationSpec, Transfer
+
+log = logging.getLogger("weightsync.planes")
+
+
+def generation_prefix(channel: str, spec: GenerationSpec) -> str:
+    """Where a dedicated group's backend keeps its rendezvous keys (a fresh random token per generation)."""
+    return f"ws/{channel}/gen/{spec.generation}/{spec.rendezvous}/pg"
+
+
+def reconfigure_prefix(channel: str) -> str:
+    """Where every member's reconfigurable backend keeps its keys; each re-form adds its uuid."""
+    return f"ws/{channel}/rc"
 
 ALIVE, ABORTED = "alive", "aborted"
 WAIT_SLICE = 0.25
@@ -99,15 +112,18 @@ class DedicatedGroup:
                 # its own threads: it gets a connection of its own, never one we wait on
                 own = compat.clone_store(store, spec.timeout)
                 # under the generation's random token: nobody can pre-write a future generation's keys
-                prefixed = compat.prefix_store(f"ws/{channel}/gen/{spec.generation}/{spec.rendezvous}/pg", own)
+                prefixed = compat.prefix_store(generation_prefix(channel, spec), own)
                 if backend == "nccl":
                     pg = compat.make_nccl(prefixed, spec.rank, size, spec.timeout, device, max_ctas)
                 else:
                     pg = compat.make_gloo(prefixed, spec.rank, size, spec.timeout, host)
         except Exception as err:
             entry.fail(err)
+            log.warning("%s: the %s group of generation %d did not form: %s", member, backend, spec.generation, err)
             raise PeerFailure(f"rendezvous of generation {spec.generation} failed: {err}") from err
         entry.complete()
+        log.debug("%s: built the %s group of generation %d (rank %d of %d)", member, backend, spec.generation,
+                  spec.rank, size)
         return cls(pg, channel=channel, member=member, generation=spec.generation, rank=spec.rank, size=size,
                    recorder=recorder, store=own)
 
@@ -137,7 +153,7 @@ class DedicatedGroup:
                 for dst, piece in pairs:
                     if piece.numel():
                         works.append(compat.send(self._pg, piece, dst, i))
-            except RuntimeError:
+            except Exception:
                 self._orphans.extend(works)  # those already issued: the reaper's, like any hung work
                 raise
             return works
@@ -163,8 +179,11 @@ class DedicatedGroup:
                 pending.append((i, [], entry, time.monotonic() + limit))
                 try:
                     works = issue(i, tensor, limit)
-                except RuntimeError as err:
-                    raise PeerFailure(f"bucket {i} could not be issued: {err}") from err
+                except InternalError:
+                    raise
+                except Exception as err:  # noqa: BLE001 - whatever the backend raises (pybind maps C++
+                    # exceptions to ValueError, MemoryError, ...): this step failed, never the thread
+                    raise PeerFailure(f"bucket {i} could not be issued: {type(err).__name__}: {err}") from err
                 pending[-1] = (i, works, entry, time.monotonic() + limit)
             while pending:
                 self._finish_oldest(pending, transfer)
@@ -201,8 +220,10 @@ class DedicatedGroup:
             except TimeoutError as err:
                 if left <= WAIT_SLICE or cancelled is None:
                     raise PeerFailure(f"a bucket missed its deadline: {err}") from err
-            except RuntimeError as err:  # the backend failed: a peer reset or closed its connection
-                raise PeerFailure(str(err)) from err
+            except InternalError:
+                raise
+            except Exception as err:  # noqa: BLE001 - the backend failed (a peer reset, closed, or sent garbage)
+                raise PeerFailure(f"{type(err).__name__}: {err}") from err
             if cancelled():
                 raise Cancelled("the generation ended while this bucket was on the wire")
 
@@ -240,7 +261,7 @@ class Reconfigurable:
         self._rec = recorder.scope(channel, member)
         self._store = compat.clone_store(store, timeout)
         # every member's backend shares this prefix: the rendezvous keys live under the uuid
-        self._pg = compat.make_gloo_reconfigurable(compat.prefix_store(f"ws/{channel}/rc", self._store), slot,
+        self._pg = compat.make_gloo_reconfigurable(compat.prefix_store(reconfigure_prefix(channel), self._store), slot,
                                                    timeout, host)
 
     def handle(self) -> str:
@@ -253,6 +274,7 @@ class Reconfigurable:
             compat.reconfigure(self._pg, spec.uuid, spec.offers, spec.timeout)
         except Exception as err:
             entry.fail(err)
+            log.warning("%s: re-forming generation %d in place failed: %s", self.member, spec.generation, err)
             raise PeerFailure(f"re-forming generation {spec.generation} failed: {err}") from err
         entry.complete()
         return DedicatedGroup(self._pg, channel=self.channel, member=self.member, generation=spec.generation,
@@ -294,6 +316,23 @@ class GroupPlane:
         self._backend: Reconfigurable | None = None
         self.group: DedicatedGroup | None = None
 
+    def broadcast_parent(self, rank: int) -> int | None:
+        """The rank that forwards ``rank``'s bytes in a broadcast from rank 0, or None when unknown.
+
+        gloo's broadcast (``gloo/broadcast.cc``) is a binomial tree: rank r receives from r with
+        its highest bit cleared (1 and 2 from the root, 3 from 1, 5 from 1, 6 from 2, 7 from 3).
+        NCCL's rings and trees are its own business: None.
+        """
+        if self.backend != "gloo" or rank <= 0:
+            return None
+        return rank - (1 << (rank.bit_length() - 1))
+
+    def rendezvous_prefixes(self, spec: GenerationSpec) -> tuple[str, ...]:
+        """The keys a member of ``spec`` may touch: this generation's and no other's."""
+        if spec.offers:  # re-formed in place: the re-form's own keys, under its uuid
+            return (f"{reconfigure_prefix(self.channel)}/{compat.reconfigure_keys(spec.uuid)}",)
+        return (f"{generation_prefix(self.channel, spec)}/",)
+
     def offer(self) -> str:
         if not self.in_place:
             return ""
@@ -301,8 +340,9 @@ class GroupPlane:
             try:
                 self._backend = Reconfigurable(self._store, channel=self.channel, member=self.member, slot=self.slot,
                                                timeout=self._timeout, recorder=self._recorder, host=self.host)
-            except RuntimeError as err:
-                raise PeerFailure(f"could not create the reconfigurable backend: {err}") from err
+            except Exception as err:  # noqa: BLE001 - any backend error is this step's failure
+                raise PeerFailure(f"could not create the reconfigurable backend: {type(err).__name__}: {err}") \
+                    from err
         return self._backend.handle()
 
     def enter(self, spec: GenerationSpec) -> None:

@@ -16,7 +16,6 @@ versions in a row (a slow member cannot hold the others back forever).
 
 from __future__ import annotations
 
-import statistics
 import threading
 import time
 from collections import deque
@@ -229,16 +228,20 @@ class Membership:
     def slow_members(self, policy: StragglerPolicy, own: dict[str, float]) -> dict[str, float]:
         """Members flagged slow on the last ``policy.window`` versions; member -> its ratio now.
 
-        ``own`` is this version's own-time per member; each is scored against the median of
-        the others, so a uniformly slow network flags nobody.
+        ``own`` is this version's own-time per member; each is scored against the *upper* median
+        of the others, so a uniformly slow network flags nobody, and a member that reports less
+        than it took (an insider claiming 0 s) cannot make an honest one look slow: with at least
+        two others, the reference is one of theirs at or above the middle, never the liar's. With
+        a single other member there is no majority to tell a slow member from a lying one, so
+        nobody is scored (docs/security.md).
         """
         flagged: dict[str, float] = {}
         with self._lock:
             for member, mine in own.items():
-                others = [t for m, t in own.items() if m != member]
-                if not others or member not in self.members:
+                others = sorted(t for m, t in own.items() if m != member)
+                if len(others) < 2 or member not in self.members:
                     continue
-                typical = statistics.median(others)
+                typical = others[len(others) // 2]  # the upper median: one low report cannot pull it down
                 if mine > policy.slow_factor * typical + policy.slow_floor:
                     self._slow_streak[member] = self._slow_streak.get(member, 0) + 1
                 else:

@@ -175,7 +175,7 @@ class Publisher:
             handshake_timeout=self.options.timeout, closing=lambda: self._state is not EndState.RUNNING,
             on_join=self._on_join, on_leave=self._on_leave,
             on_dead=self._on_dead, shm_offer=self._segments.offer if self._segments is not None else lambda: None,
-            rank_links=self.world_size > 1 and self.rank == 0)
+            rank_links=self.world_size > 1 and self.rank == 0, wait_bound=2 * deadlines.rendezvous())
         self._hub = ranks.Hub(name, self.world_size, self._table, self._rec) if self._rank_links else None
         self._link: ranks.Link | None = None
         self._ranks: ranks.Ranks | None = None

@@ -51,6 +51,7 @@ from weightsync._errors import (
     NotListening,
     PeerFailure,
     ProtocolError,
+    PublisherBusy,
     StoreTimeout,
     StoreUnreachable,
 )
@@ -267,14 +268,16 @@ class Receiver:
         """Open the control connection. A publisher not listening yet (this subscriber was started
         first, as launchers do) is tried again with backoff until ``deadline``; one that answered
         once and is gone now is PublisherGone at once. Nothing is dumped for a publisher never reached."""
-        pause, tries, last = CONNECT_BACKOFF[0], 0, ""
+        pause, tries, last, busy = CONNECT_BACKOFF[0], 0, "", False
         while True:
             tries += 1
             try:
                 self._client.connect(max(deadline - time.monotonic(), 0.01))
                 return
+            except PublisherBusy as err:  # a flood at the door: a place frees up soon, whoever we are
+                last, busy = str(err), True
             except NotListening as err:
-                last = str(err)
+                last, busy = str(err), False
                 if not self._wait_for_publisher:
                     entry.fail(err)
                     raise PublisherGone(f"cannot reach the publisher: {err}", channel=self.channel,
@@ -290,7 +293,8 @@ class Receiver:
             if left <= 0:
                 entry.fail(f"never answered: {last}")
                 self._clean_shutdown = True  # nothing happened worth a dump
-                raise SyncTimeout(f"the publisher never answered at {self._where} within {self.join_timeout:.3g}s "
+                what = "was too busy to admit us" if busy else "never answered"
+                raise SyncTimeout(f"the publisher {what} at {self._where} within {self.join_timeout:.3g}s "
                                   f"({tries} tries; last: {last})", channel=self.channel, member=self.member_id)
             if self.closing.wait(min(pause, left)):  # closed meanwhile: the caller stops waiting
                 entry.fail("closed while waiting for the publisher")
@@ -390,7 +394,7 @@ class Receiver:
         t0 = time.monotonic()
         entry = self._rec.record("receive", generation=announce.generation, version=announce.version,
                                       nbytes=manifest.total_bytes).start()
-        ok, error, in_move, sealing = False, "", 0.0, 0.0
+        ok, error, in_move, sealing, corrupt = False, "", 0.0, 0.0, False
         checking = [0.0]  # of the time in move(), what this member spent on its own buckets
         assembly, epoch = announce.assembly, 0
         placer: sharding.Placer | slicing.SlicePlacer | None = None
@@ -461,6 +465,7 @@ class Receiver:
             self.tally.count("receive_failures")
             if isinstance(err, ChecksumMismatch):
                 self.tally.count("checksum_failures")
+                corrupt = True
             self._recorder.dump_on_trouble(f"version {announce.version} not received: {err}")
         seconds = time.monotonic() - t0
         # own time: everything but waiting on others (preparing the slot, checking buckets, a
@@ -469,7 +474,7 @@ class Receiver:
         own = max(seconds - in_move - sealing, 0.0) + checking[0]
         if self.transport == "shm":  # the copy out of shared memory is all this member's own work
             own = max(seconds - sealing, 0.0)
-        self._acknowledge(announce, ok=ok, error=error, seconds=seconds, own=own)
+        self._acknowledge(announce, ok=ok, error=error, seconds=seconds, own=own, corrupt=corrupt)
 
     def _sliced_targets(self, announce: _wire.Announce,
                         ranges: list[tuple[int, int]]) -> tuple[slicing.SlicePlacer, list[torch.Tensor], int]:
@@ -497,9 +502,11 @@ class Receiver:
             raise ProtocolError(f"version {announce.version}: {err}") from err
         return placer, placer.targets, epoch
 
-    def _acknowledge(self, announce: _wire.Announce, *, ok: bool, error: str, seconds: float, own: float = 0.0) -> None:
+    def _acknowledge(self, announce: _wire.Announce, *, ok: bool, error: str, seconds: float, own: float = 0.0,
+                     corrupt: bool = False) -> None:
         ack = _wire.Ack(generation=announce.generation, seq=announce.seq, member_id=self.member_id,
-                        version=announce.version, ok=ok, seconds=seconds, own_seconds=own, error=error[:300])
+                        version=announce.version, ok=ok, seconds=seconds, own_seconds=own, error=error[:300],
+                        corrupt=corrupt)
         try:
             self._client.send(ack)
         except ControlFailure:

@@ -41,8 +41,8 @@ import torch
 from weightsync import _wire
 from weightsync._errors import Cancelled, ControlFailure, LocalFailure, PeerFailure
 from weightsync.errors import WeightSyncError
-from weightsync.pg.generations import Control, Generations, Rendezvous
-from weightsync.pg.membership import MemberInfo, Membership, StragglerPolicy
+from weightsync.pg.generations import Control, Generations, Rendezvous, relay_suspects
+from weightsync.pg.membership import MAX_STRIKES, MemberInfo, Membership, StragglerPolicy
 from weightsync.pg.recorder import FlightRecorder
 from weightsync.statistics import PublisherTally
 from weightsync.transport import layout, sharding, slicing
@@ -169,6 +169,7 @@ class Sender:
         self._gathers = slicing.GatherBuffers()  # per sliced member: two buffers its runs are gathered into
         self.tally = tally or PublisherTally(channel)
         self._nobody_streak = False  # the last version reached nobody (its warning was logged)
+        self._corrupting: dict[str, int] = {}  # relay -> versions it was found corrupting (acks do not reset)
 
     # any thread ---------------------------------------------------------------------------
     def submit(self, event: Event) -> None:
@@ -291,17 +292,49 @@ class Sender:
     # one version --------------------------------------------------------------------------
     def _send(self, gens: Generations, job: Job) -> None:
         error: BaseException | None = None
+        direct = False  # this attempt point to point: finding who corrupted the last one's bytes
+        tree: tuple[tuple[str, ...], set[str]] | None = None  # the broadcast attempt's group and its corrupt
         for _attempt in range(3):
             try:
-                failed = self._send_once(gens, job)
+                failed = self._send_once(gens, job, direct=direct)
             except _PutFailed as err:
                 # our side failed mid-version: the generation is in an unknown state, so it is
                 # rebuilt, with nobody to blame; the put fails with what went wrong
                 gens.advance(reason=f"version {job.version} abandoned", failed=())
                 error = err.__cause__
                 break
+            corrupt = set(gens.last_corrupt)
+            relays: set[str] = set()
+            if tree is not None:  # the point-to-point attempt tells a corrupting relay from a bad member
+                relays = relay_suspects(tree[0], tree[1], corrupt, gens.plane.broadcast_parent)
+                tree, direct = None, False
+                for relay in sorted(relays):
+                    self._rec.record("corrupt", version=job.version, peers=(relay,)).fail(
+                        "its children's bytes arrived corrupted through it, and intact point to point")
+                    log.warning("channel %r: %s forwarded corrupted bytes of version %d to its children",
+                                self.channel, relay, job.version)
+            if relays:  # its acks reset ordinary strikes: these are counted apart, and none for its victims
+                current = set(self.membership.members)
+                self._corrupting = {m: n for m, n in self._corrupting.items() if m in current}
+                for relay in relays:
+                    self._corrupting[relay] = self._corrupting.get(relay, 0) + 1
+                    if self._corrupting[relay] >= MAX_STRIKES:
+                        self.membership.request_evict(relay, "failed")
             if failed is None:
+                if relays:
+                    gens.advance(reason=f"version {job.version}: corrupted by a relay", failed=relays)
                 return
+            group = gens.group_of(tuple(self.membership.members))
+            if corrupt and corrupt == failed and not relays and len(group) > 2 and \
+                    not (job.flat is None and job.released.is_set()):
+                # only corrupt bytes, through the broadcast tree: the same version again, point to point,
+                # in this same generation; only then is it known whose fault they were
+                tree, direct = (group, corrupt), True
+                self.tally.count("resends")
+                log.warning("channel %r: version %d arrived corrupted at %s; re-sending it point to point",
+                            self.channel, job.version, sorted(corrupt))
+                continue
+            failed = failed | relays
             # the group is broken: rebuild with the live members and re-send this version
             self.tally.count("resends")
             log.warning("channel %r: version %d failed for %s; re-sending it to the others (attempt %d); "
@@ -312,7 +345,7 @@ class Sender:
                 break  # copy=False tensors were released: nothing left to re-send from
         self._finish(job, time.monotonic(), error)
 
-    def _send_once(self, gens: Generations, job: Job) -> set[str] | None:
+    def _send_once(self, gens: Generations, job: Job, direct: bool = False) -> set[str] | None:
         """Announce and move ``job`` once; None on success, else the members to blame.
 
         Group members receive the buckets through the data plane; same-host members copy them
@@ -328,7 +361,7 @@ class Sender:
         # a sliced member in the group: every member gets its buckets point to point, the sliced
         # ones only their runs of each (docs/sharding.md says why not a broadcast then)
         plans = {m: self._plan(m, job, ranges) for m in group if m in self.wants}
-        direct = bool(plans)
+        direct = direct or bool(plans)  # asked for (finding a corrupting relay), or sliced members in it
         t0 = time.monotonic()
         try:
             segment = self._segment_for(job) if len(group) < len(members) else None

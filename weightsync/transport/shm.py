@@ -240,6 +240,12 @@ class ShmPlane:
     def offer(self) -> str:
         return ""
 
+    def rendezvous_prefixes(self, spec: GenerationSpec) -> tuple[str, ...]:
+        return ()  # nothing to rendezvous about
+
+    def broadcast_parent(self, rank: int) -> int | None:
+        return None  # every member reads the segment itself
+
     def enter(self, spec: GenerationSpec) -> None:
         return None
 
