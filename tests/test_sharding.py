@@ -468,3 +468,34 @@ def test_a_rank_that_said_its_word_and_left_between_two_looks_is_not_gone() -> N
     assert rank0.outcome(5, timeout=5.0) == {0: "ok", 1: "ok"}
     with pytest.raises(ws.PublisherGone, match="rank 1 is gone"):  # a rank that left without a word is gone
         rank0.outcome(6, timeout=5.0)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("transport", ["group", "shm"])
+async def test_copy_false_on_a_sharded_rank_costs_its_buckets_as_the_kernel_counts(procs: Procs, tmp_path: Path,
+                                                                                  transport: str) -> None:
+    """An FSDP2 trainer of 96 MiB on 2 ranks (48 MiB shards) puts with copy=False and 8 MiB buckets:
+    the kernel's VmRSS of each rank from just before put to released() (the largest of 3 versions).
+    To a generator that receives over the group, a rank adds its two bucket buffers and nothing of
+    its shard. One on the trainer's host reads shared memory, which the caller's own tensors are
+    not: its shard is packed into a segment once, by the sender thread (the cost api.md states)."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=dt.timedelta(seconds=60))
+    address_file = tmp_path / "rank0.addr"
+    bucket = 8 << 20
+    ranks = [procs.spawn("sharded_no_copy", rank=r, world=2, store_port=store.port, channel="nocopy",
+                         address_file=str(address_file), mib=96, bucket_bytes=bucket, versions=3) for r in range(2)]
+    address = await _address(address_file, procs)
+    sub = procs.spawn("subscriber", channel="nocopy", address=address, member="gen0", mode="follow", deadline=120,
+                      transport=transport)
+    results = [await procs.result(i, 180) for i in ranks]
+    await procs.result(sub, 60)
+    for r in results:
+        shard, growth = r["shard_mib"], max(r["growth_mib"])
+        print(f"{transport}: rank {r['rank']} shard {shard:.1f} MiB, VmRSS growth {r['growth_mib']} MiB")
+        assert 40 < shard < 56, r
+        buckets = 2 * bucket / 2**20
+        if transport == "group":
+            assert growth <= buckets + 8, f"rank {r['rank']}: +{growth:.1f} MiB with copy=False ({r['growth_mib']})"
+        else:
+            assert growth <= shard + buckets + 8, f"rank {r['rank']}: +{growth:.1f} MiB ({r['growth_mib']})"
+    del store

@@ -282,6 +282,49 @@ async def tp_generator(spec: dict) -> dict:
             "received": received, "got": {k: [list(t.shape), digest(t)] for k, t in got.items()}}
 
 
+async def sharded_no_copy(spec: dict) -> dict:
+    """One rank of an FSDP2 trainer of about ``mib`` MiB (float32) putting with ``copy=False``: the
+    kernel's VmRSS just before each put and just after its ``released()``; the largest growth."""
+    import datetime as dt
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    rank, world = spec["rank"], spec["world"]
+    store = dist.TCPStore("127.0.0.1", spec["store_port"], is_master=False, timeout=dt.timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=dt.timedelta(seconds=60))
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    side = 2048
+    layers = max(1, round(spec["mib"] * (1 << 20) / (side * side * 4)))
+    model = torch.nn.Sequential(*(torch.nn.Linear(side, side, bias=False) for _ in range(layers)))
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    shard = sum(p.to_local().numel() * p.to_local().element_size() for p in model.parameters())
+    growth = []
+    async with ws.Publisher(spec["channel"], timeout=10.0, heartbeat_interval=0.25, group=dist.group.WORLD,
+                            bucket_bytes=spec["bucket_bytes"]) as pub:
+        if rank == 0:
+            with open(spec["address_file"] + ".tmp", "w") as fh:
+                fh.write(pub.address)
+            os.replace(spec["address_file"] + ".tmp", spec["address_file"])
+        await pub.wait_subscribers(1, timeout=60)
+        for version in range(spec["versions"]):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.to_local().add_(1)
+            sd = model.state_dict()
+            before = _status_mib("VmRSS")
+            handle = await pub.put(sd, version=version, copy=False)
+            await handle.released(timeout=60)
+            growth.append(_status_mib("VmRSS") - before)
+            await handle.delivered(timeout=60)
+    dist.destroy_process_group()
+    return {"rank": rank, "growth_mib": growth, "shard_mib": shard / 2**20}
+
+
 async def main(spec: dict) -> dict:
     if spec["role"] == "subscriber":
         try:
@@ -299,6 +342,8 @@ async def main(spec: dict) -> dict:
         return await tp_generator(spec)
     if spec["role"] == "pp_trainer":
         return await pp_trainer(spec)
+    if spec["role"] == "sharded_no_copy":
+        return await sharded_no_copy(spec)
     raise SystemExit(f"unknown role {spec['role']!r}")
 
 
