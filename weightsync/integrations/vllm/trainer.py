@@ -21,7 +21,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from weightsync.errors import WeightSyncError
-from weightsync.integrations._bridge import LoopThread
+from weightsync.transport.loopthread import LoopThread
 from weightsync.integrations.vllm.worker import GRACE
 from weightsync.transport.publisher import Publisher
 
