@@ -111,7 +111,53 @@ class BlockingPutHandle:
         return f"Blocking{self._handle!r}"
 
 
-class BlockingPublisher:
+E = TypeVar("E", bound="_BlockingEnd")
+
+
+class _BlockingEnd:
+    """What both blocking ends share: the context manager, and closing the loop thread after the end."""
+
+    _bridge: _Bridge
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def abort(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self: E) -> E:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if exc[0] is None:
+            self.close()
+        else:
+            self.abort()
+
+    def _started(self, coro: Coroutine[Any, Any, None], what: str) -> None:
+        """Start the end; its loop thread goes if it does not."""
+        try:
+            self._bridge.call(coro, None, what)
+        except BaseException:
+            self._bridge.close()
+            raise
+
+    def _ended(self, coro: Coroutine[Any, Any, None], bound: float | None, what: str) -> None:
+        """Close or abort the end (idempotent), then its loop thread."""
+        if not self._bridge.thread.alive:
+            coro.close()
+            return
+        try:
+            self._bridge.call(coro, bound, what)
+        finally:
+            self._bridge.close()
+
+
+class BlockingPublisher(_BlockingEnd):
     """A :class:`~weightsync.Publisher` for code without an event loop (see the module docstring).
 
     Takes every argument the Publisher takes. ``start()`` (or ``with``) starts it; ``close()``
@@ -124,43 +170,19 @@ class BlockingPublisher:
         self.name = name
         self._timeout = self._pub.options.timeout
 
-    def __enter__(self) -> BlockingPublisher:
-        self.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if exc[0] is None:
-            self.close()
-        else:
-            self.abort()
-
     def start(self) -> None:
         """Listen and start the sender; a sharded rank waits for its peers here (bounded)."""
-        try:
-            self._bridge.call(self._pub.start(), None, "starting the publisher")
-        except BaseException:
-            self._bridge.close()
-            raise
+        self._started(self._pub.start(), "starting the publisher")
 
     def close(self, timeout: float | None = None) -> None:
         """Send what is pending (bounded by its deadlines), tell subscribers, stop. Idempotent."""
         check_timeout("timeout", timeout)
-        if not self._bridge.thread.alive:
-            return
-        try:
-            self._bridge.call(self._pub.aclose(timeout), None if timeout is None else timeout + HANDOVER,
-                              "closing the publisher")
-        finally:
-            self._bridge.close()
+        self._ended(self._pub.aclose(timeout), None if timeout is None else timeout + HANDOVER,
+                    "closing the publisher")
 
     def abort(self) -> None:
         """Stop at once: pending puts fail with Closed. Idempotent."""
-        if not self._bridge.thread.alive:
-            return
-        try:
-            self._bridge.call(self._pub.abort(), self._timeout * 2, "aborting the publisher")
-        finally:
-            self._bridge.close()
+        self._ended(self._pub.abort(), self._timeout * 2, "aborting the publisher")
 
     @property
     def address(self) -> str:
@@ -217,7 +239,7 @@ class BlockingPublisher:
         return self._pub.peak_snapshots()
 
 
-class BlockingSubscriber:
+class BlockingSubscriber(_BlockingEnd):
     """A :class:`~weightsync.Subscriber` for code without an event loop (see the module docstring).
 
     Takes every argument the Subscriber takes. Like it, it may start before its publisher: it
@@ -230,41 +252,18 @@ class BlockingSubscriber:
         self.name = name
         self.member_id = self._sub.member_id
 
-    def __enter__(self) -> BlockingSubscriber:
-        self.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if exc[0] is None:
-            self.close()
-        else:
-            self.abort()
-
     def start(self, timeout: float | None = None) -> None:
         """Connect and join (bounded by ``timeout``, default twice the subscriber's)."""
         check_timeout("timeout", timeout)
-        try:
-            self._bridge.call(self._sub.start(timeout), None, "joining the channel")
-        except BaseException:
-            self._bridge.close()
-            raise
+        self._started(self._sub.start(timeout), "joining the channel")
 
     def close(self) -> None:
         """Finish the version in flight, leave, stop. Idempotent."""
-        if not self._bridge.thread.alive:
-            return
-        try:
-            self._bridge.call(self._sub.aclose(), None, "closing the subscriber")
-        finally:
-            self._bridge.close()
+        self._ended(self._sub.aclose(), None, "closing the subscriber")
 
     def abort(self) -> None:
-        if not self._bridge.thread.alive:
-            return
-        try:
-            self._bridge.call(self._sub.abort(), self._sub.timeout * 2, "aborting the subscriber")
-        finally:
-            self._bridge.close()
+        """Stop now, abandoning any version in flight. Idempotent."""
+        self._ended(self._sub.abort(), self._sub.timeout * 2, "aborting the subscriber")
 
     def rejoin(self, timeout: float | None = None) -> None:
         check_timeout("timeout", timeout)

@@ -21,8 +21,8 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from weightsync.errors import WeightSyncError
-from weightsync.transport.loopthread import LoopThread
 from weightsync.integrations.vllm.worker import GRACE
+from weightsync.transport.loopthread import LoopThread
 from weightsync.transport.publisher import Publisher
 
 
