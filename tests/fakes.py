@@ -44,6 +44,10 @@ class FakeControl:
     def grant(self, member_id: str, scope: Any) -> None:
         self.scopes[member_id] = scope
 
+    def wait_copied(self, members: tuple[str, ...], generation: int, seq: int, bucket: int, timeout: float,
+                    cancelled: Any) -> set[str]:
+        return set()  # no same-host members here
+
 
 class FakeTable:
     def __init__(self) -> None:

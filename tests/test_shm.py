@@ -178,12 +178,15 @@ async def test_kill_9_publisher_leaves_no_shared_memory(procs: Procs, tmp_path: 
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("check", [True, False], ids=["checksums", "no-checksums"])
-async def test_kill_9_and_sigstop_members_never_hold_the_publisher(procs: Procs, check: bool) -> None:
+@pytest.mark.parametrize("copy", [True, False], ids=["snapshot", "copy-false-ring"])
+async def test_kill_9_and_sigstop_members_never_hold_the_publisher(procs: Procs, check: bool, copy: bool) -> None:
     """One same-host member is killed with -9 and one frozen with SIGSTOP while they read
     (slow readers, so version 2 is in their hands): the publisher evicts both, keeps two
     segments at most, and the healthy member gets every version bit-exact. The frozen one,
     resumed, copies on from buffers the publisher has reused meanwhile: it finds itself evicted
-    and never published a torn version, with checksums (the Seal) or without (the epoch)."""
+    and never published a torn version, with checksums (the Seal) or without (the epoch). With
+    copy=False the version goes through the two-bucket ring, whose next slot waits for every
+    member's word: a frozen member holds it only for its bucket's deadline, then it is dropped."""
     before = dev_shm()
     rec = ws.FlightRecorder(capacity=4000)
     async with ws.Publisher("fz", timeout=3, heartbeat_interval=0.25, bucket_bytes=1 << 20, recorder=rec,
@@ -195,7 +198,7 @@ async def test_kill_9_and_sigstop_members_never_hold_the_publisher(procs: Procs,
                    for name in ("ok", "killed", "frozen")]
         await pub.wait_subscribers(3, timeout=60)
         for v in range(8):
-            handle = await pub.put(body(v), version=v)
+            handle = await pub.put(body(v), version=v, copy=copy)
             if v == 2:
                 while not any(e.op == "announce" and e.version == 2 for e in rec.snapshot()):
                     await asyncio.sleep(0.005)  # until the recorder shows version 2 announced

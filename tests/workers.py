@@ -303,7 +303,7 @@ async def sharded_no_copy(spec: dict) -> dict:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     shard = sum(p.to_local().numel() * p.to_local().element_size() for p in model.parameters())
-    growth = []
+    growth, expected = [], {}
     async with ws.Publisher(spec["channel"], timeout=10.0, heartbeat_interval=0.25, group=dist.group.WORLD,
                             bucket_bytes=spec["bucket_bytes"]) as pub:
         if rank == 0:
@@ -316,13 +316,14 @@ async def sharded_no_copy(spec: dict) -> dict:
                 for p in model.parameters():
                     p.to_local().add_(1)
             sd = model.state_dict()
+            expected[str(version)] = digests({k: v.full_tensor() for k, v in sd.items()})
             before = _status_mib("VmRSS")
             handle = await pub.put(sd, version=version, copy=False)
             await handle.released(timeout=60)
             growth.append(_status_mib("VmRSS") - before)
             await handle.delivered(timeout=60)
     dist.destroy_process_group()
-    return {"rank": rank, "growth_mib": growth, "shard_mib": shard / 2**20}
+    return {"rank": rank, "growth_mib": growth, "shard_mib": shard / 2**20, "expected": expected}
 
 
 async def main(spec: dict) -> dict:

@@ -87,6 +87,9 @@ class ShmRef(msgspec.Struct, frozen=True):
     offset: int
     nbytes: int  # the segment's data bytes
     epoch: int = 0  # the segment's write count when announced: a member that reads another stops
+    # a copy=False version through two bucket slots of ``ring`` bytes: bucket i is at (i % 2) * ring,
+    # written once every same-host member said it copied bucket i - 2 (``Copied``)
+    ring: int = 0
 
 
 class Piece(msgspec.Struct, frozen=True, array_like=True):
@@ -290,7 +293,16 @@ class StoreResult(msgspec.Struct, frozen=True, tag="store_result"):
     error: str = ""
 
 
-ClientMessage = Union[Join, Ready, Ack, Leave, Beat, StoreOp, ProbeReply]
+class Copied(msgspec.Struct, frozen=True, tag="copied"):
+    """A same-host member copied bucket ``bucket`` of a ring version out of shared memory."""
+
+    generation: int
+    seq: int
+    member_id: str
+    bucket: int
+
+
+ClientMessage = Union[Join, Ready, Ack, Leave, Beat, StoreOp, ProbeReply, Copied]
 ServerMessage = Union[Challenge, Admit, Deny, Go, Announce, Abandon, Seal, Reconfigure, Shutdown, Beat, StoreResult,
                       Probe]
 

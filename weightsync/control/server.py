@@ -89,6 +89,7 @@ class Link:
     want: tuple[_wire.Want, ...] | None = None  # a sliced member's boxes (it receives point to point)
     scope: Scope | None = None  # the rendezvous keys it may touch (its current generation's), set by grant()
     refusals: int = 0  # its store ops refused so far
+    copied: tuple[int, int, int] = (-1, -1, -1)  # (generation, seq, bucket) it last copied out of a ring
 
 
 class ControlServer:
@@ -121,6 +122,7 @@ class ControlServer:
         self._probe_seq = 0
         self._probe_bytes = 0
         self._lock = threading.Lock()
+        self._copied = threading.Condition()  # a same-host member copied a ring bucket (wait_copied)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._server: asyncio.AbstractServer | None = None
         self._thread: threading.Thread | None = None
@@ -268,6 +270,27 @@ class ControlServer:
             link.probes[self._probe_seq] = time.monotonic()
             self._write(link, _wire.Probe(self._probe_seq, pad))
 
+    def wait_copied(self, members: tuple[str, ...], generation: int, seq: int, bucket: int, timeout: float,
+                    cancelled: Callable[[], bool]) -> set[str]:
+        """Sender thread: wait until each of ``members`` copied ``bucket`` of announcement ``seq`` out of
+        the ring (or a later one), at most ``timeout``; the members that did not (empty: all did).
+        ``cancelled()`` (a member died, an abort) ends the wait early."""
+        deadline = time.monotonic() + timeout
+
+        def behind() -> set[str]:
+            with self._lock:
+                links = {m: self._members.get(m) for m in members}
+            return {m for m, link in links.items()
+                    if link is None or link.closed or link.copied[:2] != (generation, seq) or link.copied[2] < bucket}
+
+        with self._copied:
+            while True:
+                late = behind()
+                left = deadline - time.monotonic()
+                if not late or left <= 0 or cancelled():
+                    return late
+                self._copied.wait(min(left, 0.05))
+
     def grant(self, member_id: str, scope: Scope | None) -> None:
         """Any thread: the rendezvous keys ``member_id``'s current connection may touch from now on."""
         with self._lock:
@@ -406,6 +429,11 @@ class ControlServer:
                     self._on_leave(link)
             elif isinstance(message, _wire.StoreOp):
                 self._store_op(link, message)
+            elif isinstance(message, _wire.Copied):
+                if message.member_id == link.member_id and link.bound:
+                    with self._copied:
+                        link.copied = (message.generation, message.seq, message.bucket)
+                        self._copied.notify_all()
             elif isinstance(message, _wire.Join):
                 self._rec.record("reject", peers=(link.member_id,)).fail("a second Join on one connection")
 

@@ -78,6 +78,9 @@ class Control(Protocol):
 
     def grant(self, member_id: str, scope: Scope | None) -> None: ...
 
+    def wait_copied(self, members: tuple[str, ...], generation: int, seq: int, bucket: int, timeout: float,
+                    cancelled: Callable[[], bool]) -> set[str]: ...
+
 
 class Rendezvous(Protocol):
     def begin_generation(self, generation: int) -> None: ...

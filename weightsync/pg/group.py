@@ -242,11 +242,14 @@ class DedicatedGroup:
 
 
 def _hook(fn: Callable[[int], None] | None, i: int, what: str) -> None:
-    """Run this end's own per-bucket hook; its failure is ours, never a peer's."""
+    """Run this end's own per-bucket hook; its failure is ours, never a peer's (unless it says whose:
+    a same-host member late to free its ring slot is a PeerFailure naming it)."""
     if fn is None:
         return
     try:
         fn(i)
+    except InternalError:
+        raise
     except Exception as err:  # noqa: BLE001 - whatever our own hook raises is a local failure
         raise LocalFailure(f"{what} bucket {i} failed: {type(err).__name__}: {err}") from err
 

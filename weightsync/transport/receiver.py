@@ -421,7 +421,11 @@ class Receiver:
             last = [time.monotonic()]
             verify = announce.checksum
 
+            ring = announce.segment is not None and announce.segment.ring > 0
+
             def after(i: int) -> None:  # bucket i is here; bucket i+1 is on the wire meanwhile
+                if ring:  # its ring slot is free for bucket i + 2: say so first
+                    self._client.send(_wire.Copied(announce.generation, announce.seq, self.member_id, i))
                 began = time.monotonic()
                 self._hooks.after_bucket(announce.version, i, buckets[i], began - last[0])
                 if verify:

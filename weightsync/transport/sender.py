@@ -36,6 +36,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import msgspec
 import torch
 
 from weightsync import _wire
@@ -160,7 +161,8 @@ class Sender:
         self._on_change = on_change
         self._on_evicted_cb = on_evicted
         self._events: queue.SimpleQueue[Event] = queue.SimpleQueue()
-        self._buckets = BucketBuffers(slot_device)
+        self._buckets = BucketBuffers(slot_device, allocate=segments.allocate if segments is not None else None,
+                                      drop=segments.drop if segments is not None else None)
         self._segments = segments
         self._evicted_lock = threading.Lock()
         self._evicted: list[MemberInfo] = []
@@ -363,8 +365,12 @@ class Sender:
         plans = {m: self._plan(m, job, ranges) for m in group if m in self.wants}
         direct = direct or bool(plans)  # asked for (finding a corrupting relay), or sliced members in it
         t0 = time.monotonic()
+        same_host = tuple(m for m in members if m not in group)
+        # copy=False to same-host members: through the two bucket buffers in shared memory (a ring)
+        ring = bool(same_host) and job.flat is None and self._segments is not None
+        size = min(self.settings.bucket_bytes, job.manifest.total_bytes)
         try:
-            segment = self._segment_for(job) if len(group) < len(members) else None
+            segment = (self._ring(size) if ring else self._segment_for(job)) if same_host else None
         except LocalFailure as err:
             self._rec.record("send", generation=gen, version=job.version).fail(err)
             raise _PutFailed(str(err)) from err
@@ -382,6 +388,8 @@ class Sender:
             if members:
                 slices, before = bucket_slices(job, ranges, self._buckets, self.settings.bucket_bytes,
                                                self.deadlines.bucket)
+                if ring and before is not None:
+                    before = self._ring_turns(before, same_host, gen, seq, ranges)
                 sums: list[int] = []
                 fanout = slicing.Fanout(group, plans, self._gathers.for_plans(
                     plans, slices[0].device if slices else self._buckets.device), checksum) if direct else None
@@ -400,11 +408,12 @@ class Sender:
                     gens.plane.move(Transfer(job.version, slices, self.deadlines.bucket, before=before, after=after,
                                              cancelled=self._generation_broken, direct=direct,
                                              sends=None if fanout is None else lambda i: fanout.sends(i, slices[i])))
-                elif verify:  # same-host members only: they copy while the digests are taken
+                elif verify or ring:  # same-host members only: they copy while the digests are taken
                     for i, piece in enumerate(slices):
                         if before is not None:
                             before(i)
-                        sums.append(checksum(piece))
+                        if verify:
+                            sums.append(checksum(piece))
                 if verify:  # a sliced member checks exactly what it was sent; everyone else the buckets
                     own = {} if fanout is None else fanout.digests
                     whole = tuple(m for m in members if m not in own)
@@ -439,19 +448,40 @@ class Sender:
             self._rec.record("send", version=job.version, peers=(member,)).fail(f"its want= does not fit: {err}")
             return None
 
+    def _ring(self, size: int) -> _wire.ShmRef:
+        """The ring a ``copy=False`` version goes through to same-host members: the two bucket buffers'
+        segment, its epoch bumped (a member still reading the last version stops)."""
+        assert self._segments is not None
+        bufs = self._buckets.get(size)
+        self._segments.reuse(bufs[0])
+        ref = self._segments.ref(bufs[0])
+        if ref is None:
+            raise LocalFailure("the bucket buffers are not in shared memory")
+        return msgspec.structs.replace(ref, ring=bufs[0].numel())
+
+    def _ring_turns(self, pack: Callable[[int], None], same_host: tuple[str, ...], gen: int, seq: int,
+                    ranges: list[tuple[int, int]]) -> Callable[[int], None]:
+        """Before bucket i goes into slot i % 2: every same-host member has copied bucket i - 2 out of it
+        (bounded by that bucket's deadline; PeerFailure names the late ones), then it is packed and marked."""
+        assert self._segments is not None
+        mark = self._segments.marker(self._buckets.get(1)[0])
+
+        def turn(i: int) -> None:
+            if i >= 2:
+                lo, hi = ranges[i - 2]
+                late = self.control.wait_copied(same_host, gen, seq, i - 2, self.deadlines.bucket(hi - lo),
+                                                self._generation_broken)
+                if late:
+                    raise PeerFailure(f"same-host members {sorted(late)} did not copy bucket {i - 2} in time")
+            pack(i)
+            mark(ranges[i][1])  # what members wait for: the version's bytes through bucket i are in
+
+        return turn
+
     def _segment_for(self, job: Job) -> _wire.ShmRef:
-        """Where same-host members read ``job``: its snapshot, or (``copy=False``) a buffer it is packed into."""
-        if self._segments is None:
+        """Where same-host members read ``job``'s snapshot (a ``copy=False`` job goes through :meth:`_ring`)."""
+        if self._segments is None or job.flat is None:
             raise LocalFailure("same-host members, but no shared memory to serve them")
-        if job.flat is None:
-            assert job.items is not None
-            flat = self.staging.buffer_for(job, self._buckets.device)
-            try:
-                layout.pack_into(flat, job.manifest, job.items)
-            except Exception as err:  # noqa: BLE001 - the caller's tensors: this put fails, nobody is blamed
-                raise LocalFailure(f"packing version {job.version} for same-host members: {err}") from err
-            job.flat = flat
-            job.release()  # packed: the caller's tensors are free again
         if job.progress is None:  # taken in full before it was committed (_wait_snapshot ran)
             self._segments.marker(job.flat)(job.manifest.total_bytes)
         ref = self._segments.ref(job.flat)

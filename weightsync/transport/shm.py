@@ -275,16 +275,23 @@ class ShmPlane:
             raise ProtocolError(f"version {transfer.version} was announced without a segment to read")
         base, size = self._segment(ref)
         total = sum(b.numel() for b in transfer.buckets)
-        if ref.offset < 0 or ref.offset + total > size:
+        ring = ref.ring  # copy=False: bucket i in slot i % 2 of two (written once we said we copied i - 2)
+        if ring:
+            if ref.offset != 0 or 2 * ring > size or any(b.numel() > ring for b in transfer.buckets):
+                raise ProtocolError(f"version {transfer.version}: a ring of {ring}-byte slots does not fit")
+        elif ref.offset < 0 or ref.offset + total > size:
             raise ProtocolError(f"version {transfer.version}: {total} bytes at {ref.offset} overrun the segment")
         src = base + ref.offset
+        done = 0  # the version's bytes copied so far
         for i, bucket in enumerate(transfer.buckets):
+            if ring:
+                src = base + (i % 2) * ring
             # each copy is a "bucket_recv" in the flight recorder, as on the group path, so the
             # analyzer names the bucket a frozen same-host member stopped in
             entry = None if self._rec is None else self._rec.record(
                 "bucket_recv", version=transfer.version, bucket=i, nbytes=bucket.numel()).start()
             try:
-                self._await_ready(ref, src - base + bucket.numel(), transfer)
+                self._await_ready(ref, ref.offset + done + bucket.numel(), transfer)
                 self._check_epoch(ref, transfer.version)
                 _copy(bucket, src, transfer.cancelled)
             except BaseException as err:
@@ -294,6 +301,7 @@ class ShmPlane:
             if entry is not None:
                 entry.complete()
             src += bucket.numel()
+            done += bucket.numel()
             if transfer.after is not None:
                 try:
                     transfer.after(i)

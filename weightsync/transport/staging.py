@@ -168,26 +168,6 @@ class Staging:
             self.peak_buffers = max(self.peak_buffers, self.buffers_in_use() + 1)
             return buf, displaced
 
-    def buffer_for(self, job: Job, device: torch.device) -> torch.Tensor:
-        """Sender: a buffer to pack the in-flight ``copy=False`` job into (same-host members read it).
-
-        It comes from the spare (or is allocated): with the pending snapshot, still at most
-        ``max_snapshots`` buffers; it is retained with the job like a snapshot.
-        """
-        nbytes = job.manifest.total_bytes
-        with self.lock:
-            spare = [b for b in self._free if b.numel() >= nbytes and b.device == device]
-            for other in self._free:
-                if not spare or other is not spare[0]:
-                    self._drop(other)
-            self._free = []
-        buf = spare[0] if spare else self._allocate(nbytes, device, False)
-        if spare:
-            self._reuse(buf)
-        with self.lock:
-            self.peak_buffers = max(self.peak_buffers, self.buffers_in_use() + 1)
-        return buf[:nbytes]
-
     def give_back(self, buf: torch.Tensor) -> None:
         with self.lock:
             self._free.append(buf)
@@ -267,15 +247,29 @@ def cuda_snapshot(flat: torch.Tensor, manifest: Manifest, items: list[tuple[str,
 
 
 class BucketBuffers:
-    """The two bucket buffers a ``copy=False`` send packs into, in turn (kept between sends)."""
+    """The two bucket buffers a ``copy=False`` send packs into, in turn (kept between sends).
 
-    def __init__(self, device: torch.device) -> None:
+    With ``allocate`` and ``drop`` (a CPU publisher's shared-memory pool) both live in one
+    segment, back to back: same-host members copy each bucket out of it as it is packed (the
+    ring), so a ``copy=False`` version costs two buckets whoever receives it.
+    """
+
+    def __init__(self, device: torch.device, allocate: Callable[..., torch.Tensor] | None = None,
+                 drop: Callable[[torch.Tensor], None] | None = None) -> None:
         self.device = device
+        self._allocate, self._drop = allocate, drop
         self._bufs: list[torch.Tensor] = []
+        self._whole: torch.Tensor | None = None
 
     def get(self, size: int) -> list[torch.Tensor]:
         if not self._bufs or self._bufs[0].numel() < size:
-            self._bufs = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(2)]
+            if self._allocate is not None and self.device.type == "cpu":
+                if self._whole is not None and self._drop is not None:
+                    self._drop(self._whole)
+                self._whole = self._allocate(2 * size, self.device, False)
+                self._bufs = [self._whole[:size], self._whole[size:2 * size]]
+            else:
+                self._bufs = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(2)]
         return self._bufs
 
 
