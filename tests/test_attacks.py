@@ -22,7 +22,8 @@ from weightsync import _wire
 from weightsync.control import auth
 from weightsync.control.framing import TO_CLIENT, TO_SERVER, BadFrame, Session
 
-pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(120)]
+# with a busy-loop process beside each test, as the insiders' (tests/test_insiders.py)
+pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(120), pytest.mark.usefixtures("cpu_hog")]
 SECRET = "s3cret"
 
 

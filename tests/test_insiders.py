@@ -238,6 +238,24 @@ async def test_a_connection_flood_leaves_the_recorders_real_entries_and_joins_po
         assert len(refusals) < 50, len(refusals)
 
 
+async def test_a_join_turned_away_at_a_full_door_says_so() -> None:
+    """A join refused because the handshake places were taken was PublisherGone ("cannot reach the
+    publisher"). Now the door answers busy, the subscriber tries again, and only at its deadline
+    does it give up, with a SyncTimeout saying the publisher was too busy."""
+    async with ws.Publisher("door", timeout=10.0, heartbeat_interval=0.25) as pub:
+        host, _, port = pub.address.rpartition(":")
+        held = [socket.create_connection((host, int(port)), timeout=5) for _ in range(16)]  # the source's places
+        try:
+            await until(lambda: pub._control._pending_from.get("127.0.0.1", 0) >= 16, 10, "the places taken")
+            with pytest.raises(ws.SyncTimeout, match="too busy to admit us"):
+                await ws.Subscriber("door", address=pub.address, timeout=1.0).start()
+        finally:
+            for s in held:
+                s.close()
+        async with ws.Subscriber("door", address=pub.address, member_id="later", timeout=5.0):
+            await pub.wait_subscribers(1, timeout=30)  # once the places are free, a join gets in
+
+
 # -- row 8: a frame lost on the path ----------------------------------------------------------------
 
 async def test_a_frame_out_of_sequence_closes_the_connection_at_once() -> None:

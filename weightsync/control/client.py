@@ -108,12 +108,12 @@ class ControlClient:
                                                  want=self.want)))
             session.key = auth.session_key(self._secret, server_nonce=challenge.nonce, client_nonce=nonce,
                                            member_id=self.member_id)
+        except (TransportUnavailable, HandshakeMismatch, AdmissionDenied, PublisherBusy):  # before OSError: a
+            sock.close()  # PublisherBusy is a ConnectionError
+            raise
         except (OSError, BadFrame) as err:
             sock.close()
             raise StoreUnreachable(f"the publisher did not answer the handshake: {err}") from err
-        except (TransportUnavailable, HandshakeMismatch, AdmissionDenied, PublisherBusy):
-            sock.close()
-            raise
         # the reader has its own descriptor: a socket's timeout is per object, and the reader's
         # short slices must never cut a sender's sendall short
         self._sock, self._rsock, self._session = sock, sock.dup(), session
