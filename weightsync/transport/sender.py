@@ -40,7 +40,7 @@ import msgspec
 import torch
 
 from weightsync import _wire
-from weightsync._errors import Cancelled, ControlFailure, LocalFailure, PeerFailure
+from weightsync._errors import Cancelled, ControlFailure, InternalError, LocalFailure, PeerFailure
 from weightsync.errors import WeightSyncError
 from weightsync.pg.generations import Control, Generations, Rendezvous, relay_suspects
 from weightsync.pg.membership import MAX_STRIKES, MemberInfo, Membership, StragglerPolicy
@@ -112,6 +112,17 @@ class Abort:
 
 
 Event = PutCommitted | Join | Leave | Evict | MemberDied | Drain | Abort
+
+
+def _own_step(fn: Callable[[int], None], i: int) -> None:
+    """Pack bucket ``i`` (a ``copy=False`` send): the caller's tensors failing is this put's failure,
+    never a peer's; a same-host member late to free its ring slot is (PeerFailure, as raised)."""
+    try:
+        fn(i)
+    except InternalError:
+        raise
+    except Exception as err:  # noqa: BLE001 - the caller's tensors (freed, resized): a local failure
+        raise LocalFailure(f"packing bucket {i} failed: {type(err).__name__}: {err}") from err
 
 
 class _PutFailed(Exception):
@@ -411,7 +422,7 @@ class Sender:
                 elif verify or ring:  # same-host members only: they copy while the digests are taken
                     for i, piece in enumerate(slices):
                         if before is not None:
-                            before(i)
+                            _own_step(before, i)
                         if verify:
                             sums.append(checksum(piece))
                 if verify:  # a sliced member checks exactly what it was sent; everyone else the buckets
