@@ -461,3 +461,51 @@ def test_closing_the_rendezvous_table_ends_every_wait() -> None:
     assert results == [False] and called == [False] and not waiter.is_alive()
     table.when_set(("late",), 60.0, called.append)
     assert called == [False, False]
+
+
+def test_a_socket_connected_to_itself_is_not_a_publisher() -> None:
+    """A subscriber that dials a local port nobody listens on yet can be handed that very port as
+    its own: TCP's simultaneous open connects the socket to itself, and it waited for its own
+    Challenge until its join deadline (seen once in 20 runs of the docs test: the generator never
+    joined a trainer that started a moment later). Such a connection counts as nobody listening."""
+    from weightsync.control.client import self_connected
+
+    port = free_port()
+    sock = socket.socket()
+    try:
+        sock.bind(("127.0.0.1", port))
+        sock.connect(("127.0.0.1", port))  # nothing listens: Linux connects the socket to itself
+        assert self_connected(sock)
+    finally:
+        sock.close()
+    with socket.create_server(("127.0.0.1", 0)) as server, \
+            socket.create_connection(server.getsockname()) as client:
+        assert not self_connected(client)
+
+
+@pytest.mark.asyncio
+async def test_a_self_connected_try_is_tried_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first try of a subscriber started before its publisher connects to itself: it tries
+    again, and joins once the publisher is up."""
+    from weightsync.control import client as control_client
+
+    port = free_port()
+    real, tries = socket.create_connection, []
+
+    def first_to_itself(address: tuple[str, int], timeout: float | None = None) -> socket.socket:
+        tries.append(address)
+        if len(tries) == 1:
+            sock = socket.socket()
+            sock.bind(address)
+            sock.connect(address)
+            return sock
+        return real(address, timeout=timeout)
+
+    monkeypatch.setattr(control_client.socket, "create_connection", first_to_itself)
+    sub = ws.Subscriber("self", address=f"127.0.0.1:{port}", timeout=10.0, recorder=ws.FlightRecorder())
+    joining = asyncio.create_task(sub.start())
+    await until(lambda: len(tries) >= 2, 10, "a second try")
+    async with ws.Publisher("self", address=f"127.0.0.1:{port}", recorder=ws.FlightRecorder(), **FAST) as pub:
+        await asyncio.wait_for(joining, 30)
+        await pub.wait_subscribers(1, timeout=10)
+        await sub.aclose()

@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import queue
 import socket
+import struct
 import threading
 import time
 from typing import Any
@@ -87,6 +88,15 @@ class ControlClient:
             sock = socket.create_connection((self._host, self._port), timeout=max(timeout, 0.01))
         except OSError as err:
             raise NotListening(f"cannot connect to {self._host}:{self._port}: {err}") from err
+        if self_connected(sock):
+            # nobody listens there yet, and the kernel gave this socket that very port as its own:
+            # TCP's simultaneous open connected it to itself (a subscriber dialing a local publisher
+            # that is not up). It would wait for its own Challenge until the join deadline. Closed at
+            # once (linger 0: no TIME_WAIT), or the publisher could not bind its port for a minute.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            sock.close()
+            raise NotListening(f"cannot connect to {self._host}:{self._port}: nothing listens there (the socket "
+                               "connected to itself)")
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         session = Session(outgoing=TO_SERVER, incoming=TO_CLIENT)
         try:
@@ -269,6 +279,14 @@ class ControlClient:
             calls = list(self._calls.values())
         for done, _box in calls:
             done.set()
+
+
+def self_connected(sock: socket.socket) -> bool:
+    """True when ``sock`` is connected to itself (its own address is its peer's)."""
+    try:
+        return bool(sock.getsockname() == sock.getpeername())
+    except OSError:
+        return False
 
 
 def _recv_exactly(sock: socket.socket, n: int) -> bytes:
