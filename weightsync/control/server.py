@@ -25,7 +25,7 @@ them from one address (a flood from one host leaves room for the others' joins; 
 turned away is told ``Deny(kind="busy")`` and its subscriber tries again); a member whose unsent
 data exceeds ``MAX_BACKLOG`` (it stopped reading) is disconnected; frames are length-checked
 first. Refused connections are aggregated in the flight recorder (the first of each source and
-reason per ``REFUSAL_WINDOW`` seconds, then one count), so a flood cannot push out the entries
+reason per ``refusals.WINDOW`` seconds, then one count), so a flood cannot push out the entries
 about real work.
 """
 
@@ -55,6 +55,7 @@ from weightsync.control.framing import (
     Session,
     frame_length,
 )
+from weightsync.control.refusals import Refusals
 from weightsync.control.rendezvous import KeyValue, Scope, store_problem
 from weightsync.pg.recorder import RecorderScope
 
@@ -62,8 +63,6 @@ MAX_PENDING = 64
 MAX_PENDING_PER_SOURCE = 16  # one address cannot take every handshake place: others can still join
 MAX_BACKLOG = 512 << 20
 MAX_REFUSALS = 64  # store ops refused on one connection before it is closed (a member that keeps trying)
-REFUSAL_WINDOW = 10.0  # seconds over which refused connections of one source and reason are counted, not listed
-MAX_REFUSAL_KEYS = 256  # distinct (source, reason) pairs counted at once; the rest count as "other"
 
 
 PROBE_WINDOW = 3  # a member's link time: the fastest of its last three probes
@@ -118,7 +117,7 @@ class ControlServer:
         self._members: dict[str, Link] = {}  # member id -> its bound incarnation
         self._pending = 0
         self._pending_from: dict[str, int] = {}  # source address -> its connections mid-handshake
-        self._refused: dict[tuple[str, str], list[float]] = {}  # (source, reason) -> [window start, count]
+        self._refusals = Refusals(recorder)  # refused connections, counted per source and reason
         self._probe_seq = 0
         self._probe_bytes = 0
         self._lock = threading.Lock()
@@ -177,7 +176,7 @@ class ControlServer:
     async def _shutdown(self) -> None:
         if self._server is not None:
             self._server.close()
-        self._count_refusals(time.monotonic(), everything=True)  # what a flood left uncounted
+        self._refusals.count(time.monotonic(), everything=True)  # what a flood left uncounted
         links = list(self._links.values())
         for link in links:  # what is queued (a Shutdown) still goes out, briefly
             self._drop(link, "server stopped", flush=True)
@@ -314,7 +313,7 @@ class ControlServer:
         peer = writer.get_extra_info("peername")
         source = str(peer[0]) if isinstance(peer, tuple) and peer else "?"
         if self._pending >= MAX_PENDING or self._pending_from.get(source, 0) >= MAX_PENDING_PER_SOURCE:
-            self._refuse(source, "too many connections mid-handshake")
+            self._refusals.refuse(source, "too many connections mid-handshake")
             busy = _wire.Deny(reason="too many connections mid-handshake; try again", kind="busy")
             writer.write(Session(outgoing=TO_CLIENT, incoming=TO_SERVER).seal(busy))  # the joiner retries
             writer.close()
@@ -324,7 +323,7 @@ class ControlServer:
         try:
             link = await asyncio.wait_for(self._handshake(reader, writer, source), self._handshake_timeout)
         except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError, BadFrame) as err:
-            self._refuse(source, f"handshake failed: {type(err).__name__}", detail=str(err))
+            self._refusals.refuse(source, f"handshake failed: {type(err).__name__}", detail=str(err))
             writer.transport.abort()
             return
         finally:
@@ -345,28 +344,6 @@ class ControlServer:
             self._rec.record("control", peers=(link.member_id,)).fail(f"{type(err).__name__}: {err}")
             self._lost(link, f"control error: {err}")
 
-    def _refuse(self, source: str, reason: str, *, who: str | None = None, detail: str = "") -> None:
-        """Record a refused connection: the first of each source and reason per window in full, the
-        rest as one count when the window closes (:meth:`_count_refusals`), so a flood leaves a few
-        entries instead of pushing every entry about real work out of the recorder."""
-        key = (source, reason[:80])
-        if key not in self._refused and len(self._refused) >= MAX_REFUSAL_KEYS:
-            key = ("other", "refused")
-        counted = self._refused.get(key)
-        if counted is None:
-            self._refused[key] = [time.monotonic(), 0]
-            self._rec.record("admit", peers=(who or source,)).fail(f"{reason}{': ' + detail if detail else ''}"[:400])
-        else:
-            counted[1] += 1
-
-    def _count_refusals(self, now: float, *, everything: bool = False) -> None:
-        for key, (began, count) in list(self._refused.items()):
-            if everything or now - began >= REFUSAL_WINDOW:
-                del self._refused[key]
-                if count:
-                    self._rec.record("admit", peers=(key[0],)).fail(
-                        f"{count} more connections refused in {now - began:.0f}s ({key[1]})")
-
     async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                          source: str = "?") -> Link | None:
         nonce = auth.new_nonce()
@@ -385,7 +362,7 @@ class ControlServer:
         if deny is None and self._rank_links and join.transport != "rank" and join.member_id.startswith("rank-"):
             deny = _wire.Deny(reason="member ids rank-N are the trainer ranks' own", kind="duplicate")
         if deny is not None:
-            self._refuse(source, deny.reason, who=join.member_id[:64])  # recorded before answered
+            self._refusals.refuse(source, deny.reason, who=join.member_id[:64])  # recorded before answered
             writer.write(session.seal(deny))
             writer.close()
             return None
@@ -492,7 +469,7 @@ class ControlServer:
         stalled = now - self.tick > 2 * self._interval + 0.5  # we were not running: silence is ours
         self.tick = now
         self._table.expire()
-        self._count_refusals(now)
+        self._refusals.count(now)
         with self._lock:
             links = list(self._links.values())
         for link in links:
