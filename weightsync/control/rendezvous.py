@@ -59,6 +59,9 @@ class Scope:
 
     prefixes: tuple[str, ...]
     rank: int
+    # the previous generation's prefixes: readable still (a member finishing its last transfer there
+    # may connect a lazy pair late), never writable
+    readable: tuple[str, ...] = ()
 
 
 def store_problem(op: _wire.StoreOp, *, member: str, scope: Scope | None, rank_link: bool,
@@ -75,7 +78,8 @@ def store_problem(op: _wire.StoreOp, *, member: str, scope: Scope | None, rank_l
         return None
     if scope is None:
         return "not in a generation's group"
-    outside = next((k for k in op.keys if not k.startswith(scope.prefixes)), None)
+    allowed = scope.prefixes if op.op in WRITES else scope.prefixes + scope.readable
+    outside = next((k for k in op.keys if not k.startswith(allowed)), None)
     if outside is not None:
         return f"key {outside[:80]!r} is not of this member's generation"
     if op.op in WRITES:

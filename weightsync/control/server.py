@@ -295,7 +295,9 @@ class ControlServer:
         with self._lock:
             link = self._members.get(member_id)
         if link is not None:
-            link.scope = scope
+            old = link.scope
+            link.scope = None if scope is None else Scope(scope.prefixes, scope.rank,
+                                                          readable=old.prefixes if old is not None else ())
 
     def _drop(self, link: Link, reason: str, flush: bool = False) -> None:
         if link.closed:
