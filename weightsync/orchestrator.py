@@ -30,7 +30,6 @@ from typing import Any, Protocol, runtime_checkable
 
 from weightsync.pg.membership import MemberInfo, StragglerPolicy
 from weightsync.pg.recorder import FlightRecorder
-from weightsync.transport.loopthread import LoopThread
 
 log = logging.getLogger("weightsync.orchestrator")
 
@@ -48,9 +47,9 @@ class Replacements:
     """The publisher's side: asks the orchestrator for a replacement of each dropped member.
 
     The Sender reports every dropped member (:meth:`member_dropped`, on its own thread); the
-    policy decides whether it is replaced; ``orchestrator.replace`` then runs on this object's
-    own event loop in its own thread (``ws-<channel>-replace``, started with the first
-    replacement), never on the application's: a training step that holds the application's
+    policy decides whether it is replaced; ``orchestrator.replace`` then runs on a thread of
+    this object's (``ws-<channel>-replace``, replacements in turn), each on an event loop of its
+    own that closes with it, never on the application's: a training step that holds the application's
     loop for seconds does not delay a replacement. Its failures are recorded and logged, never
     raised into ``put``. ``policy`` and ``orchestrator`` are read when a member is dropped, so a
     publisher may set its orchestrator after construction (once its address is known).
@@ -62,7 +61,7 @@ class Replacements:
         self._recorder, self._policy, self._orchestrator, self._stopped = recorder, policy, orchestrator, stopped
         self._rec = recorder.scope(channel, "publisher")
         self._lock = threading.Lock()
-        self._thread: LoopThread | None = None
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._closed = False
         self.futures: list[concurrent.futures.Future[None]] = []
 
@@ -80,11 +79,12 @@ class Replacements:
         with self._lock:
             if self._closed:
                 return
-            if self._thread is None:
-                self._thread = LoopThread(f"ws-{self.channel}-replace")
+            if self._pool is None:  # one thread, replacements in turn (an orchestrator counts them)
+                self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"ws-{self.channel}-replace")
             entry = self._rec.record("replace", peers=(member.member_id,), error=member.reason).start()
             log.info("replacing %s (%s) in channel %r", member.member_id, member.reason, self.channel)
-            self.futures.append(self._thread.submit(self._run(orchestrator, member, entry)))
+            # each on an event loop of its own, closed with it: nothing of it stays open between two
+            self.futures.append(self._pool.submit(asyncio.run, self._run(orchestrator, member, entry)))
 
     async def _run(self, orchestrator: Orchestrator, member: MemberInfo, entry: Any) -> None:
         try:
@@ -99,13 +99,13 @@ class Replacements:
         """Replacements being started finish (bounded); none start after this."""
         with self._lock:
             self._closed = True
-            thread, futures = self._thread, list(self.futures)
+            pool, futures = self._pool, list(self.futures)
         if futures:
             _done, late = await asyncio.wait([asyncio.wrap_future(f) for f in futures], timeout=timeout)
             for task in late:
-                task.cancel()
-        if thread is not None:
-            await asyncio.get_running_loop().run_in_executor(None, thread.close, 1.0)
+                task.cancel()  # one not started yet never starts
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
 
 
 # one pass over each argv item: an id holding "{n}" stays as it is, and so does any other brace
