@@ -459,3 +459,33 @@ def test_relay_suspects_blame_the_relay_whose_children_were_fed_bad_bytes() -> N
     assert relay_suspects(group, {"r2", "r6"}, {"r2"}, parent) == set()
     assert relay_suspects(group, {"r1"}, set(), parent) == set()  # straight from the publisher: no relay
     assert relay_suspects(group, {"r3"}, set(), lambda r: None) == set()  # an unknown tree (NCCL)
+
+
+def test_a_failed_works_error_leaves_no_frame_holding_the_work() -> None:
+    """A gloo work keeps its error, and when our store raised it inside the backend it is the very
+    Python object re-raised by ``wait``. Were it re-raised as is, its traceback would hold the
+    waiting frame and that frame the work: a cycle through C++ the collector never sees, which kept
+    a whole gloo context (thread, epoll, pipe, sockets) alive per failure (the soak test's
+    descriptor count)."""
+    import gc
+
+    from weightsync.pg import _torch_compat as compat
+
+    class Work:  # what a failed gloo work does: raise the same stored exception on every wait
+        def __init__(self, error: BaseException) -> None:
+            self.error = error
+
+        def wait(self, _timeout: object) -> bool:
+            raise self.error
+
+    for stored, raised in ((RuntimeError("wait timeout for rendezvous keys ['k']"), TimeoutError),
+                           (ValueError("Connection closed by peer"), ValueError)):
+        work = Work(stored)
+        with pytest.raises(raised) as info:
+            compat.wait_work(work, 1.0)
+        assert info.value is not stored and str(stored) in str(info.value)
+        assert stored.__traceback__ is None  # nothing of the waiting frames hangs off the work's error
+        del info
+        gc.collect()
+        assert not [r for r in gc.get_referrers(work) if type(r).__name__ == "frame"
+                    and r.f_code.co_name == "wait_work"]

@@ -14,6 +14,7 @@ import resource
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -282,14 +283,21 @@ def open_files() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
-def fd_kinds() -> dict[str, int]:
-    """This process's open descriptors by kind (socket, pipe, anon_inode:[eventfd], a path)."""
-    kinds: dict[str, int] = {}
+def fd_targets() -> dict[int, str]:
+    """This process's open descriptors: number -> what /proc names (socket:[inode], pipe:[inode], a path)."""
+    found = {}
     for fd in os.listdir("/proc/self/fd"):
         try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
+            found[int(fd)] = os.readlink(f"/proc/self/fd/{fd}")
         except OSError:
             continue
+    return found
+
+
+def fd_kinds(targets: dict[int, str]) -> dict[str, int]:
+    """Descriptors by kind (socket, pipe, anon_inode, a path)."""
+    kinds: dict[str, int] = {}
+    for target in targets.values():
         kind = target.split(":[")[0] if ":[" in target else target
         kinds[kind] = kinds.get(kind, 0) + 1
     return kinds
@@ -342,7 +350,8 @@ async def test_soak_200_versions_4_subscribers_one_killed_and_replaced_every_50(
                                    mode="follow", deadline=380, fr_dir=str(tmp_path)) for i in range(4)]
             await pub.wait_subscribers(4, timeout=60)
             samples: dict[int, tuple[int, float]] = {}
-            kinds: dict[int, dict[str, int]] = {}
+            targets: dict[int, dict[int, str]] = {}
+            threads: dict[int, list[str]] = {}
             sockets: dict[int, list[str]] = {}
             for v in range(200):
                 if v in (50, 100, 150):
@@ -371,7 +380,8 @@ async def test_soak_200_versions_4_subscribers_one_killed_and_replaced_every_50(
                     assert await asyncio.get_running_loop().run_in_executor(None, drain_retired, 60.0)
                     gc.collect()  # garbage with descriptors goes now, not between the samples
                     samples[v] = (open_files(), rss_mib())
-                    kinds[v] = fd_kinds()
+                    targets[v] = fd_targets()
+                    threads[v] = sorted(t.name for t in threading.enumerate())
                     sockets[v] = socket_detail()
             await pub.wait_subscribers(4, timeout=90)
             report = await (await put_checked(pub, 200, numel)).delivered(timeout=60)
@@ -383,7 +393,11 @@ async def test_soak_200_versions_4_subscribers_one_killed_and_replaced_every_50(
           f"(versions 75 -> 199)")
     # between the two samples: 2 members killed and replaced and at least 4 generations, each
     # sample taken with all 4 members in the generation: the same descriptors, one for one
+    kinds = {v: fd_kinds(t) for v, t in targets.items()}
     grown = {k: kinds[199].get(k, 0) - kinds[75].get(k, 0) for k in {*kinds[75], *kinds[199]}}
-    assert files_late == files_early, ({k: n for k, n in grown.items() if n}, sockets)
+    if files_late != files_early:  # everything that tells what they are, in full
+        print("descriptors at 75:", targets[75], "\nat 199:", targets[199], "\nsockets:", sockets,
+              "\nthreads at 75:", threads[75], "\nat 199:", threads[199], file=sys.stderr)
+    assert files_late == files_early, {k: n for k, n in grown.items() if n}
     assert rss_late - rss_early < 16, samples
     await all_ended_on(200, procs, workers[3:], tmp_path, replacements=3, numel=numel)
