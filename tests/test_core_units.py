@@ -489,3 +489,36 @@ def test_a_failed_works_error_leaves_no_frame_holding_the_work() -> None:
         gc.collect()
         assert not [r for r in gc.get_referrers(work) if type(r).__name__ == "frame"
                     and r.f_code.co_name == "wait_work"]
+
+
+def test_trainer_ranks_tell_a_key_timeout_from_a_lost_store_by_type_never_by_message() -> None:
+    """A wait slice without the key is looked at again until the deadline (SyncTimeout); any
+    other store failure is rank 0 gone at once, whatever its message says."""
+    from weightsync._errors import KeyTimeout, StoreError
+    from weightsync.errors import PublisherGone, SyncTimeout
+    from weightsync.pg.recorder import FlightRecorder
+    from weightsync.transport.ranks import Ranks
+
+    class Store:
+        def __init__(self, error: BaseException) -> None:
+            self.error, self.waits = error, 0
+
+        def set(self, key: str, value: bytes) -> None: ...
+
+        def check(self, keys: list[str]) -> bool:
+            return False
+
+        def wait(self, keys: list[str], timeout: object) -> None:
+            self.waits += 1
+            raise self.error
+
+    rec = FlightRecorder(capacity=16).scope("c", "rank-0")
+    timing_out = Store(KeyTimeout("wait timeout for rendezvous keys"))
+    with pytest.raises(SyncTimeout, match=r"trainer ranks \[1\] did not answer"):
+        Ranks("c", 0, 2, timing_out, rec, 1.0).lanes(0.3)
+    assert timing_out.waits >= 1
+    for error in (StoreError("rendezvous store unreachable: closed"), RuntimeError("a timeout, it says")):
+        lost = Store(error)
+        with pytest.raises(PublisherGone, match="trainer rank 0 cannot be reached"):
+            Ranks("c", 0, 2, lost, rec, 1.0).lanes(30.0)
+        assert lost.waits == 1

@@ -14,9 +14,12 @@ cost a peer a strike or an eviction::
      ├── ProtocolError      a message that contradicts the protocol (bucket count, stale seal)
      └── ControlFailure     the control connection
           ├── StoreTimeout       an answer did not come in time
-          └── StoreUnreachable   the connection closed or could not be made
-               ├── NotListening  nothing accepted the connection (a publisher not up yet)
-               └── PublisherBusy too many connections mid-handshake there (a flood): try again
+          ├── StoreUnreachable   the connection closed or could not be made
+          │    ├── NotListening  nothing accepted the connection (a publisher not up yet)
+          │    └── PublisherBusy too many connections mid-handshake there (a flood): try again
+          └── StoreError         the rendezvous store's c10d adapter failed (also a RuntimeError,
+               │                 as c10d expects of a store)
+               └── KeyTimeout    a rendezvous key was not set within its wait
 
 Torch backend errors (``RuntimeError``, ``DistError``) are translated into these in one place,
 :mod:`weightsync.pg.group` (data plane); the control plane (:mod:`weightsync.control`) raises
@@ -73,6 +76,17 @@ class NotListening(StoreUnreachable):
 
 class PublisherBusy(StoreUnreachable):
     """The publisher turned the connection away at the door (too many mid-handshake): try again."""
+
+
+class StoreError(ControlFailure, RuntimeError):
+    """The rendezvous store's c10d adapter failed: the op was refused or the store is unreachable.
+
+    A RuntimeError too, because c10d and the backends calling a store expect one (raised inside
+    gloo, it comes back out of the failed work as this very object)."""
+
+
+class KeyTimeout(StoreError):
+    """A rendezvous key was not set within its wait."""
 
 
 #: what a data-plane step may fail with without anyone's code being wrong

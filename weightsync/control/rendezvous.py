@@ -40,7 +40,7 @@ from typing import Any
 import torch.distributed as dist
 
 from weightsync import _wire
-from weightsync._errors import ControlFailure
+from weightsync._errors import ControlFailure, KeyTimeout, StoreError
 
 MAX_KEYS = 4096
 MAX_VALUE = 1 << 20
@@ -355,7 +355,7 @@ class _StoreBase(dist.Store):
     def get(self, key: str) -> bytes:
         result = self._call("get", (key,), timeout=self._deadline())
         if not result.ok:
-            raise RuntimeError(f"wait timeout for rendezvous key {key!r}")
+            raise KeyTimeout(f"wait timeout for rendezvous key {key!r}")
         return result.value
 
     def add(self, key: str, amount: int) -> int:
@@ -367,7 +367,7 @@ class _StoreBase(dist.Store):
     def wait(self, keys: list[str], timeout: dt.timedelta | None = None) -> None:
         seconds = timeout.total_seconds() if timeout is not None else self._deadline()
         if not self._call("wait", tuple(keys), timeout=seconds).ok:
-            raise RuntimeError(f"wait timeout for rendezvous keys {keys}")
+            raise KeyTimeout(f"wait timeout for rendezvous keys {keys}")
 
     def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
         return self._call("compare_set", (key,), value=_as_bytes(expected), desired=_as_bytes(desired)).value
@@ -379,7 +379,7 @@ class _StoreBase(dist.Store):
         return self.delete_key(key)
 
     def num_keys(self) -> int:
-        raise RuntimeError("num_keys is not offered by the weightsync rendezvous store")
+        raise StoreError("num_keys is not offered by the weightsync rendezvous store")
 
     def getNumKeys(self) -> int:  # noqa: N802 - c10d's trampoline looks this name up
         return self.num_keys()
@@ -404,7 +404,7 @@ class LocalStore(_StoreBase):
         results: list[_wire.StoreResult] = []
         self._table.serve(_wire.StoreOp(0, op, keys, value=value, amount=amount, desired=desired), results.append)
         if not results[0].ok:
-            raise RuntimeError(results[0].error)
+            raise StoreError(results[0].error)
         return results[0]
 
 
@@ -427,7 +427,7 @@ class RemoteStore(_StoreBase):
             call = _wire.StoreOp(rid, op, keys, value=value, amount=amount, timeout=timeout, desired=desired)
             result = self._client.call_store(call, timeout + self._deadline())
         except ControlFailure as err:
-            raise RuntimeError(f"rendezvous store unreachable: {err}") from err
+            raise StoreError(f"rendezvous store unreachable: {err}") from err
         if not result.ok and op not in ("get", "wait"):
-            raise RuntimeError(result.error)
+            raise StoreError(result.error)
         return result

@@ -24,6 +24,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from weightsync._errors import KeyTimeout
+
 _c10d: Any = getattr(torch._C, "_distributed_c10d", None)
 
 
@@ -275,6 +277,12 @@ def recv(pg: Any, tensor: torch.Tensor, src: int, tag: int) -> Any:
     return pg.recv([tensor], src, tag)
 
 
+def _detach(err: BaseException) -> tuple[type[BaseException], str]:
+    """``err``'s type and message; its traceback (the frames that waited on its work) is dropped."""
+    err.__traceback__ = None
+    return type(err), str(err)
+
+
 def _detached(kind: type[BaseException], message: str) -> BaseException:
     """A fresh ``kind(message)`` (a RuntimeError when ``kind`` cannot be built from a message)."""
     try:
@@ -299,11 +307,10 @@ def wait_work(work: Any, timeout: float) -> None:
     try:
         ok = work.wait(_td(timeout))
     except Exception as err:  # noqa: BLE001 - re-raised below, detached from the work
-        kind, message = type(err), str(err)
-        err.__traceback__ = None
-        del err
+        kind, message = _detach(err)
         if "not implemented" not in message:
-            if "timed out" in message.lower() or "timeout" in message.lower():
+            # our store's KeyTimeout, or torch's own wording (its errors carry no type for it)
+            if issubclass(kind, KeyTimeout) or "timed out" in message.lower() or "timeout" in message.lower():
                 raise TimeoutError(message) from None
             raise _detached(kind, message) from None
         done = threading.Event()
@@ -314,9 +321,7 @@ def wait_work(work: Any, timeout: float) -> None:
         try:
             fut.value()  # re-raises the operation's own error, if any
         except Exception as err:  # noqa: BLE001 - the same cycle, through the future
-            kind, message = type(err), str(err)
-            err.__traceback__ = None
-            del err
+            kind, message = _detach(err)
             raise _detached(kind, message) from None
         return
     if ok is False:

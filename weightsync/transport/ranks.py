@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from weightsync import _wire
-from weightsync._errors import ControlFailure
+from weightsync._errors import ControlFailure, KeyTimeout
 from weightsync.control.client import ControlClient
 from weightsync.control.rendezvous import KeyValue, LocalStore, RemoteStore
 from weightsync.errors import PublisherGone, RankMismatch, SyncTimeout, WeightSyncError
@@ -112,9 +112,10 @@ class Ranks:
                                   channel=self.channel)
             try:
                 self._store.wait([PREFIX + missing[0]], _td(min(SLICE, left)))
+            except KeyTimeout:
+                pass  # one slice without it: look again (and for a dead rank's word)
             except RuntimeError as err:
-                if "timeout" not in str(err):
-                    raise self._gone(err) from err
+                raise self._gone(err) from err
 
     # what the publisher calls -------------------------------------------------------------------
     def register(self, address: str) -> None:
