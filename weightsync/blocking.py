@@ -43,6 +43,7 @@ from weightsync.statistics import PublisherStatistics, SubscriberStatistics
 from weightsync.transport import layout
 from weightsync.transport.handles import DeliveryReport, PutHandle, Weights, WeightStream, check_timeout
 from weightsync.transport.loopthread import LoopThread
+from weightsync.transport.options import Deadlines
 from weightsync.transport.publisher import Publisher
 from weightsync.transport.subscriber import Subscriber
 
@@ -182,7 +183,7 @@ class BlockingPublisher(_BlockingEnd):
 
     def abort(self) -> None:
         """Stop at once: pending puts fail with Closed. Idempotent."""
-        self._ended(self._pub.abort(), self._timeout * 2, "aborting the publisher")
+        self._ended(self._pub.abort(), Deadlines.aborting(self._timeout), "aborting the publisher")
 
     @property
     def address(self) -> str:
@@ -263,7 +264,7 @@ class BlockingSubscriber(_BlockingEnd):
 
     def abort(self) -> None:
         """Stop now, abandoning any version in flight. Idempotent."""
-        self._ended(self._sub.abort(), self._sub.timeout * 2, "aborting the subscriber")
+        self._ended(self._sub.abort(), Deadlines.aborting(self._sub.timeout), "aborting the subscriber")
 
     def rejoin(self, timeout: float | None = None) -> None:
         check_timeout("timeout", timeout)

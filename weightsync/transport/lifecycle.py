@@ -110,3 +110,16 @@ def call_soon(loop: asyncio.AbstractEventLoop | None, fn: Callable[..., Any], *a
         loop.call_soon_threadsafe(fn, *args)
     except RuntimeError:  # loop closed: nobody is waiting any more
         pass
+
+
+def next_version(version: int | None, last: int | None) -> int:
+    """The version a put gets: ``version``, checked, or the one after ``last`` (0 first)."""
+    if version is None:
+        return 0 if last is None else last + 1
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise TypeError(f"version must be an int, got {type(version).__name__}")
+    if not 0 <= version < 1 << 63:
+        raise ValueError(f"version must be in [0, 2**63), got {version}")
+    if last is not None and version <= last:
+        raise ValueError(f"versions must strictly increase: {version} after {last}")
+    return version

@@ -56,6 +56,12 @@ class ChannelOptions(msgspec.Struct, frozen=True, kw_only=True):
                                checksum=checksum, in_place=in_place)
 
 
+RANKS_START = 120.0  # seconds rank 0 waits, at least, for the other trainer ranks to register
+
+
+UNBOUNDED = 3600.0  # seconds: a wait that only a message, a closed connection or an abort ends
+
+
 class Deadlines:
     """Every deadline of one channel, in seconds, from the publisher's settings.
 
@@ -100,6 +106,44 @@ class Deadlines:
     def publisher_silence(self, own_timeout: float) -> float:
         """A subscriber declares the publisher gone after this long without its beat."""
         return max(3 * self.settings.heartbeat_interval, own_timeout / 2)
+
+    # an end's own bounds, from its own timeout (a subscriber knows no settings before its Admit)
+    @staticmethod
+    def joining(timeout: float) -> float:
+        """A subscriber's start or rejoin: its tries until admitted (a publisher not up yet included)."""
+        return 2 * timeout
+
+    @staticmethod
+    def closing(timeout: float) -> float:
+        """A publisher's aclose(): what is pending is sent, then everything stops."""
+        return 4 * timeout
+
+    @staticmethod
+    def teardown(timeout: float) -> float:
+        """The last step of a close: the recorder's dump and the end's worker thread."""
+        return 3 * timeout
+
+    @staticmethod
+    def aborting(timeout: float) -> float:
+        """A blocking front's wait for its end's abort() to finish."""
+        return 2 * timeout
+
+    # a sharded publisher's trainer ranks (weightsync.transport.trainers)
+    def ranks_meeting(self) -> float:
+        """A rank > 0 connecting to rank 0 and registering its lane; each rank store call's bound."""
+        return 2 * self.settings.timeout
+
+    def ranks_start(self) -> float:
+        """Rank 0 waiting for every other rank to register (they may start minutes later)."""
+        return max(RANKS_START, 4 * self.settings.timeout)
+
+    def ranks_agreement(self) -> float:
+        """Every rank's put of one version agreeing, before anything is sent."""
+        return 2 * self.settings.timeout
+
+    def ranks_outcome(self, nbytes: int, world: int) -> float:
+        """Every rank's word on what became of its part of a version of ``nbytes`` (one rank's)."""
+        return 4 * self.settings.timeout + nbytes * world / self.settings.min_bandwidth
 
 
 def parse_address(address: str) -> tuple[str, int]:

@@ -21,12 +21,10 @@ The event loop only ever waits on futures the threads resolve; it never touches 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import threading
 import time
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -43,8 +41,8 @@ from weightsync.pg.group import GroupPlane, reconfigure_enabled, resolve_backend
 from weightsync.pg.membership import MemberInfo, Membership, StragglerPolicy
 from weightsync.pg.recorder import FlightRecorder, process_recorder
 from weightsync.statistics import MemberStatistics, PublisherStatistics, PublisherTally
-from weightsync.transport import layout, lifecycle, ranks, sharding, shm
-from weightsync.transport.handles import DeliveryReport, PutHandle, check_timeout
+from weightsync.transport import layout, lifecycle, ranks, shm
+from weightsync.transport.handles import PutHandle, check_timeout
 from weightsync.transport.lifecycle import EndState, call_soon
 from weightsync.transport.options import (
     ChannelOptions,
@@ -52,28 +50,16 @@ from weightsync.transport.options import (
     MiB,
     advertised_host,
     is_loopback,
-    parse_address,
     resolve_device,
     warn_open_channel,
 )
 from weightsync.transport.sender import Abort, Drain, Evict, Join, Leave, MemberDied, PutCommitted, Sender, SenderState
+from weightsync.transport.snapshots import Snapshots, default_pipeline
 from weightsync.transport.staging import (
     Job,
-    Progress,
     Staging,
-    cuda_snapshot,
-    pack_progressively,
-    superseded_report,
 )
-
-RANKS_START = 120.0  # seconds rank 0 waits, at least, for the other trainer ranks to register
-PIPELINE_CPUS = 4  # usable CPUs from which a host snapshot is sent while it is taken
-
-
-def _usable_cpus() -> int:
-    """CPUs this process may run on (its affinity where the OS has one, else all of them)."""
-    affinity = getattr(os, "sched_getaffinity", None)
-    return len(affinity(0)) if affinity is not None else os.cpu_count() or 1
+from weightsync.transport.trainers import TrainerRanks
 
 
 class Publisher:
@@ -139,14 +125,8 @@ class Publisher:
         self.name = name
         self.options = ChannelOptions(timeout=timeout, min_bandwidth=min_bandwidth, bucket_bytes=bucket_bytes,
                                       heartbeat_interval=heartbeat_interval)
-        self._bind = parse_address(address or "127.0.0.1:0")
-        self._rank0: tuple[str, int] | None = None  # where rank 0 listens (ranks > 0)
-        if self.rank > 0:
-            if self._bind[1] == 0 and group is None:
-                raise ValueError(f"rank {self.rank}: address must be rank 0's 'host:port' (its pub.address), "
-                                 "or pass group= to learn it from rank 0")
-            self._rank0 = self._bind
-            self._bind = parse_address(lane_address or f"{ranks.lane_host(self._bind[0])}:0")
+        # ranks > 0: address is rank 0's, and this rank listens at its lane address
+        self._bind, rank0 = ranks.addresses(self.rank, address or "127.0.0.1:0", lane_address, group)
         self.device = resolve_device(device)
         self.backend = resolve_backend(backend, self.device)
         self._slot_device = self.device if self.backend == "nccl" else torch.device("cpu")
@@ -158,7 +138,7 @@ class Publisher:
         self.policy = policy or StragglerPolicy()
         self.orchestrator = orchestrator
         self.settings = self.options.settings(checksum=checksum, in_place=reconfigure_enabled(self.backend))
-        self.pipeline = pipeline if pipeline is not None else _usable_cpus() >= PIPELINE_CPUS
+        pipelined = pipeline if pipeline is not None else default_pipeline()
         deadlines = Deadlines(self.settings)
         # on a CPU publisher staging lives in shared memory: same-host members copy from it
         self._segments = shm.SegmentPool(name) if self._slot_device.type == "cpu" and shm.available() else None
@@ -176,15 +156,15 @@ class Publisher:
             on_join=self._on_join, on_leave=self._on_leave,
             on_dead=self._on_dead, shm_offer=self._segments.offer if self._segments is not None else lambda: None,
             rank_links=self.world_size > 1 and self.rank == 0, wait_bound=2 * deadlines.rendezvous())
-        self._hub = ranks.Hub(name, self.world_size, self._table, self._rec) if self._rank_links else None
-        self._link: ranks.Link | None = None
-        self._ranks: ranks.Ranks | None = None
         self.membership = Membership(name, self._recorder, self.options.heartbeat_interval,
                                      dead_after=deadlines.member_silence(), heard=self._control.heard,
                                      stale=self._control.stale)
         self._tally = PublisherTally(name)
         self._replacements = Replacements(name, recorder=self._recorder, policy=lambda: self.policy,
                                           orchestrator=lambda: self.orchestrator, stopped=self._stop.is_set)
+        self._snapshots = Snapshots(name, staging=self._staging, segments=self._segments, slot_device=self._slot_device,
+                                    pipeline=pipelined, committed=lambda v: self._sender.submit(PutCommitted(v)),
+                                    tally=self._tally)
         self._sender = Sender(name, settings=self.settings, staging=self._staging, membership=self.membership,
                               recorder=self._recorder, policy=self.policy, control=self._control, table=self._table,
                               make_plane=self._make_plane, slot_device=self._slot_device,
@@ -193,17 +173,14 @@ class Publisher:
         self._last_version: int | None = None
         self._put_lock: asyncio.Lock | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._executor: ThreadPoolExecutor | None = None
         self._threads: list[threading.Thread] = []
         self._members_changed: asyncio.Event | None = None
-        self._copy_stream: Any = None
         self._address: str | None = None
-        self._settling: set[asyncio.Task[None]] = set()  # sharded puts waiting for the other ranks' word
-        self._join_lock = threading.Lock()
-        self._held: list[Link] = []  # rank 0: subscribers that joined before every rank registered
-        self._lanes_known = False
-        self._lanes_task: asyncio.Task[None] | None = None
-        self._ranks_error: WeightSyncError | None = None
+        self._trainers = None if self.world_size == 1 else TrainerRanks(
+            name, self.rank, self.world_size, rank0=rank0, group=group, table=self._table,
+            control=self._control, options=self.options, settings=self.settings, secret=self._secret,
+            fingerprint=auth.fingerprint(self.backend, self.device), recorder=self._recorder, rec=self._rec,
+            admit=self._admit, set_lanes=self._sender.set_lanes)
 
     def _make_plane(self) -> GroupPlane:
         """The sender thread's data plane (rank 0 of every generation), on the in-memory rendezvous."""
@@ -217,44 +194,29 @@ class Publisher:
         host = self._bind[0]
         return None if host in ("0.0.0.0", "::", "") else host
 
-    @property
-    def _rank_links(self) -> bool:
-        return self.world_size > 1 and self.rank == 0
-
     def _on_join(self, link: Link) -> None:
         """Control thread: a connection passed the door; the Sender decides the rest."""
-        if link.transport == "rank":  # another trainer rank: admitted here, never a member
-            assert self._hub is not None
-            rank = self._hub.accept(link.member_id, link.incarnation)
-            self._control.bind(link.incarnation)
-            if rank is None:
-                self._control.send(link.incarnation, _wire.Deny(reason="not a rank of this publisher", kind="token"))
-                self._control.release(link.member_id, "refused")
-            else:
-                self._control.send(link.incarnation, _wire.Admit(member_id=link.member_id, generation=-1,
-                                                                 members=(), settings=self.settings))
-            return
-        with self._join_lock:
-            if self._hub is not None and not self._lanes_known:  # admitted once every rank's lane is known
-                self._held.append(link)
-                return
+        if link.transport == "rank":  # another trainer rank: admitted there, never a member
+            assert self._trainers is not None
+            self._trainers.on_rank_link(link)
+        elif self._trainers is None or not self._trainers.hold(link):  # rank 0 holds joins until every lane is known
+            self._admit(link)
+
+    def _admit(self, link: Link) -> None:
         self._sender.submit(Join(link.member_id, link.incarnation, host=link.host, pid=link.pid,
                                  transport=link.transport, want=link.want))
 
     def _on_leave(self, link: Link) -> None:
         if link.transport == "rank":
-            assert self._hub is not None
-            self._hub.lost(link.member_id, "left")
-            self._control.release(link.member_id, "left")
-            return
-        self._sender.submit(Leave(link.member_id))
+            assert self._trainers is not None
+            self._trainers.rank_left(link.member_id)
+        else:
+            self._sender.submit(Leave(link.member_id))
 
     def _on_dead(self, member_id: str, reason: str) -> None:
         """Control thread: a member's connection closed, or it fell silent."""
-        if self._hub is not None and ranks.rank_of(member_id, self.world_size) is not None:
-            self._hub.lost(member_id, reason)  # a trainer rank: every wait for it ends now
-            self._recorder.dump_on_trouble(f"trainer {member_id}: {reason}")
-            return
+        if self._trainers is not None and self._trainers.lost(member_id, reason):
+            return  # a trainer rank: every wait for it ends now
         self._rec.record("heartbeat", peers=(member_id,)).fail(reason)
         self._recorder.dump_on_trouble(f"{member_id}: {reason}")
         self._sender.submit(MemberDied((member_id,)))
@@ -275,76 +237,32 @@ class Publisher:
         self._put_lock = asyncio.Lock()
         self._members_changed = asyncio.Event()
         self._replacements.bind(self._loop)
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"ws-{self.name}-snapshot")
-        host = self._bind[0]
+        executor = self._snapshots.open()
+        host, listening = self._bind[0], False
         try:
             if self._segments is not None:
                 self._segments.open()
-            port = await self._loop.run_in_executor(
-                self._executor, self._control.start, self.options.timeout)
-        except (OSError, ControlFailure) as err:
+            try:
+                port = await self._loop.run_in_executor(executor, self._control.start, self.options.timeout)
+            except (OSError, ControlFailure) as err:
+                raise WeightSyncError(f"could not listen on {host}:{self._bind[1]}: {err}",
+                                      channel=self.name) from err
+            listening, self._address = True, f"{advertised_host(host)}:{port}"
+            self._recorder.configure(default_directory=f"{self.name}-{self._address.replace(':', '-')}")
+            if self._secret is None and not is_loopback(host):
+                warn_open_channel(self.name, self._address)
+            if self._trainers is not None:
+                await self._trainers.start(self._address)
+        except BaseException:
+            if listening:
+                await self._loop.run_in_executor(None, self._control.stop, self.options.timeout)
             if self._segments is not None:
                 self._segments.close()
-            self._executor.shutdown(wait=False)
+            executor.shutdown(wait=False)
             self._state = EndState.CLOSED
-            raise WeightSyncError(f"could not listen on {host}:{self._bind[1]}: {err}", channel=self.name) from err
-        self._address = f"{advertised_host(host)}:{port}"
-        self._recorder.configure(default_directory=f"{self.name}-{self._address.replace(':', '-')}")
-        if self._secret is None and not is_loopback(host):
-            warn_open_channel(self.name, self._address)
-        if self.world_size > 1:
-            try:
-                await self._meet_ranks()
-            except BaseException:
-                await self._loop.run_in_executor(None, self._control.stop, self.options.timeout)
-                if self._link is not None:
-                    self._link.close()
-                if self._segments is not None:
-                    self._segments.close()
-                self._executor.shutdown(wait=False)
-                self._state = EndState.CLOSED
-                raise
+            raise
         self._state = EndState.RUNNING
         self._threads = lifecycle.launch(((self._sender.main, "sender"),), f"ws-{self.name}")
-
-    async def _meet_ranks(self) -> None:
-        """Every rank > 0 connects to rank 0 and registers its lane address. Rank 0 does not wait
-        for them here (its address may be what they need); it holds subscribers' joins until all
-        registered, so every subscriber it admits learns every lane (Admit.lanes)."""
-        assert self._loop is not None and self._address is not None
-        limit = self.options.timeout * 2
-        if self._group is not None:
-            self._rank0 = parse_address(await self._loop.run_in_executor(
-                None, ranks.share_address, self._group, self._address if self.rank == 0 else ""))
-        if self._hub is not None:
-            self._ranks = ranks.Ranks(self.name, 0, self.world_size, self._hub.store(limit), self._rec, limit)
-            self._lanes_task = self._loop.create_task(self._await_lanes())
-            return
-        assert self._rank0 is not None
-        self._link = ranks.Link(self.name, self.rank, host=self._rank0[0], port=self._rank0[1], secret=self._secret,
-                                fingerprint=auth.fingerprint(self.backend, self.device), rec=self._rec,
-                                timeout=self.options.timeout)
-        await self._loop.run_in_executor(None, self._link.connect, limit)
-        self._ranks = ranks.Ranks(self.name, self.rank, self.world_size, self._link.store(limit), self._rec, limit)
-        await self._loop.run_in_executor(None, self._ranks.register, self._address)
-
-    async def _await_lanes(self) -> None:
-        """Rank 0: once every rank registered, admit the subscribers held meanwhile."""
-        assert self._loop is not None and self._ranks is not None
-        try:
-            limit = max(RANKS_START, self.options.timeout * 4)
-            lanes = await self._loop.run_in_executor(None, self._ranks.lanes, limit)
-        except WeightSyncError as err:
-            self._rec.record("rank").fail(err)
-            self._recorder.dump_on_trouble(f"trainer ranks did not start: {err}")
-            self._ranks_error = err  # puts raise it; held subscribers time out on their own deadline
-            return
-        self._rec.record("rank", peers=lanes).complete()
-        self._sender.set_lanes(lanes)
-        with self._join_lock:
-            held, self._held, self._lanes_known = self._held, [], True
-        for link in held:
-            self._on_join(link)
 
     async def aclose(self, timeout: float | None = None) -> None:
         """Send what is pending (bounded by its deadlines), tell subscribers, stop. Idempotent."""
@@ -352,7 +270,7 @@ class Publisher:
         if not closing:
             return
         self._sender.submit(Drain())
-        await self._close(timeout if timeout is not None else self.options.timeout * 4)
+        await self._close(timeout if timeout is not None else Deadlines.closing(self.options.timeout))
 
     async def abort(self) -> None:
         """Stop at once (also during an aclose): pending puts fail with Closed. Idempotent."""
@@ -371,17 +289,8 @@ class Publisher:
         self._stop.set()
         self._sender.submit(Abort())
         await lifecycle.join(self._loop, self._threads, deadline)
-        if self._settling:  # sharded puts: the other ranks' word on them, within the close's deadline
-            if not at_once:
-                await asyncio.wait(set(self._settling), timeout=max(deadline - time.monotonic(), 0.1))
-            for task in set(self._settling):
-                task.cancel()
-        if self._lanes_task is not None:
-            self._lanes_task.cancel()
-        if self._link is not None:
-            await self._loop.run_in_executor(None, self._link.close)
-        if self._hub is not None and not at_once:  # the other ranks may still read the table (their outcomes)
-            await self._loop.run_in_executor(None, self._hub.wait_gone, max(deadline - time.monotonic(), 0.0))
+        if self._trainers is not None:  # sharded puts: the other ranks' word on them, within the deadline
+            await self._trainers.close(lambda: deadline - time.monotonic(), at_once)
         await self._loop.run_in_executor(None, self._control.stop, max(deadline - time.monotonic(), 1.0))
         self._table.close()  # a retired group still forming (a member died meanwhile) gives up now
         for job in self._staging.drain():
@@ -391,7 +300,8 @@ class Publisher:
         if self._segments is not None:  # members that still map a segment keep it until they unmap
             self._segments.close()
         await self._replacements.finish(self.options.timeout)
-        await lifecycle.finish_close(self._loop, self._executor, self._recorder, self.options.timeout * 3)
+        await lifecycle.finish_close(self._loop, self._snapshots.executor, self._recorder,
+                                     Deadlines.teardown(self.options.timeout))
         self._state = EndState.CLOSED
 
     # public surface -----------------------------------------------------------------------
@@ -444,6 +354,15 @@ class Publisher:
                 pass
             self._check_running()  # a sender that died ends the wait with Closed (from its error)
         return self.members
+
+    @property
+    def pipeline(self) -> bool:
+        """Whether a host snapshot is sent while it is taken (may be changed between puts)."""
+        return self._snapshots.pipeline
+
+    @pipeline.setter
+    def pipeline(self, on: bool) -> None:
+        self._snapshots.pipeline = bool(on)
 
     @property
     def checksum(self) -> bool:
@@ -511,17 +430,10 @@ class Publisher:
             raise ValueError("owners is for sharded publishers (world_size > 1)")
         async with self._put_lock:
             self._check_running()
-            if version is None:
-                version = 0 if self._last_version is None else self._last_version + 1
-            if not isinstance(version, int) or isinstance(version, bool):
-                raise TypeError(f"version must be an int, got {type(version).__name__}")
-            if not 0 <= version < 1 << 63:
-                raise ValueError(f"version must be in [0, 2**63), got {version}")
-            if self._last_version is not None and version <= self._last_version:
-                raise ValueError(f"versions must strictly increase: {version} after {self._last_version}")
+            version = lifecycle.next_version(version, self._last_version)
             assembly: _wire.Assembly | None = None
-            if self.world_size > 1:
-                items, manifest, assembly = await self._agree(items, version, owners)
+            if self._trainers is not None:
+                items, manifest, assembly = await self._trainers.agree(items, version, owners)
             else:  # tied weights (one tensor under two names) are sent once
                 items, ties = layout.untie(items)
                 manifest = layout.build_manifest(items, ties)
@@ -532,146 +444,9 @@ class Publisher:
             entry = self._rec.record("put", version=version,
                                           nbytes=manifest.total_bytes).start()
             job = Job(version=version, manifest=manifest, handle=handle, assembly=assembly)
-            displaced: Job | None = None
-            if copy:
-                pin = self._slot_device.type == "cpu" and torch.cuda.is_available()
-                buf, displaced = self._staging.acquire(manifest.total_bytes, self._slot_device, pin=pin)
-                if self.pipeline and not any(t.is_cuda for _, t in items):
-                    return await self._put_pipelined(job, buf, displaced, items, entry)
-                try:
-                    job.flat, job.ready = await self._snapshot(buf, manifest, items)
-                except BaseException as err:
-                    self._staging.give_back(buf)
-                    self._fail_displaced(displaced, version, err)
-                    raise
-            else:
-                job.items = items
-            displaced = self._staging.commit(job) or displaced
-            self._sender.submit(PutCommitted(version))
+            await self._snapshots.take(job, items, copy=copy, entry=entry)
             self._last_version = version
-            entry.complete()
-            if displaced is not None:
-                self._tally.count("versions_superseded")
-                displaced.handle.resolve_threadsafe(superseded_report(displaced))
-            return self._whole(handle)
-
-    async def _agree(self, items: list[tuple[str, Any]], version: int, owners: Mapping[str, int] | None
-                     ) -> tuple[list[tuple[str, torch.Tensor]], _wire.Manifest, _wire.Assembly]:
-        """This rank's pieces of a sharded put, once every rank agreed on it (before anything is sent)."""
-        assert self._loop is not None and self._ranks is not None
-        if self._ranks_error is not None:
-            raise self._ranks_error
-        part = sharding.split(items, self.rank, self.world_size, owners)
-        payload = sum(spec.nbytes for spec in part.manifest.tensors)
-        await self._loop.run_in_executor(None, self._ranks.agree, version, sharding.digest(version, part.manifest),
-                                         part.owned_bytes, payload, self.options.timeout * 2)
-        return part.items, part.lane, _wire.Assembly(self.rank, self.world_size, part.manifest, part.pieces)
-
-    def _whole(self, handle: PutHandle) -> PutHandle:
-        """A sharded put's handle resolves once every rank's part of the version was delivered."""
-        if self.world_size == 1:
-            return handle
-        assert self._loop is not None
-        outer = PutHandle(self.name, handle.version, self._loop)
-        task = self._loop.create_task(self._settle_whole(handle, outer))
-        self._settling.add(task)
-        task.add_done_callback(self._settling.discard)
-        return outer
-
-    async def _settle_whole(self, own: PutHandle, outer: PutHandle) -> None:
-        assert self._loop is not None and self._ranks is not None
-        version = own.version
-
-        async def released() -> None:
-            with contextlib.suppress(WeightSyncError):
-                await own.released()
-            outer.release_threadsafe()
-
-        forward = self._loop.create_task(released())
-        try:
-            await self._settle_own(own, outer, forward)
-        except asyncio.CancelledError:  # the publisher closed first: every handle still resolves
-            forward.cancel()
-            outer.resolve_threadsafe(error=Closed("publisher closed before every rank's part was delivered",
-                                                  channel=self.name, version=version))
-            raise
-
-    async def _settle_own(self, own: PutHandle, outer: PutHandle, forward: asyncio.Task[None]) -> None:
-        assert self._loop is not None and self._ranks is not None
-        version = own.version
-        report: DeliveryReport | None = None
-        try:
-            report = await own
-            status = "superseded" if report.superseded else "ok"
-        except WeightSyncError as err:
-            status = f"{type(err).__name__}: {err}"
-        try:
-            await forward
-            await self._loop.run_in_executor(None, self._ranks.delivered, version, status)
-            limit = self.options.timeout * 4 + (report.nbytes if report else 0) * self.world_size \
-                / self.options.min_bandwidth
-            words = await self._loop.run_in_executor(None, self._ranks.outcome, version, limit)
-        except WeightSyncError as err:
-            outer.resolve_threadsafe(error=err)
-            return
-        failed = {r: w for r, w in words.items() if w not in ("ok", "superseded")}
-        if failed:
-            self._rec.record("rank", version=version,
-                             peers=tuple(ranks.rank_member(r) for r in failed)).fail("parts not delivered")
-            outer.resolve_threadsafe(error=WeightSyncError(
-                f"version {version}: trainer ranks {sorted(failed)} did not deliver their parts "
-                f"({'; '.join(f'rank {r}: {w}' for r, w in sorted(failed.items()))[:400]})",
-                channel=self.name, version=version))
-        elif report is None or any(w == "superseded" for w in words.values()):
-            outer.resolve_threadsafe(DeliveryReport(version=version, members=(), nbytes=0, seconds=0.0,
-                                                    superseded=True))
-        else:
-            outer.resolve_threadsafe(report)
-
-    async def _put_pipelined(self, job: Job, buf: torch.Tensor, displaced: Job | None,
-                             items: list[tuple[str, torch.Tensor]], entry: Any) -> PutHandle:
-        """A host snapshot, sent while it is taken: the version is committed first, and bucket i
-        goes out (to the group, or to same-host members through the segment header) as soon as
-        its bytes are copied. Returns, as every put, once the whole snapshot is taken."""
-        assert self._loop is not None
-        flat = buf[: job.manifest.total_bytes]
-        mark = self._segments.marker(flat) if self._segments is not None else (lambda _n: None)
-        job.flat, job.progress = flat, Progress(job.manifest.total_bytes, mark)
-        displaced = self._staging.commit(job) or displaced
-        self._sender.submit(PutCommitted(job.version))
-        try:
-            await self._loop.run_in_executor(self._executor, pack_progressively, flat, job.manifest, items,
-                                             job.progress)
-        except BaseException as err:
-            # the sender gives the version up when its wait fails: the handle fails from there
-            job.progress.fail(err)
-            entry.fail(err)
-            self._fail_displaced(displaced, job.version, err)
-            raise
-        self._last_version = job.version
-        entry.complete()
-        if displaced is not None:
-            self._tally.count("versions_superseded")
-            displaced.handle.resolve_threadsafe(superseded_report(displaced))
-        return self._whole(job.handle)
-
-    def _fail_displaced(self, displaced: Job | None, version: int, err: BaseException) -> None:
-        if displaced is not None:  # its buffer may be half overwritten: it cannot go out
-            displaced.handle.resolve_threadsafe(error=WeightSyncError(
-                f"version {displaced.version} was displaced by version {version}, whose snapshot "
-                f"failed: {err}", channel=self.name, version=displaced.version))
-
-    async def _snapshot(self, buf: torch.Tensor, manifest: _wire.Manifest,
-                        items: list[tuple[str, torch.Tensor]]) -> tuple[torch.Tensor, Any]:
-        flat = buf[: manifest.total_bytes]
-        if any(t.is_cuda for _, t in items):
-            device = next(t.device for _, t in items if t.is_cuda)
-            if self._copy_stream is None:
-                self._copy_stream = torch.cuda.Stream(device)
-            return flat, cuda_snapshot(flat, manifest, items, self._copy_stream)
-        assert self._loop is not None
-        await self._loop.run_in_executor(self._executor, layout.pack_into, flat, manifest, items)
-        return flat, None
+            return handle if self._trainers is None else self._trainers.whole(handle)
 
     def _check_running(self) -> None:
         if self._state is not EndState.RUNNING or self._sender.state is SenderState.FAILED:

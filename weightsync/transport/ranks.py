@@ -33,7 +33,7 @@ from weightsync.control.client import ControlClient
 from weightsync.control.rendezvous import KeyValue, LocalStore, RemoteStore
 from weightsync.errors import PublisherGone, RankMismatch, SyncTimeout, WeightSyncError
 from weightsync.pg.recorder import RecorderScope
-from weightsync.transport.options import is_loopback
+from weightsync.transport.options import is_loopback, parse_address
 
 PREFIX = "@ranks/"
 SLICE = 0.5  # seconds: a wait for other ranks looks for dead ranks this often
@@ -294,6 +294,20 @@ def rank_and_world(rank: int | None, world_size: int | None, group: Any) -> tupl
     if world < 1 or not 0 <= rank < world:
         raise ValueError(f"rank {rank} of world_size {world}: need world_size >= 1 and 0 <= rank < world_size")
     return rank, world
+
+
+def addresses(rank: int, address: str, lane_address: str | None, group: Any
+              ) -> tuple[tuple[str, int], tuple[str, int] | None]:
+    """(where this rank listens, where rank 0 listens or None). Rank 0 listens at ``address``;
+    on other ranks ``address`` is rank 0's and this rank listens at ``lane_address`` (default:
+    port 0 on the interface that reaches rank 0)."""
+    bind = parse_address(address)
+    if rank == 0:
+        return bind, None
+    if bind[1] == 0 and group is None:
+        raise ValueError(f"rank {rank}: address must be rank 0's 'host:port' (its pub.address), "
+                         "or pass group= to learn it from rank 0")
+    return parse_address(lane_address or f"{lane_host(bind[0])}:0"), bind
 
 
 def lane_host(rank0_host: str) -> str:

@@ -76,7 +76,7 @@ from weightsync.transport import layout, sharding, slicing
 from weightsync.transport.checksum import checksum
 from weightsync.transport.dataplane import DataPlane, GenerationSpec, Transfer
 from weightsync.transport.lifecycle import Latch
-from weightsync.transport.options import Deadlines
+from weightsync.transport.options import UNBOUNDED, Deadlines
 from weightsync.transport.shm import ShmPlane
 from weightsync.transport.slots import SlotPair
 
@@ -323,7 +323,7 @@ class Receiver:
             # not by a guess at how long the other members take to get ready. Having said Ready,
             # a closing subscriber still goes through with the rendezvous (the publisher may
             # already be in it); only abort() walks away.
-            message = self._next_message(3600.0, until=lambda: self.aborting.is_set() or self.over)
+            message = self._next_message(UNBOUNDED, until=lambda: self.aborting.is_set() or self.over)
             if message is None or not isinstance(message, _wire.Go):
                 return False, message
             if message.generation == generation:
@@ -352,7 +352,7 @@ class Receiver:
         try:
             entered, pending = self._enter(generation, members)
             while not self.closing.is_set() or pending is not None:
-                message = pending if pending is not None else self._next_message(3600.0)
+                message = pending if pending is not None else self._next_message(UNBOUNDED)
                 pending = None
                 if message is None:
                     return

@@ -40,7 +40,7 @@ from weightsync.testing import Hooks
 from weightsync.transport import layout, lifecycle, sharding, slicing
 from weightsync.transport.handles import Weights, WeightStream, check_timeout
 from weightsync.transport.lifecycle import EndState, call_soon
-from weightsync.transport.options import parse_address, resolve_device
+from weightsync.transport.options import Deadlines, parse_address, resolve_device
 from weightsync.transport.receiver import Receiver, ReceiverState
 from weightsync.transport.slots import Slot, SlotPair
 
@@ -154,7 +154,7 @@ class Subscriber:
         self._loop = asyncio.get_running_loop()
         self._changed = asyncio.Event()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"ws-{self.name}-read")
-        await self._launch(timeout if timeout is not None else 2 * self.timeout)
+        await self._launch(timeout if timeout is not None else Deadlines.joining(self.timeout))
 
     async def _launch(self, limit: float) -> None:
         """Start a Receiver (a new connection) and wait (at most ``limit``) for its admission."""
@@ -237,7 +237,7 @@ class Subscriber:
         if not await lifecycle.join(self._loop, self._threads, time.monotonic() + self.timeout):
             raise SyncTimeout(f"the evicted receiver did not stop within {self.timeout}s", channel=self.name,
                               member=self.member_id)
-        await self._launch(timeout if timeout is not None else 2 * self.timeout)
+        await self._launch(timeout if timeout is not None else Deadlines.joining(self.timeout))
         self._rec.record("rejoin", version=-1 if self.version is None else self.version).complete()
 
     async def aclose(self) -> None:
@@ -267,7 +267,7 @@ class Subscriber:
         await lifecycle.join(self._loop, self._threads, time.monotonic() + timeout)
         for receiver in self._receivers:
             receiver.end(Closed("subscriber closed", channel=self.name, member=self.member_id))
-        await lifecycle.finish_close(self._loop, self._executor, self._recorder, self.timeout * 3)
+        await lifecycle.finish_close(self._loop, self._executor, self._recorder, Deadlines.teardown(self.timeout))
         self._state = EndState.CLOSED
 
     # reading ------------------------------------------------------------------------------

@@ -1,0 +1,128 @@
+"""The put path's copy: a version's tensors into staging, then handed to the sender.
+
+``put(copy=True)`` copies the caller's tensors into a staging buffer (:mod:`staging`): on CUDA a
+stream-ordered device copy (the host does not wait), on the host a copy on this end's snapshot
+thread, which with enough cores is pipelined with the send (the version is committed first and
+bucket i goes out as soon as its bytes are in). ``put(copy=False)`` stages nothing: the sender
+reads the caller's tensors until the handle's ``released()``. Either way the version is then
+committed, which may displace a pending one (its handle resolves as superseded).
+
+Threads: ``ws-<channel>-snapshot`` (one), also lent to the control server's start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from weightsync import _wire
+from weightsync.errors import WeightSyncError
+from weightsync.statistics import PublisherTally
+from weightsync.transport import layout, shm
+from weightsync.transport.staging import Job, Progress, Staging, cuda_snapshot, pack_progressively, superseded_report
+
+PIPELINE_CPUS = 4  # usable CPUs from which a host snapshot is sent while it is taken
+
+
+def default_pipeline() -> bool:
+    """Pipelined where this process may use at least PIPELINE_CPUS CPUs (its affinity, where the
+    OS has one): with fewer, the send's copies compete with the snapshot's (docs/benchmarks.md)."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    return (len(affinity(0)) if affinity is not None else os.cpu_count() or 1) >= PIPELINE_CPUS
+
+
+class Snapshots:
+    """Takes each version's snapshot and commits it (see the module docstring).
+
+    Args:
+        channel: for thread names and errors.
+        staging: the staging buffers (and the pending version the sender takes next).
+        segments: the shared-memory pool staging lives in (same-host members), or None.
+        slot_device: where staging lives (the publisher's device with NCCL, else the host).
+        pipeline: send a host snapshot while it is taken.
+        committed: tells the sender a version was committed (any thread).
+        tally: counts superseded versions.
+    """
+
+    def __init__(self, channel: str, *, staging: Staging, segments: shm.SegmentPool | None,
+                 slot_device: torch.device, pipeline: bool, committed: Callable[[int], None],
+                 tally: PublisherTally) -> None:
+        self.channel, self.pipeline = channel, pipeline
+        self._staging, self._segments, self._slot_device = staging, segments, slot_device
+        self._committed, self._tally = committed, tally
+        self.executor: ThreadPoolExecutor | None = None
+        self._copy_stream: Any = None
+
+    def open(self) -> ThreadPoolExecutor:
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"ws-{self.channel}-snapshot")
+        return self.executor
+
+    async def take(self, job: Job, items: list[tuple[str, torch.Tensor]], *, copy: bool, entry: Any) -> None:
+        """Snapshot (``copy``) or hold ``items`` for ``job``, and commit it; returns once the
+        snapshot is taken. A failed snapshot raises, and a version it displaced fails with it."""
+        displaced: Job | None = None
+        if copy:
+            pin = self._slot_device.type == "cpu" and torch.cuda.is_available()
+            buf, displaced = self._staging.acquire(job.manifest.total_bytes, self._slot_device, pin=pin)
+            if self.pipeline and not any(t.is_cuda for _, t in items):
+                return await self._pipelined(job, buf, displaced, items, entry)
+            try:
+                job.flat, job.ready = await self._snapshot(buf, job.manifest, items)
+            except BaseException as err:
+                self._staging.give_back(buf)
+                self._fail_displaced(displaced, job.version, err)
+                raise
+        else:
+            job.items = items
+        displaced = self._staging.commit(job) or displaced
+        self._committed(job.version)
+        self._done(entry, displaced)
+
+    async def _pipelined(self, job: Job, buf: torch.Tensor, displaced: Job | None,
+                         items: list[tuple[str, torch.Tensor]], entry: Any) -> None:
+        """A host snapshot, sent while it is taken: the version is committed first, and bucket i
+        goes out (to the group, or to same-host members through the segment header) as soon as
+        its bytes are copied. Returns, as every put, once the whole snapshot is taken."""
+        flat = buf[: job.manifest.total_bytes]
+        mark = self._segments.marker(flat) if self._segments is not None else (lambda _n: None)
+        job.flat, job.progress = flat, Progress(job.manifest.total_bytes, mark)
+        displaced = self._staging.commit(job) or displaced
+        self._committed(job.version)
+        try:
+            await asyncio.get_running_loop().run_in_executor(self.executor, pack_progressively, flat, job.manifest,
+                                                             items, job.progress)
+        except BaseException as err:
+            # the sender gives the version up when its wait fails: the handle fails from there
+            job.progress.fail(err)
+            entry.fail(err)
+            self._fail_displaced(displaced, job.version, err)
+            raise
+        self._done(entry, displaced)
+
+    def _done(self, entry: Any, displaced: Job | None) -> None:
+        entry.complete()
+        if displaced is not None:
+            self._tally.count("versions_superseded")
+            displaced.handle.resolve_threadsafe(superseded_report(displaced))
+
+    def _fail_displaced(self, displaced: Job | None, version: int, err: BaseException) -> None:
+        if displaced is not None:  # its buffer may be half overwritten: it cannot go out
+            displaced.handle.resolve_threadsafe(error=WeightSyncError(
+                f"version {displaced.version} was displaced by version {version}, whose snapshot "
+                f"failed: {err}", channel=self.channel, version=displaced.version))
+
+    async def _snapshot(self, buf: torch.Tensor, manifest: _wire.Manifest,
+                        items: list[tuple[str, torch.Tensor]]) -> tuple[torch.Tensor, Any]:
+        flat = buf[: manifest.total_bytes]
+        if any(t.is_cuda for _, t in items):
+            device = next(t.device for _, t in items if t.is_cuda)
+            if self._copy_stream is None:
+                self._copy_stream = torch.cuda.Stream(device)
+            return flat, cuda_snapshot(flat, manifest, items, self._copy_stream)
+        await asyncio.get_running_loop().run_in_executor(self.executor, layout.pack_into, flat, manifest, items)
+        return flat, None
