@@ -15,7 +15,7 @@ STAMP := $(VENV)/.weightsync-torch-$(TORCH)
 VLLM_VENV  ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.weightsync-vllm
 
-.PHONY: demo test lint pytest bench clean test-vllm demo-vllm bench-vllm
+.PHONY: demo test test-quick lint pytest bench clean test-vllm demo-vllm bench-vllm
 
 $(STAMP): pyproject.toml requirements/torch-$(TORCH).txt
 	test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
@@ -64,6 +64,12 @@ pytest: $(STAMP)
 	WEIGHTSYNC_TRANSPORT=auto $(VENV)/bin/python -m pytest $(AUTO_TESTS) $(PYTEST_ARGS)
 
 test: lint pytest
+
+# the pure tier: no processes, no sockets between processes (about 30 s here); the full suite runs it too
+QUICK_TESTS := tests/test_core_units.py tests/test_unit.py tests/test_docs.py::test_the_module_table_in_architecture_md_names_every_module_and_only_modules_that_exist
+
+test-quick: lint
+	$(VENV)/bin/python -m pytest $(QUICK_TESTS) $(PYTEST_ARGS)
 
 clean:
 	rm -rf .venv .venv-* .pytest_cache .mypy_cache .ruff_cache *.egg-info
