@@ -369,7 +369,7 @@ def test_analyzer_a_member_silent_after_its_last_bucket_and_a_clean_run() -> Non
     late = [entry(0, "bucket_recv", "late", version=2, generation=3, bucket=0),
             entry(1, "bucket_recv", "late", version=2, generation=3, bucket=1)]
     result = analyze([dump("publisher", pub), dump("a", a), dump("late", late)])
-    assert [(c.member, c.bucket) for c in result.culprits] == [("late", -1)]
+    assert [(c.member, c.bucket) for c in result.culprits] == [("late", None)]  # no sentinel: not a bucket
     d = result.first_divergence
     assert d is not None and (d.bucket, d.finished, d.not_finished) == (2, ["a"], ["late"])
     assert "LIKELY CULPRIT: late at ch v2 after its last bucket" in render(result)
@@ -383,6 +383,67 @@ def test_analyzer_a_member_silent_after_its_last_bucket_and_a_clean_run() -> Non
     assert render(result).endswith("nothing wrong found")
     result = analyze([dump("a", got)])
     assert not result.ok and result.missing_dumps == ["publisher"]
+
+
+def dump_of(label: str, pid: int, entries: list[Entry]) -> Dump:
+    return Dump(label=label, pid=pid, host="h", time=0.0, reason="test", torch_version="x", capacity=100,
+                entries=entries)
+
+
+def test_analyzer_reads_a_kill_and_replace_run_as_it_happened() -> None:
+    """gen0 is killed at v2 (its connection closes; a killed process writes no dump) and replaced by a
+    process given the same id, which never had trouble (no dump of its own either); repl-1 joins with
+    a new id and had trouble later (a dump). The analyzer names gen0 once, with the cause the
+    publisher saw, reads the healthy members' acknowledgements as what they are, counts the reused
+    id's processes, and a healthy stretch takes one line."""
+    pub: list[Entry] = []
+    seq = iter(range(10_000))
+
+    def version(v: int, gen: int, peers: tuple[str, ...], *, missing: tuple[str, ...] = ()) -> None:
+        pub.append(entry(next(seq), "announce", "publisher", version=v, generation=gen, peers=peers))
+        pub.append(entry(next(seq), "bucket_send", "publisher", version=v, generation=gen, bucket=0))
+        if missing:
+            pub.append(failed(next(seq), "ack_missing", "publisher", "no acknowledgement", version=v, generation=gen,
+                              peers=missing))
+            pub.append(failed(next(seq), "ack", "publisher", f"silent: {list(missing)}", version=v, generation=gen,
+                              peers=peers))
+        else:
+            pub.append(entry(next(seq), "ack", "publisher", version=v, generation=gen, peers=peers))
+
+    for v in range(2):
+        version(v, 1, ("gen0", "gen1"))
+    pub.append(failed(next(seq), "heartbeat", "publisher", "connection closed", peers=("gen0",)))
+    version(2, 1, ("gen0", "gen1"), missing=("gen0",))
+    version(2, 2, ("gen1",))
+    for v in range(3, 40):
+        version(v, 3, ("gen0", "gen1", "repl-1"))
+    gen1 = [entry(next(seq), "bucket_recv", "gen1", version=v, generation=g, bucket=0) for v, g in
+            [(0, 1), (1, 1), (2, 1), (2, 2)] + [(v, 3) for v in range(3, 40)]]
+    gen1 += [entry(next(seq), "publish", "gen1", version=v) for v in range(40)]
+    repl = [entry(next(seq), "bucket_recv", "repl-1", version=v, generation=3, bucket=0) for v in range(3, 40)]
+    repl += [entry(next(seq), "publish", "repl-1", version=v) for v in range(3, 40)]
+    result = analyze([dump_of("publisher", 1, pub), dump_of("gen1", 2, gen1), dump_of("repl", 3, repl)])
+    assert [(c.member, c.version, c.bucket) for c in result.culprits] == [("gen0", 2, None)]
+    assert "its connection closed" in result.culprits[0].reason and "heartbeats" not in result.culprits[0].reason
+    assert [(d.member, d.cause) for d in result.deaths] == [("gen0", "its connection closed (it exited or was killed)")]
+    later = {v.version: v.members for v in result.versions if v.generation == 3}
+    assert later[3]["gen0"] == "acknowledged (no dump of its own)" and later[39]["repl-1"] == "published"
+    assert result.missing_dumps == ["gen0"]  # the killed incarnation, not the healthy one after it
+    text = render(result)
+    assert "versions 0-39: 40 sent (1 re-sent), 40 delivered to every member, not at first: v2 (generation 1)" in text
+    assert len(text.splitlines()) < 12 and "no dump\n" not in text.split("v2 (generation 1)")[0]
+    assert len(render(result, details=True).splitlines()) > 100  # every version, member by member
+
+    # now each gen0 process left a dump (the first one on an earlier trouble, before it was killed)
+    first_gen0 = [entry(next(seq), "bucket_recv", "gen0", version=0, generation=1, bucket=0)]
+    gen0_again = [entry(next(seq), "bucket_recv", "gen0", version=v, generation=3, bucket=0) for v in range(3, 40)]
+    result = analyze([dump_of("publisher", 1, pub), dump_of("gen1", 2, gen1), dump_of("repl", 3, repl),
+                      dump_of("gen0", 4, first_gen0), dump_of("gen0", 5, gen0_again)])
+    assert result.incarnations == {"gen0": 2} and "gen0 (2)" in render(result)
+    again = {v.version: v.members for v in result.versions if v.generation == 3}
+    assert again[3]["gen0"] == "received through bucket 0, never readable"  # from its own dump
+    assert [v.members["gen0"] for v in result.versions if v.version == 0] == [
+        "received through bucket 0, never readable"]  # the first process's
 
 
 def _members(*names: str) -> Membership:

@@ -144,10 +144,10 @@ async def test_frozen_member_is_named_with_version_and_bucket(procs: Procs, tmp_
                           capture_output=True, text=True, timeout=120, cwd=REPO).stdout
     assert f"LIKELY CULPRIT: gen2 at frozen v1 bucket {culprits[0]['bucket']}" in text
     png = tmp_path / "timeline.png"
-    assert cli(["fr", "timeline", str(tmp_path), "-o", str(png)]) == 1
+    assert cli(["fr", "timeline", str(tmp_path), "-o", str(png)]) == 0  # written: 0 (the stall is analyze's 1)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     html = tmp_path / "timeline.html"
-    assert cli(["fr", "timeline", str(tmp_path), "-o", str(html)]) == 1
+    assert cli(["fr", "timeline", str(tmp_path), "-o", str(html)]) == 0
     assert "LIKELY CULPRIT: gen2" in html.read_text()
 
 
@@ -260,3 +260,106 @@ async def test_aclose_after_trouble_dumps_the_whole_story_and_a_quiet_channel_du
     final = load_dump(trouble_dir / f"pub-{os.getpid()}.wsfr")
     assert final.reason == "closed after trouble"
     assert any(e.op == "put" and e.version == 1 and e.state == "completed" for e in final.entries)
+
+
+def test_piped_into_head_the_cli_ends_quietly_and_fr_list_finds_folders_without_the_port(tmp_path: Path) -> None:
+    """`fr analyze --json | head` ended in a BrokenPipe traceback; `fr list` names the folders under
+    the default directory (newest first), so nobody needs the publisher's port to find theirs; old
+    folders are pruned to a bound, never the one in use."""
+    from weightsync.pg.recorder import dump_folders, prune_dump_folders
+
+    rec = FlightRecorder(capacity=5000, directory=tmp_path / "run", label="publisher")
+    for v in range(3000):  # far more output than a pipe holds
+        rec.record("announce", channel="ch", member="publisher", version=v, generation=1, peers=("a",)).start()
+    rec.dump()
+    for flag in ("--json", "--details"):
+        command = f"{sys.executable} -m weightsync.cli fr analyze {tmp_path / 'run'} {flag} | head -c 100"
+        out = subprocess.run(command, shell=True, capture_output=True, text=True, timeout=120, cwd=REPO)
+        assert len(out.stdout) == 100 and "Traceback" not in out.stderr and "BrokenPipe" not in out.stderr, out.stderr
+
+    root = tmp_path / "tmp" / "weightsync-fr"
+    for i in range(40):
+        folder = root / f"chan-127.0.0.1-{5000 + i}"
+        folder.mkdir(parents=True)
+        (folder / f"publisher-{i}.wsfr").write_bytes(b"")
+        os.utime(folder, (1_000_000 + i, 1_000_000 + i))
+    listed = subprocess.run([sys.executable, "-m", "weightsync.cli", "fr", "list"], capture_output=True, text=True,
+                            timeout=120, cwd=REPO, env=dict(os.environ, TMPDIR=str(tmp_path / "tmp"))).stdout
+    rows = [line for line in listed.splitlines() if "weightsync-fr/chan-" in line]
+    assert len(rows) == 40 and rows[0].endswith("chan-127.0.0.1-5039") and "1 dumps" in rows[0]
+    keep = root / "chan-127.0.0.1-5000"  # the oldest, but in use by this process
+    assert prune_dump_folders(keep=keep, limit=32, root=root) == 7
+    left = [f for f, _n, _t in dump_folders(root)]
+    assert len(left) == 33 and keep in left and root / "chan-127.0.0.1-5039" in left
+    assert root / "chan-127.0.0.1-5001" not in left  # the oldest ones went
+
+
+@pytest.mark.asyncio
+async def test_a_quiet_channel_dumps_at_close_when_asked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """$WEIGHTSYNC_FR_DUMP=close: a healthy run leaves its story too, to compare a bad night with."""
+    monkeypatch.setenv("WEIGHTSYNC_FR_DUMP", "close")
+    rec = FlightRecorder(capacity=1000, directory=tmp_path, label="pub")
+    assert rec.dump_at_close
+    async with ws.Publisher("asked", timeout=5, heartbeat_interval=0.25, recorder=rec) as pub:
+        async with ws.Subscriber("asked", address=pub.address, timeout=5, recorder=FlightRecorder(capacity=0)):
+            await pub.wait_subscribers(1, timeout=10)
+            await (await pub.put({"x": torch.ones(8)}, version=0)).delivered(timeout=10)
+    final = load_dump(tmp_path / f"pub-{os.getpid()}.wsfr")
+    assert final.reason == "closed" and any(e.op == "put" and e.state == "completed" for e in final.entries)
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(240)
+async def test_a_real_kill_and_replace_run_reads_as_it_happened(procs: Procs, tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two followers, one killed with -9 and replaced by the orchestrator; every process that lives
+    dumps at its close. The analyzer names the killed member once, with the cause the publisher saw,
+    never the healthy replacement; its text is a summary; the timeline is written (exit 0), with
+    the death marked and an incident panel."""
+    from tests.test_stragglers import close_then_reap, orchestrator, put_checked
+    from weightsync.pg.analyze import analyze, load_dir
+    from weightsync.pg.timeline import _incidents
+
+    monkeypatch.setenv("WEIGHTSYNC_FR_DUMP", "close")  # this process's recorder and every child's
+    numel = 64 << 10
+    rec = FlightRecorder(directory=tmp_path, label="publisher")
+    async with ws.Publisher("frk", timeout=4.0, heartbeat_interval=0.25, bucket_bytes=1 << 18, recorder=rec) as pub:
+        async with orchestrator(tmp_path, "frk", pub.address) as orch:
+            pub.orchestrator = orch
+            workers = [procs.spawn("subscriber", channel="frk", address=pub.address, member=f"gen{i}",
+                                   mode="follow", deadline=180, fr_dir=str(tmp_path)) for i in range(2)]
+            await pub.wait_subscribers(2, timeout=60)
+            for v in range(3):
+                await (await put_checked(pub, v, numel)).delivered(timeout=60)
+            procs.signal(workers[1], signal.SIGKILL)
+            version = 3
+            while "repl-1" not in pub.members:
+                await (await put_checked(pub, version, numel)).delivered(timeout=60)
+                version += 1
+                assert version < 2000, "the replacement never joined"
+            for _ in range(3):
+                report = await (await put_checked(pub, version, numel)).delivered(timeout=60)
+                version += 1
+            assert set(report.members) == {"gen0", "repl-1"}
+            await close_then_reap(pub, orch)
+    await procs.result(workers[0], timeout=60)
+    code, analysis = analyze_json(tmp_path)
+    assert code == 1  # a member died: not a clean run
+    # killed between two versions it is a death; killed while one was on the wire, also that
+    # version's culprit (and a member without a dump that did not acknowledge it)
+    assert [d["member"] for d in analysis["deaths"]] == ["gen1"]
+    assert analysis["deaths"][0]["cause"] == "its connection closed (it exited or was killed)"
+    assert [c["member"] for c in analysis["culprits"]] in ([], ["gen1"])
+    assert all("its connection closed" in c["reason"] for c in analysis["culprits"])
+    assert analysis["missing_dumps"] in ([], ["gen1"])
+    after = [v for v in analysis["versions"] if "repl-1" in v["members"]]
+    assert after and all(v["members"]["repl-1"] == "published" for v in after)
+    assert not any(words == "no dump" for v in analysis["versions"] for m, words in v["members"].items()
+                   if m != "gen1")
+    text = subprocess.run([sys.executable, "-m", "weightsync.cli", "fr", "analyze", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120, cwd=REPO).stdout
+    assert "died: gen1 (frk): its connection closed" in text and len(text.splitlines()) < 40, text
+    png = tmp_path / "timeline.png"
+    assert cli(["fr", "timeline", str(tmp_path), "-o", str(png)]) == 0 and png.stat().st_size > 10_000
+    dumps = load_dir(tmp_path)
+    assert ("gen1", "died") in [(m, label.split(":")[0]) for _t, m, label in _incidents(dumps, analyze(dumps))]

@@ -1,20 +1,24 @@
 """``weightsync``: the command line.
 
     weightsync doctor               what this machine's torch offers weightsync (backends, probes)
+    weightsync fr list              the dump folders under the default directory, newest first
     weightsync fr analyze DIR       merge all ranks' recorder dumps; name where a push stopped
     weightsync fr timeline DIR -o timeline.png|.html
 
 ``fr analyze`` exits 0 when it finds nothing wrong, 1 for a stall or failure, 2 for input it
-cannot read (with a message, never a traceback). Everything here works from a plain install in
-any directory and writes only where it is told (``-o``). The demo and the benchmarks live in
-the repository (``make demo``, ``make bench``): they are programs about weightsync, not part
-of the library.
+cannot read (with a message, never a traceback); ``fr timeline`` exits 0 once the picture is
+written (what it shows is the analyzer's business). Output piped into ``head`` ends quietly.
+Everything here works from a plain install in any directory and writes only where it is told
+(``-o``). The demo and the benchmarks live in the repository (``make demo``, ``make bench``):
+they are programs about weightsync, not part of the library.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import time
 
 
 def _doctor() -> int:
@@ -40,10 +44,27 @@ def _doctor() -> int:
     return 0
 
 
+def _fr_list() -> int:
+    from weightsync.pg.recorder import dump_folders, dump_root
+
+    folders = dump_folders()
+    if not folders:
+        print(f"no dump folders under {dump_root()}")
+        return 0
+    print(f"dump folders under {dump_root()} (newest first; one per channel and address, or per process):")
+    for folder, count, mtime in folders:
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(mtime))
+        print(f"  {stamp}  {count:>3} dumps  {folder}")
+    return 0
+
+
 def _fr(args: argparse.Namespace) -> int:
     import msgspec
 
     from weightsync.pg.analyze import analyze, load_dir, render
+
+    if args.fr_command == "list":
+        return _fr_list()
 
     try:
         dumps = load_dir(args.dir)
@@ -59,12 +80,12 @@ def _fr(args: argparse.Namespace) -> int:
         except (ValueError, RuntimeError, OSError) as err:
             print(f"weightsync fr timeline: {err}", file=sys.stderr)
             return 2
-        print(f"timeline written to {path}")
-        return 0 if analysis.ok else 1
+        print(f"timeline written to {path}" + ("" if analysis.ok else " (stall or failure found: fr analyze)"))
+        return 0
     if args.json:
         print(msgspec.json.encode(analysis).decode())
     else:
-        print(render(analysis))
+        print(render(analysis, details=args.details))
     return 0 if analysis.ok else 1
 
 
@@ -73,18 +94,23 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="weightsync", description="asynchronous weight push for RL")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("doctor", help="what this torch offers (backends, feature probes)")
-    fr = sub.add_parser("fr", help="flight-recorder dumps: analyze, timeline")
+    fr = sub.add_parser("fr", help="flight-recorder dumps: list, analyze, timeline")
     fr_sub = fr.add_subparsers(dest="fr_command", required=True)
+    fr_sub.add_parser("list", help="the dump folders under the default directory, newest first")
     an = fr_sub.add_parser("analyze", help="merge all ranks' dumps and report where a push stopped")
     an.add_argument("dir", help="directory holding the *.wsfr dumps of one run")
     an.add_argument("--json", action="store_true", help="print the findings as JSON")
+    an.add_argument("--details", action="store_true", help="every version, member by member")
     tl = fr_sub.add_parser("timeline", help="draw one lane per rank")
     tl.add_argument("dir")
     tl.add_argument("-o", "--output", default="timeline.png", help="a .png or .html file")
     args = parser.parse_args(argv)
-    if args.command == "fr":
-        return _fr(args)
-    return _doctor()
+    try:
+        return _fr(args) if args.command == "fr" else _doctor()
+    except BrokenPipeError:  # `weightsync fr analyze DIR | head`: the reader left, nothing is wrong
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # Python's own flush at exit must not fail again
+        return 0
 
 
 if __name__ == "__main__":

@@ -7,6 +7,13 @@ bucket the others finished, that never acknowledged, whose heartbeats stopped, o
 is missing (a stopped or killed process cannot write one), named with version and bucket.
 The stalled bucket of a member without a dump is the publisher's first bucket of that
 version that never completed.
+
+Healthy processes dump nothing (dumps are written on trouble, on demand, or at a close when
+asked), so a member without a dump that the publisher saw acknowledge a version is fine there,
+not missing. A member id used by several processes (a replacement given the dead member's id, a
+rejoin) is one incarnation per dump: each version is read from the dump that took part in its
+generation. The cause of a death is the one the publisher observed (its connection closed, or
+it fell silent).
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ class Culprit(msgspec.Struct):
     channel: str
     member: str
     version: int
-    bucket: int  # -1: after the last bucket (received but never acknowledged) or unknown
+    bucket: int | None  # None: after its last bucket (received, never acknowledged) or not known
     generation: int
     reason: str
 
@@ -44,6 +51,16 @@ class VersionStatus(msgspec.Struct):
     version: int
     generation: int
     members: dict[str, str]  # member -> last state reached, in words
+    delivered: bool = True  # every member acknowledged it
+
+
+class Death(msgspec.Struct):
+    """A member the publisher saw go: its connection closed, or it fell silent."""
+
+    channel: str
+    member: str
+    time: float
+    cause: str
 
 
 class Analysis(msgspec.Struct):
@@ -55,11 +72,19 @@ class Analysis(msgspec.Struct):
     first_divergence: Divergence | None
     culprits: list[Culprit]
     failures: list[str]
+    deaths: list[Death] = []
+    incarnations: dict[str, int] = {}  # member -> how many processes (dumps) spoke for it, where more than one
 
 
 def _about(entry: Entry) -> str:
     """Whom a failed entry is about, where it names peers (a trainer rank, a member)."""
     return f" [{', '.join(entry.peers[:4])}]" if entry.peers else ""
+
+
+def _where(entry: Entry) -> str:
+    """`` v3 bucket 1`` as far as the entry names a version and a bucket (they are -1 when it does not)."""
+    version = f" v{entry.version}" if entry.version >= 0 else ""
+    return version + (f" bucket {entry.bucket}" if entry.bucket >= 0 else "")
 
 
 def load_dir(directory: str | Path) -> list[Dump]:
@@ -91,57 +116,85 @@ def _member_progress(entries: list[Entry], version: int) -> tuple[str, int, int]
         return f"{what} bucket {first}", highest, first
     if receive:
         return f"receive {receive[-1].state}", highest, -1
+    if highest >= 0:
+        return f"received through bucket {highest}, never readable", highest, -1
     return "never started", highest, -1
+
+
+def _cause(error: str) -> str:
+    """The publisher's heartbeat failure, in words: how it saw the member go."""
+    if error.startswith("connection closed"):
+        return "its connection closed (it exited or was killed)"
+    if error.startswith("silent"):
+        return f"its heartbeats stopped ({error})"
+    return f"its connection failed ({error})"
 
 
 def analyze(dumps: Iterable[Dump], names: Iterable[str] = ()) -> Analysis:
     dumps = list(dumps)
     entries_by_member: dict[str, list[Entry]] = defaultdict(list)
+    incarnations: dict[str, list[list[Entry]]] = defaultdict(list)  # member -> one entry list per dump
     for dump in dumps:
+        own: dict[str, list[Entry]] = defaultdict(list)
         for entry in dump.entries:
             entries_by_member[entry.member].append(entry)
+            own[entry.member].append(entry)
+        for member, entries in own.items():
+            incarnations[member].append(entries)
     for entries in entries_by_member.values():
         entries.sort(key=lambda e: (e.t_scheduled, e.seq))
     publisher = entries_by_member.get(PUBLISHER, [])
     announces = [e for e in publisher if e.op == "announce"]
-    expected = sorted({p for e in announces for p in e.peers})
-    missing = [m for m in expected if m not in entries_by_member]
-    if not publisher:
-        missing = [PUBLISHER, *missing]
-    failures = [f"{e.member}: {e.op}{_about(e)} v{e.version} b{e.bucket} {e.state}: {e.error}"
-                for es in entries_by_member.values() for e in es if e.state not in (COMPLETED, STARTED, "scheduled")]
+    failures = [f"{e.member}: {e.op}{_about(e)}{_where(e)} {e.state}: {e.error}"
+                for es in entries_by_member.values() for e in es
+                if e.state not in (COMPLETED, STARTED, "scheduled")
+                and not (e.op == "heartbeat" and e.member == PUBLISHER)]  # those are the deaths
     versions: list[VersionStatus] = []
     culprits: list[Culprit] = []
     divergence: Divergence | None = None
-    silent = {p for e in publisher if e.op == "heartbeat" and e.state != COMPLETED for p in e.peers}
-    for ann in announces:
+    deaths = [Death(e.channel, p, e.t_scheduled, _cause(e.error))  # recorded as it failed
+              for e in publisher if e.op == "heartbeat" and e.state != COMPLETED for p in e.peers]
+    cause = {d.member: d.cause for d in reversed(deaths)}  # the first one observed
+    died_at = {d.member: d.time for d in reversed(deaths)}
+    unaccounted: set[str] = set()  # members without a dump that did not acknowledge some version
+    for i, ann in enumerate(announces):
+        # a death concerns the versions announced around it (from the one before to the one after)
+        window = (announces[i - 1].t_scheduled if i else float("-inf"),
+                  announces[i + 1].t_scheduled if i + 1 < len(announces) else float("inf"))
+        dying = {m for m in ann.peers if m in died_at and window[0] <= died_at[m] <= window[1]}
         acks = [e for e in publisher if e.op == "ack" and e.version == ann.version and e.generation == ann.generation]
         acked_all = bool(acks) and acks[-1].state == COMPLETED
+        blamed = _blamed(publisher, ann, "ack_missing") | _blamed(publisher, ann, "nack")
         sends = [e for e in publisher if e.op == "bucket_send" and e.version == ann.version
                  and e.generation == ann.generation]
         stalled_send = min((e.bucket for e in sends if e.state != COMPLETED), default=-1)
         status: dict[str, str] = {}
         finished_buckets: dict[str, int] = {}
         for member in ann.peers:
-            if member not in entries_by_member:
-                status[member] = "no dump"
+            mine = _incarnation(incarnations.get(member, []), ann)
+            if mine is None:
+                if acks and member not in blamed and (acked_all or member not in dying):
+                    status[member] = "acknowledged (no dump of its own)"
+                else:
+                    status[member] = "no dump"
+                    unaccounted.add(member)
                 continue
-            mine = [e for e in entries_by_member[member] if e.generation in (ann.generation, -1)]
             words, highest, _ = _member_progress(mine, ann.version)
             status[member] = words
             finished_buckets[member] = highest
-        versions.append(VersionStatus(ann.channel, ann.version, ann.generation, status))
+        versions.append(VersionStatus(ann.channel, ann.version, ann.generation, status, delivered=acked_all))
         if acked_all:
             continue
-        silent_now = _blamed(publisher, ann, "ack_missing") | {m for m in ann.peers if status.get(m) == "no dump"} | (
-            silent & set(ann.peers))
+        silent_now = (_blamed(publisher, ann, "ack_missing") | dying
+                      | {m for m in ann.peers if status.get(m) == "no dump"})
+        stalled = stalled_send if stalled_send >= 0 else None
         if silent_now:  # whoever went silent is the cause; members that failed waiting are victims
             for member in sorted(silent_now):
-                reasons = [r for r, c in (("its dump is missing", status.get(member) == "no dump"),
-                                          ("its heartbeats stopped", member in silent),
+                reasons = [r for r, c in ((cause.get(member, ""), member in dying),
+                                          ("its dump is missing", status.get(member) == "no dump"),
                                           ("it never acknowledged", member in _blamed(publisher, ann, "ack_missing")
                                            or status.get(member) == "no dump")) if c]
-                culprits.append(Culprit(ann.channel, member, ann.version, stalled_send, ann.generation,
+                culprits.append(Culprit(ann.channel, member, ann.version, stalled, ann.generation,
                                         "stopped or died: " + ", ".join(reasons)))
         else:  # everyone answered, some with a failure: those are the culprits
             for member in sorted(_blamed(publisher, ann, "nack")):
@@ -150,10 +203,26 @@ def analyze(dumps: Iterable[Dump], names: Iterable[str] = ()) -> Analysis:
                                         f"{status.get(member, '?')}; acknowledged a failure"))
         if divergence is None:
             divergence = _first_divergence(ann, finished_buckets, status, stalled_send)
-    ok = not culprits and not failures and not missing and all(
-        any(e.op == "ack" and e.version == a.version and e.state == COMPLETED for e in publisher) for a in announces)
+    missing = sorted(unaccounted) if publisher else [PUBLISHER, *sorted({p for e in announces for p in e.peers}
+                                                                        - set(entries_by_member))]
+    ok = not culprits and not failures and not missing and not deaths and all(v.delivered for v in versions)
     return Analysis(ok=ok, dumps=list(names), ranks=sorted(entries_by_member), missing_dumps=missing,
-                    versions=versions, first_divergence=divergence, culprits=_dedupe(culprits), failures=failures)
+                    versions=versions, first_divergence=divergence, culprits=_dedupe(culprits), failures=failures,
+                    deaths=deaths, incarnations={m: len(i) for m, i in sorted(incarnations.items()) if len(i) > 1})
+
+
+def _incarnation(dumps: list[list[Entry]], ann: Entry) -> list[Entry] | None:
+    """The entries of the process that spoke for a member in ``ann``'s generation (None: none did).
+
+    Same-host members record their copies without a generation (-1): those count where the
+    process has nothing of another generation for that version."""
+    for entries in dumps:
+        if any(e.generation == ann.generation for e in entries):
+            return [e for e in entries if e.generation in (ann.generation, -1)]
+    for entries in dumps:
+        if any(e.version == ann.version and e.generation == -1 for e in entries):
+            return [e for e in entries if e.generation == -1]
+    return None
 
 
 def _blamed(publisher: list[Entry], ann: Entry, op: str) -> set[str]:
@@ -174,7 +243,7 @@ def _first_divergence(ann: Entry, finished: dict[str, int], status: dict[str, st
         done = sorted(m for m in members if reach[m] >= bucket)
         if len(done) != len(members):
             return Divergence(ann.channel, ann.version, bucket, done, sorted(set(members) - set(done)))
-    behind = sorted(m for m in members if not status[m].startswith(("published", "received")))
+    behind = sorted(m for m in members if not status[m].startswith(("published", "received (already", "acknowledged")))
     if behind:
         return Divergence(ann.channel, ann.version, top + 1, sorted(set(members) - set(behind)), behind)
     return None
@@ -190,23 +259,43 @@ def _dedupe(culprits: list[Culprit]) -> list[Culprit]:
     return out
 
 
-def render(analysis: Analysis) -> str:
-    """The analysis as text for people."""
+def render(analysis: Analysis, *, details: bool = False, limit: int = 8) -> str:
+    """The analysis as text for people: a summary first (the run, deaths, culprits, where members
+    diverged), then the versions that had trouble (at most ``limit``; every version with
+    ``details``), the verdict last."""
     lines = [f"dumps: {len(analysis.dumps)}   ranks: {', '.join(analysis.ranks)}"]
+    if analysis.incarnations:
+        lines.append("member ids used by several processes (a replacement or a rejoin): " + ", ".join(
+            f"{m} ({n})" for m, n in analysis.incarnations.items()))
     if analysis.missing_dumps:
         lines.append(f"missing dumps: {', '.join(analysis.missing_dumps)} (stopped, killed, or never dumped)")
-    for vs in analysis.versions:
-        lines.append(f"{vs.channel} v{vs.version} (generation {vs.generation}):")
-        for member, words in sorted(vs.members.items()):
-            lines.append(f"    {member:<24} {words}")
+    if analysis.versions:
+        troubled = [v for v in analysis.versions if not v.delivered]
+        numbers = sorted({v.version for v in analysis.versions})
+        delivered = {v.version for v in analysis.versions if v.delivered}
+        resent = len(analysis.versions) - len(numbers)
+        lines.append(f"versions {numbers[0]}-{numbers[-1]}: {len(numbers)} sent"
+                     + (f" ({resent} re-sent)" if resent else "") + f", {len(delivered)} delivered to every member"
+                     + (", not at first: " + ", ".join(f"v{v.version} (generation {v.generation})"
+                                                       for v in troubled[:limit])
+                        + (" ..." if len(troubled) > limit else "") if troubled else ""))
+    for death in analysis.deaths:
+        lines.append(f"died: {death.member} ({death.channel}): {death.cause}")
+    for c in analysis.culprits:
+        where = f"bucket {c.bucket}" if c.bucket is not None else "after its last bucket"
+        lines.append(f"LIKELY CULPRIT: {c.member} at {c.channel} v{c.version} {where} "
+                     f"(generation {c.generation}): {c.reason}")
     if analysis.first_divergence:
         d = analysis.first_divergence
         lines.append(f"first divergence: {d.channel} v{d.version} bucket {d.bucket}: finished by "
                      f"{d.finished or 'nobody'}, not by {d.not_finished}")
-    for c in analysis.culprits:
-        where = f"bucket {c.bucket}" if c.bucket >= 0 else "after its last bucket"
-        lines.append(f"LIKELY CULPRIT: {c.member} at {c.channel} v{c.version} {where} "
-                     f"(generation {c.generation}): {c.reason}")
+    shown = analysis.versions if details else [v for v in analysis.versions if not v.delivered][:limit]
+    for vs in shown:
+        lines.append(f"{vs.channel} v{vs.version} (generation {vs.generation}):")
+        for member, words in sorted(vs.members.items()):
+            lines.append(f"    {member:<24} {words}")
+    if not details and len(shown) < len(analysis.versions):
+        lines.append("(every version, member by member: --details)")
     if analysis.failures and not analysis.culprits:
         lines.append("failures:")
         lines.extend(f"    {f}" for f in analysis.failures[:20])

@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import shutil
 import signal
 import socket
 import tempfile
@@ -32,6 +33,7 @@ DUMP_FORMAT = "weightsync-fr"
 DUMP_FORMAT_VERSION = 1
 DUMP_SUFFIX = ".wsfr"
 DIR_ENV = "WEIGHTSYNC_FR_DIR"
+DUMP_ENV = "WEIGHTSYNC_FR_DUMP"  # "close": also dump at every clean close (a healthy run to compare with)
 _MIN_AUTO_DUMP_INTERVAL = 0.5
 log = logging.getLogger("weightsync.recorder")
 
@@ -114,7 +116,10 @@ class FlightRecorder:
         self.label = label
         self._last_auto_dump = 0.0
         self._announced_dir = False
+        self._said_where = False
         self.last_dump_path: Path | None = None
+        #: also dump at a clean close, not only after trouble (default: ``$WEIGHTSYNC_FR_DUMP=close``)
+        self.dump_at_close = os.environ.get(DUMP_ENV, "").strip().lower() == "close"
 
     @property
     def enabled(self) -> bool:
@@ -147,15 +152,23 @@ class FlightRecorder:
             if env:
                 self._directory = Path(env)
             elif default_directory is not None:
-                self._directory = Path(tempfile.gettempdir()) / "weightsync-fr" / default_directory
+                self._directory = dump_root() / default_directory
+                prune_dump_folders(keep=self._directory)
         if label is not None and self.label is None:
             self.label = label
+
+    def say_where(self) -> None:
+        """Log, once per recorder, where its dumps will go (an end calls it when it starts)."""
+        if self.capacity and not self._said_where:
+            self._said_where = True
+            log.info("flight recorder: dumps go to %s (on trouble, on demand%s; weightsync fr list)",
+                     self.directory, ", at close" if self.dump_at_close else "")
 
     @property
     def directory(self) -> Path:
         if self._directory is None:
             self.configure()
-        return self._directory or Path(tempfile.gettempdir()) / "weightsync-fr" / f"pid-{os.getpid()}"
+        return self._directory or dump_root() / f"pid-{os.getpid()}"
 
     def dump(self, path: str | os.PathLike[str] | None = None, *, reason: str = "on demand") -> Path:
         """Write the ring to ``path`` (default ``<directory>/<label>-<pid>.wsfr``); returns the path.
@@ -212,6 +225,46 @@ class RecorderScope:
 
     def record(self, op: str, **fields: Any) -> Entry:
         return self.recorder.record(op, channel=self.channel, member=self.member, **fields)
+
+
+MAX_DUMP_FOLDERS = 32  # under the default root: older ones go when a new one is made
+
+
+def dump_root() -> Path:
+    """Where dump folders go when neither ``flight_recorder_dir`` nor ``$WEIGHTSYNC_FR_DIR`` says."""
+    return Path(tempfile.gettempdir()) / "weightsync-fr"
+
+
+def dump_folders(root: Path | None = None) -> list[tuple[Path, int, float]]:
+    """Folders under ``root`` (default :func:`dump_root`): (path, dumps in it, last change), newest first."""
+    base = root or dump_root()
+    found = []
+    try:
+        children = list(base.iterdir())
+    except OSError:
+        return []
+    for child in children:
+        try:
+            if child.is_dir():
+                found.append((child, len(list(child.glob(f"*{DUMP_SUFFIX}"))), child.stat().st_mtime))
+        except OSError:
+            continue  # went away meanwhile
+    return sorted(found, key=lambda f: f[2], reverse=True)
+
+
+def prune_dump_folders(keep: Path | None = None, *, limit: int = MAX_DUMP_FOLDERS, root: Path | None = None) -> int:
+    """Remove the oldest folders under the default root beyond ``limit`` (never ``keep``); returns how
+    many went. Only the default root is pruned: a directory the user named is theirs."""
+    removed = 0
+    for folder, _count, _mtime in dump_folders(root)[limit:]:
+        if keep is not None and folder == keep:
+            continue
+        try:
+            shutil.rmtree(folder)
+            removed += 1
+        except OSError:
+            continue  # another process's, or in use: left for a later prune
+    return removed
 
 
 _process_recorder: FlightRecorder | None = None

@@ -94,12 +94,15 @@ async def join(loop: asyncio.AbstractEventLoop, threads: Sequence[threading.Thre
 
 async def finish_close(loop: asyncio.AbstractEventLoop, executor: Executor | None, recorder: FlightRecorder,
                        teardown_timeout: float) -> None:
-    """The end of every close: retired groups torn down (bounded), the full story dumped after trouble."""
+    """The end of every close: retired groups torn down (bounded), the full story dumped after trouble
+    (or always, with ``recorder.dump_at_close``)."""
     if executor is not None:
         executor.shutdown(wait=False)
     await loop.run_in_executor(None, drain_retired, teardown_timeout)
     if recorder.last_dump_path is not None:  # trouble was dumped: leave the full story
         recorder.dump_on_trouble("closed after trouble", force=True)
+    elif recorder.dump_at_close:
+        recorder.dump_on_trouble("closed", force=True)
 
 
 def call_soon(loop: asyncio.AbstractEventLoop | None, fn: Callable[..., Any], *args: Any) -> None:

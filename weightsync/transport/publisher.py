@@ -217,8 +217,9 @@ class Publisher:
         """Control thread: a member's connection closed, or it fell silent."""
         if self._trainers is not None and self._trainers.lost(member_id, reason):
             return  # a trainer rank: every wait for it ends now
-        self._rec.record("heartbeat", peers=(member_id,)).fail(reason)
-        self._recorder.dump_on_trouble(f"{member_id}: {reason}")
+        if self._state is EndState.RUNNING:  # members going while the channel closes are not trouble
+            self._rec.record("heartbeat", peers=(member_id,)).fail(reason)
+            self._recorder.dump_on_trouble(f"{member_id}: {reason}")
         self._sender.submit(MemberDied((member_id,)))
 
     # lifecycle ----------------------------------------------------------------------------
@@ -249,6 +250,7 @@ class Publisher:
                                       channel=self.name) from err
             listening, self._address = True, f"{advertised_host(host)}:{port}"
             self._recorder.configure(default_directory=f"{self.name}-{self._address.replace(':', '-')}")
+            self._recorder.say_where()
             if self._secret is None and not is_loopback(host):
                 warn_open_channel(self.name, self._address)
             if self._trainers is not None:

@@ -154,6 +154,7 @@ class Subscriber:
         self._loop = asyncio.get_running_loop()
         self._changed = asyncio.Event()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"ws-{self.name}-read")
+        self._recorder.say_where()
         await self._launch(timeout if timeout is not None else Deadlines.joining(self.timeout))
 
     async def _launch(self, limit: float) -> None:
