@@ -222,7 +222,8 @@ def analyze_summary(fr_dir: Path) -> str:
     except (ValueError, OSError) as err:
         return f"flight recorder: {err}"
     analysis = analyze(dumps, names=[f"{d.label}-{d.pid}" for d in dumps])
-    verdict = "no stall or failure found" if analysis.ok else f"{len(analysis.culprits)} culprit(s) named"
+    deaths = f", {len(analysis.deaths)} death(s) seen" if analysis.deaths else ""
+    verdict = "no stall or failure found" if analysis.ok else f"{len(analysis.culprits)} culprit(s) named{deaths}"
     return f"flight recorder: {len(dumps)} dumps, {verdict} (weightsync fr analyze {fr_dir})"
 
 
