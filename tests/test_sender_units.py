@@ -1,0 +1,250 @@
+"""The Sender over a fake data plane and an in-memory control server: no processes, no sockets.
+
+Each test runs the real Sender thread; members are threads that answer what a Receiver would
+(Ready to Admit/Reconfigure, an Ack once a version's Seal, or its Announce without checksums,
+came), and the plane (``tests.fakes.FakePlane``) records what the Sender asked of it. This
+reaches the branches that otherwise only processes reach: same-host members (a real segment
+pool: the Announce names where to read), a same-host-only generation (no plane call, digests
+still taken), ``copy=False`` through the ring, sliced members (point to point, their own digests)
+and a sharded lane (the Announce's assembly).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from tests.fakes import FakeControl, FakePlane, FakeTable
+from weightsync import _wire
+from weightsync.pg.membership import Membership, StragglerPolicy
+from weightsync.pg.recorder import FlightRecorder
+from weightsync.transport import layout, sharding, shm
+from weightsync.transport.checksum import checksum
+from weightsync.transport.dataplane import Transfer
+from weightsync.transport.handles import DeliveryReport, PutHandle
+from weightsync.transport.options import ChannelOptions
+from weightsync.transport.sender import Abort, Join, PutCommitted, Sender
+from weightsync.transport.staging import Job, Staging
+
+SETTINGS = ChannelOptions(timeout=5.0, bucket_bytes=1 << 12, heartbeat_interval=0.2).settings(checksum=True,
+                                                                                              in_place=False)
+
+
+@dataclass
+class Member:
+    """What a Receiver answers, on a thread: the messages it was sent, in order."""
+
+    name: str
+    control: FakeControl
+    seen: list[object] = field(default_factory=list)
+    stop: threading.Event = field(default_factory=threading.Event)
+
+    def run(self) -> None:
+        outbox = self.control.outbox[f"inc-{self.name}"]
+        announced: dict[int, _wire.Announce] = {}
+        while not self.stop.is_set():
+            try:
+                message = outbox.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            self.seen.append(message)
+            if isinstance(message, (_wire.Admit, _wire.Reconfigure)):
+                generation = message.generation if isinstance(message, _wire.Admit) else message.next_generation
+                self.control.replies.put(_wire.Ready(generation=generation, member_id=self.name))
+            elif isinstance(message, _wire.Announce):
+                announced[message.seq] = message
+                if not message.checksum:
+                    self._ack(message)
+            elif isinstance(message, _wire.Seal) and not message.abandoned and message.seq in announced:
+                self._ack(announced.pop(message.seq))
+
+    def _ack(self, announce: _wire.Announce) -> None:
+        self.control.replies.put(_wire.Ack(generation=announce.generation, seq=announce.seq, member_id=self.name,
+                                           version=announce.version, ok=True, seconds=0.01, own_seconds=0.005))
+
+    def of(self, kind: type) -> list:
+        return [m for m in self.seen if isinstance(m, kind)]
+
+
+class Rig:
+    """A Sender thread with its fakes; members join with :meth:`join`, versions go with :meth:`put`."""
+
+    def __init__(self, *, segments: bool = False) -> None:
+        self.control, self.plane = FakeControl(), FakePlane()
+        self.recorder = FlightRecorder(capacity=2000)
+        self.segments = shm.SegmentPool("unit") if segments else None
+        if self.segments is not None:
+            self.segments.open()
+            self.staging = Staging(2, allocate=self.segments.allocate, drop=self.segments.drop,
+                                   reuse=self.segments.reuse)
+        else:
+            self.staging = Staging(2)
+        self.membership = Membership("unit", self.recorder, SETTINGS.heartbeat_interval, dead_after=30.0,
+                                     heard=lambda _m: (time.monotonic(), True))
+        self.sender = Sender("unit", settings=SETTINGS, staging=self.staging, membership=self.membership,
+                             recorder=self.recorder, policy=StragglerPolicy(), control=self.control, table=FakeTable(),
+                             make_plane=lambda: self.plane, slot_device=torch.device("cpu"),
+                             on_change=lambda: None, on_evicted=lambda _m: None, segments=self.segments)
+        self.loop = asyncio.new_event_loop()
+        self.members: dict[str, Member] = {}
+        self.thread = threading.Thread(target=self.sender.main, name="unit-sender", daemon=True)
+        self.thread.start()
+
+    def join(self, name: str, *, transport: str = "group", want: tuple[_wire.Want, ...] | None = None) -> Member:
+        member = Member(name, self.control)
+        threading.Thread(target=member.run, daemon=True).start()
+        self.members[name] = member
+        self.sender.submit(Join(name, f"inc-{name}", transport=transport, want=want))
+        deadline = time.monotonic() + 10
+        while name not in self.membership.members:
+            assert time.monotonic() < deadline, f"{name} was never admitted"
+            time.sleep(0.01)  # polling the sender thread's state, bounded
+        return member
+
+    def put(self, version: int, items: list[tuple[str, torch.Tensor]], *, copy: bool = True,
+            assembly: _wire.Assembly | None = None, manifest: _wire.Manifest | None = None) -> DeliveryReport:
+        manifest = manifest or layout.build_manifest(items)
+        job = Job(version=version, manifest=manifest, handle=PutHandle("unit", version, self.loop), assembly=assembly)
+        if copy:
+            buf, _ = self.staging.acquire(manifest.total_bytes, torch.device("cpu"), pin=False)
+            job.flat = buf[: manifest.total_bytes]
+            layout.pack_into(job.flat, manifest, items)
+        else:
+            job.items = items
+        self.staging.commit(job)
+        self.sender.submit(PutCommitted(version))
+        return self.loop.run_until_complete(asyncio.wait_for(job.handle.delivered(), 20))
+
+    def close(self) -> None:
+        self.sender.submit(Abort())
+        self.thread.join(10)
+        for member in self.members.values():
+            member.stop.set()
+        if self.segments is not None:
+            self.segments.close()
+        self.loop.close()
+
+
+@pytest.fixture
+def rig() -> Iterator[Rig]:
+    made: list[Rig] = []
+
+    def make(**kw: bool) -> Rig:
+        made.append(Rig(**kw))
+        return made[-1]
+
+    yield make  # type: ignore[misc]
+    for r in made:
+        r.close()
+
+
+def tensors(numel: int, value: float) -> list[tuple[str, torch.Tensor]]:
+    return [("w", torch.arange(numel, dtype=torch.float32) + value), ("b", torch.full((7,), value))]
+
+
+def digests_of(flat: torch.Tensor, bucket_bytes: int) -> list[int]:
+    return [checksum(flat[lo:hi]) for lo, hi in layout.bucket_ranges(flat.numel(), bucket_bytes)]
+
+
+def staged(r: Rig, version: int) -> torch.Tensor:
+    """The snapshot the sender sent (padding between tensors included: the digests cover it)."""
+    job = r.staging.retained
+    assert job is not None and job.version == version and job.flat is not None
+    return job.flat
+
+
+def moves(plane: FakePlane) -> list[int]:
+    return [v for op, v in plane.calls if op == "move"]
+
+
+def test_group_members_get_the_buckets_through_the_plane_and_digests_of_what_was_staged(rig) -> None:
+    r = rig()
+    a = r.join("a")
+    items = tensors(3000, 1.0)
+    report = r.put(0, items)
+    assert report.members == ("a",) and moves(r.plane) == [0]
+    announce, seal = a.of(_wire.Announce)[-1], a.of(_wire.Seal)[-1]
+    assert announce.segment is None and not announce.direct and announce.num_buckets == 3  # 12 KiB in 4 KiB
+    assert list(seal.checksums) == digests_of(staged(r, 0), SETTINGS.bucket_bytes)
+
+
+@pytest.mark.skipif(not shm.available(), reason="needs memfd and /proc (Linux)")
+def test_same_host_members_read_the_announced_segment_beside_the_group(rig) -> None:
+    r = rig(segments=True)
+    near, far = r.join("near", transport="shm"), r.join("far")
+    report = r.put(0, tensors(3000, 2.0))
+    assert set(report.members) == {"near", "far"}
+    assert [s.members for s in r.plane.entered][-1] == ("far",)  # the same-host member is in no group
+    for member in (near, far):
+        announce = member.of(_wire.Announce)[-1]
+        assert announce.segment is not None and announce.segment.ring == 0 and announce.segment.nbytes > 0
+    assert near.of(_wire.Seal)[-1].checksums == far.of(_wire.Seal)[-1].checksums  # one pass, both told
+
+
+@pytest.mark.skipif(not shm.available(), reason="needs memfd and /proc (Linux)")
+def test_a_same_host_only_generation_moves_nothing_through_the_plane_and_still_seals(rig) -> None:
+    r = rig(segments=True)
+    near = r.join("near", transport="shm")
+    items = tensors(3000, 3.0)
+    assert r.put(0, items).members == ("near",)
+    assert moves(r.plane) == []  # nobody in the group: the plane is not asked to move anything
+    assert list(near.of(_wire.Seal)[-1].checksums) == digests_of(staged(r, 0), SETTINGS.bucket_bytes)
+
+
+@pytest.mark.skipif(not shm.available(), reason="needs memfd and /proc (Linux)")
+def test_copy_false_to_a_same_host_member_goes_through_the_two_bucket_ring(rig) -> None:
+    r = rig(segments=True)
+    near = r.join("near", transport="shm")
+    items = tensors(3000, 4.0)
+    assert r.put(0, items, copy=False).members == ("near",)
+    announce = near.of(_wire.Announce)[-1]
+    assert announce.segment is not None and announce.segment.ring == SETTINGS.bucket_bytes  # two slots
+    assert announce.num_buckets == 3 and len(near.of(_wire.Seal)[-1].checksums) == 3
+
+
+def test_a_sliced_member_is_sent_only_its_box_point_to_point_with_its_own_digests(rig) -> None:
+    r = rig()
+    full = r.join("full")
+    want = (_wire.Want("w", (1000,), (500,)),)
+    sliced = r.join("sliced", want=want)
+    items = tensors(3000, 5.0)
+    sent: dict[int, list[tuple[int, int]]] = {}
+
+    def move(transfer: Transfer) -> None:  # what rank 0 sends each member, bucket by bucket
+        r.plane.calls.append(("move", transfer.version))
+        assert transfer.direct and transfer.sends is not None
+        for i in range(len(transfer.buckets)):
+            if transfer.before is not None:
+                transfer.before(i)
+            sent[i] = [(rank, piece.numel()) for rank, piece in transfer.sends(i)]
+            if transfer.after is not None:
+                transfer.after(i)
+
+    r.plane.move = move  # type: ignore[method-assign]
+    assert set(r.put(0, items).members) == {"full", "sliced"}
+    assert all(a.direct for a in sliced.of(_wire.Announce))
+    ranks = {m: i + 1 for i, m in enumerate(r.plane.entered[-1].members)}
+    whole = sum(n for rank, n in (p for i in sent for p in sent[i]) if rank == ranks["full"])
+    box = sum(n for rank, n in (p for i in sent for p in sent[i]) if rank == ranks["sliced"])
+    assert whole == full.of(_wire.Announce)[-1].manifest.total_bytes and box == 500 * 4  # its floats only
+    assert full.of(_wire.Seal)[-1].checksums != sliced.of(_wire.Seal)[-1].checksums  # each its own bytes
+
+
+def test_a_sharded_lane_announces_its_assembly_and_buckets_by_its_plan(rig) -> None:
+    r = rig()
+    a = r.join("a")
+    items = [("w", torch.arange(4000, dtype=torch.float32)), ("b", torch.ones(16))]
+    part = sharding.split(items, 1, 2, {"w": 1, "b": 0})  # rank 1 of 2 owns w
+    assembly = _wire.Assembly(1, 2, part.manifest, part.pieces)
+    report = r.put(0, part.items, manifest=part.lane, assembly=assembly)
+    assert report.members == ("a",)
+    announce = a.of(_wire.Announce)[-1]
+    assert announce.assembly == assembly
+    assert announce.num_buckets == len(sharding.bucket_plan(part.lane, SETTINGS.bucket_bytes))
