@@ -60,8 +60,6 @@ class FakeTable:
 class FakePlane:
     """A data plane that moves nothing and remembers every call."""
 
-    kind = "fake"
-
     def __init__(self, *, fail_enter: BaseException | None = None) -> None:
         self.calls: list[tuple[str, object]] = []
         self.fail_enter = fail_enter

@@ -307,8 +307,6 @@ class GroupPlane:
             ``_torch_compat.gloo_device``); None for gloo's default.
     """
 
-    kind = "group"
-
     def __init__(self, store: Any, *, channel: str, member: str, backend: str, device: torch.device,
                  recorder: FlightRecorder, in_place: bool = False, slot: int = 0, timeout: float = 30.0,
                  host: str | None = None) -> None:

@@ -74,9 +74,8 @@ class Transfer:
 
 
 class DataPlane(Protocol):
-    """See the module docstring for who calls what, and when."""
-
-    kind: str
+    """See the module docstring for who calls what, and when. (A plane has no kind attribute: nothing
+    may branch on which plane it drives.)"""
 
     def offer(self) -> str: ...
 

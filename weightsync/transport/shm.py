@@ -230,8 +230,6 @@ class ShmPlane:
     thread.
     """
 
-    kind = "shm"
-
     def __init__(self, pid: int, recorder: RecorderScope | None = None) -> None:
         self.pid = pid
         self._rec = recorder
