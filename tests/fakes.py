@@ -60,6 +60,8 @@ class FakeTable:
 class FakePlane:
     """A data plane that moves nothing and remembers every call."""
 
+    in_group, moves_alone = True, False
+
     def __init__(self, *, fail_enter: BaseException | None = None) -> None:
         self.calls: list[tuple[str, object]] = []
         self.fail_enter = fail_enter

@@ -307,6 +307,8 @@ class GroupPlane:
             ``_torch_compat.gloo_device``); None for gloo's default.
     """
 
+    in_group, moves_alone = True, False
+
     def __init__(self, store: Any, *, channel: str, member: str, backend: str, device: torch.device,
                  recorder: FlightRecorder, in_place: bool = False, slot: int = 0, timeout: float = 30.0,
                  host: str | None = None) -> None:

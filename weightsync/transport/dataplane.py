@@ -74,8 +74,15 @@ class Transfer:
 
 
 class DataPlane(Protocol):
-    """See the module docstring for who calls what, and when. (A plane has no kind attribute: nothing
-    may branch on which plane it drives.)"""
+    """See the module docstring for who calls what, and when. A plane has no kind attribute: nothing
+    may branch on which plane it drives, only on what it says of itself."""
+
+    #: a member end takes part in its generation's group (``enter`` forms it); False: it joins
+    #: none and reads the version from where the Announce says (shared memory)
+    in_group: bool
+    #: a member end's ``move`` waits on no peer (a copy): all its time is the member's own work
+    #: in straggler scoring; False: time in ``move`` is the collective's
+    moves_alone: bool
 
     def offer(self) -> str: ...
 

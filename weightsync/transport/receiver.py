@@ -327,8 +327,9 @@ class Receiver:
             if message is None or not isinstance(message, _wire.Go):
                 return False, message
             if message.generation == generation:
-                if self.transport == "shm":
-                    return True, None  # nothing to enter: versions are read from shared memory
+                assert self._plane is not None
+                if not self._plane.in_group:
+                    return True, None  # nothing to enter (shared memory: versions are read from the segment)
                 if self.member_id not in message.group:
                     raise ProtocolError(f"generation {generation}'s group leaves out this member")
                 self.rank = message.group.index(self.member_id) + 1
@@ -476,7 +477,7 @@ class Receiver:
         # busy host). Not ours: the collective, and the publisher's Seal, which comes when the
         # whole broadcast is done; in gloo's tree a leaf finishes early and waits for it.
         own = max(seconds - in_move - sealing, 0.0) + checking[0]
-        if self.transport == "shm":  # the copy out of shared memory is all this member's own work
+        if self._plane is not None and self._plane.moves_alone:  # no peer to wait on in move (a copy)
             own = max(seconds - sealing, 0.0)
         self._acknowledge(announce, ok=ok, error=error, seconds=seconds, own=own, corrupt=corrupt)
 

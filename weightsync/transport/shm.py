@@ -230,6 +230,8 @@ class ShmPlane:
     thread.
     """
 
+    in_group, moves_alone = False, True
+
     def __init__(self, pid: int, recorder: RecorderScope | None = None) -> None:
         self.pid = pid
         self._rec = recorder
