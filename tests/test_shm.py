@@ -271,11 +271,30 @@ def test_a_reused_segment_is_never_read_as_the_announced_version() -> None:
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("transport", ["auto", "group"])
-async def test_pipelined_snapshot_is_bit_exact_and_a_cancelled_one_is_never_read(transport: str) -> None:
+async def test_pipelined_snapshot_is_bit_exact_and_a_cancelled_one_is_never_read(
+        transport: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """pipeline=True: the version is announced before its snapshot is taken, and bucket i goes
     out once copied. Members get it bit-exact; a put cancelled mid-snapshot (its copy fails
-    half-way) is never made readable by anyone, and the channel goes on."""
+    half-way) is never made readable by anyone, and the channel goes on.
+
+    Each snapshot starts only once its version was announced (bounded): an 8 MiB copy takes
+    about 7 ms, and on a loaded 2-core CI machine the sender thread was once not scheduled that
+    soon, so "announced while the snapshot was taken" failed by 1.7 ms. The gate proves the same
+    thing without the race: the announce does not wait for the snapshot."""
+    from weightsync.transport import snapshots
+
     rec = ws.FlightRecorder(capacity=4000)
+    packing = snapshots.pack_progressively
+
+    def announced_first(*args: object) -> None:
+        version = max(e.version for e in rec.snapshot() if e.op == "put")
+        deadline = time.monotonic() + 10
+        while not any(e.op == "announce" and e.version == version for e in rec.snapshot()):
+            assert time.monotonic() < deadline, f"version {version} was not announced before its snapshot"
+            time.sleep(0.001)  # the snapshot thread waits for the sender thread's announce, bounded
+        packing(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(snapshots, "pack_progressively", announced_first)
     async with ws.Publisher("pipe", timeout=10, heartbeat_interval=0.25, bucket_bytes=1 << 20, recorder=rec,
                             pipeline=True) as pub:
         async with ws.Subscriber("pipe", address=pub.address, member_id="a", timeout=10, transport=transport,
