@@ -29,6 +29,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from weightsync.pg.membership import MemberInfo, StragglerPolicy
+from weightsync.pg.reaper import TEARDOWN
 from weightsync.pg.recorder import FlightRecorder
 
 log = logging.getLogger("weightsync.orchestrator")
@@ -162,8 +163,9 @@ class LocalProcessOrchestrator:
             fields = {"member": member.member_id, "n": str(n), "reason": member.reason}
             argv = [_PLACEHOLDER.sub(lambda m: fields[m.group(1)], part) for part in self.command]
             env = dict(os.environ, **self.env, WEIGHTSYNC_REPLACES=member.member_id, WEIGHTSYNC_REPLACEMENT=str(n))
-            proc: Any = subprocess.Popen(argv, env=env, cwd=self.cwd, stdout=self.stdout, stderr=self.stderr,
-                                         start_new_session=True)
+            with TEARDOWN:  # no backend is torn down while this process forks (see reaper.TEARDOWN)
+                proc: Any = subprocess.Popen(argv, env=env, cwd=self.cwd, stdout=self.stdout, stderr=self.stderr,
+                                             start_new_session=True)
             self.started.append((member, proc))
             log.info("started %s (pid %d) to replace %s (%s)", argv[0], proc.pid, member.member_id,
                      member.reason)

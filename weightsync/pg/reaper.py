@@ -19,6 +19,15 @@ from weightsync.pg import _torch_compat as compat
 
 PUBLISHER_GRACE = 3.0  # seconds rank 0 keeps a retired group before tearing it down (see retire)
 
+#: held while a backend is torn down here, and by whoever forks this process (the orchestrator's
+#: replacements): the two never overlap. Seen 4 times on 2.13 in the soak test, always while a
+#: replacement was being forked, beside a retired group's teardown: gloo's loop thread ended the
+#: process (``EnforceNotMet ... pair.cc: state_ <= CONNECTED. 5 vs 4``, an event on a closed
+#: pair). A socket closed while a forked child still holds its duplicate (until the child closes
+#: its descriptors and execs) stays registered with the parent's epoll; a teardown that closes
+#: without deregistering then gets events for a pair that is gone.
+TEARDOWN = threading.Lock()
+
 
 class Reaper:
     """One daemon thread, started on demand, that aborts retired backends in turn."""
@@ -72,9 +81,10 @@ class Reaper:
             time.sleep(max(due - time.monotonic(), 0.0))  # a grace the retiring end asked for (see retire)
             items = handoff[:]
             handoff.clear()  # from here on, this thread holds the only references
-            if items and items[0] is not None:
-                compat.abort(items[0])
-            del items  # destructors (the backend's, hung works') run here, on no thread that waits
+            with TEARDOWN:  # never while this process forks (see TEARDOWN)
+                if items and items[0] is not None:
+                    compat.abort(items[0])
+                del items  # destructors (the backend's, hung works') run here, on no thread that waits
             entry.complete()
             with self._idle:
                 self._busy = self._queue.qsize() > 0
