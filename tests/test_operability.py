@@ -509,25 +509,3 @@ async def test_a_self_connected_try_is_tried_again(monkeypatch: pytest.MonkeyPat
         await asyncio.wait_for(joining, 30)
         await pub.wait_subscribers(1, timeout=10)
         await sub.aclose()
-
-
-def test_a_dead_members_rendezvous_key_is_waited_for_no_longer() -> None:
-    """A member killed while its generation's group forms: the publisher's own gloo rendezvous
-    waited for its key until the rendezvous deadline (about 31 s with the defaults), holding the
-    sender. Its death now ends every wait for its key, and only for its key."""
-    from weightsync._wire import StoreOp
-    from weightsync.control.rendezvous import KeyValue, Scope
-
-    table, results = KeyValue(), []
-    prefix = "ws/c/gen/3/token/pg/"
-    waiter = threading.Thread(target=lambda: results.append(table.wait((prefix + "0/2",), 60.0)))
-    waiter.start()
-    answers: list = []
-    table.serve(StoreOp(rid=1, op="wait", keys=(prefix + "0/2",), timeout=60.0), answers.append, owner="other")
-    table.serve(StoreOp(rid=2, op="wait", keys=(prefix + "0/1",), timeout=60.0), answers.append, owner="other")
-    table.abandon(Scope((prefix,), 2))  # rank 2 died
-    waiter.join(10)
-    assert results == [False] and not waiter.is_alive()
-    assert [a.rid for a in answers] == [1] and not answers[0].ok  # rank 1's key is still awaited
-    table.set(prefix + "0/1", b"addr")
-    assert [a.rid for a in answers] == [1, 2] and answers[1].ok

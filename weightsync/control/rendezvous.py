@@ -107,33 +107,7 @@ class KeyValue:
         self._waiting: dict[str, list[tuple[tuple[str, ...], float, Callable[[bool], None], str]]] = {}
         self._waits: dict[str, int] = {}  # owner connection -> its outstanding waits
         self._owner: dict[str, str] = {}  # key -> the member that set it ("" or absent: the publisher)
-        self._lost: list[Scope] = []  # members that died holding these scopes: their keys will never come
         self._closed = False
-
-    def _never(self, keys: tuple[str, ...]) -> bool:
-        """Some key of ``keys`` is unset and belongs to a member that died (it will never be set)."""
-        return any(k not in self._data and k.startswith(scope.prefixes) and k.rsplit("/", 1)[-1] == str(scope.rank)
-                   for scope in self._lost for k in keys)
-
-    def abandon(self, scope: Scope) -> None:
-        """The member holding ``scope`` died: every wait for its key ends now, unanswered (a group
-        forming with it gives up at once instead of at its rendezvous deadline)."""
-        with self._cond:
-            self._lost = [*self._lost[-63:], scope]
-            failed: list[tuple[tuple[str, ...], float, Callable[[bool], None], str]] = []
-            for key in list(self._waiting):
-                kept: list[tuple[tuple[str, ...], float, Callable[[bool], None], str]] = []
-                for waiter in self._waiting[key]:
-                    (failed if self._never(waiter[0]) else kept).append(waiter)
-                if kept:
-                    self._waiting[key] = kept
-                else:
-                    del self._waiting[key]
-            for waiter in failed:
-                self._unfiled(waiter)
-            self._cond.notify_all()
-        for _keys, _deadline, callback, _owner in failed:
-            callback(False)
 
     @property
     def _waiters(self) -> list[tuple[tuple[str, ...], float, Callable[[bool], None], str]]:
@@ -252,9 +226,8 @@ class KeyValue:
     def wait(self, keys: tuple[str, ...], timeout: float) -> bool:
         """Block (a local caller) until every key is set; False on timeout."""
         with self._cond:
-            return self._cond.wait_for(
-                lambda: self._closed or self._never(keys) or all(k in self._data for k in keys),
-                max(timeout, 0.0)) and not self._closed and all(k in self._data for k in keys)
+            return self._cond.wait_for(lambda: self._closed or all(k in self._data for k in keys),
+                                       max(timeout, 0.0)) and not self._closed
 
     def when_set(self, keys: tuple[str, ...], timeout: float, callback: Callable[[bool], None],
                  owner: str = "") -> None:
@@ -264,7 +237,7 @@ class KeyValue:
         when it, or the table, has as many outstanding as allowed.
         """
         with self._cond:
-            closed = self._closed or self._never(keys)
+            closed = self._closed
             waiter = (keys, time.monotonic() + timeout, callback, owner)
             if not closed and any(k not in self._data for k in keys):
                 if owner and self._waits.get(owner, 0) >= MAX_MEMBER_WAITS:

@@ -449,8 +449,6 @@ class ControlServer:
 
     def _lost(self, link: Link, reason: str) -> None:
         was_bound = link.bound and not link.closed
-        if was_bound and link.scope is not None:  # a group forming with it stops waiting for its key
-            self._table.abandon(link.scope)
         self._drop(link, reason)
         if was_bound and not link.reported:
             link.reported = True
