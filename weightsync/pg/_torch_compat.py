@@ -277,18 +277,14 @@ def recv(pg: Any, tensor: torch.Tensor, src: int, tag: int) -> Any:
     return pg.recv([tensor], src, tag)
 
 
-def _detach(err: BaseException) -> tuple[type[BaseException], str]:
-    """``err``'s type and message; its traceback (the frames that waited on its work) is dropped."""
+def _fresh(err: BaseException) -> BaseException:
+    """A new ``type(err)(message)`` (a RuntimeError where the type takes other arguments); ``err``'s
+    traceback, the frames that waited on its work, is dropped."""
     err.__traceback__ = None
-    return type(err), str(err)
-
-
-def _detached(kind: type[BaseException], message: str) -> BaseException:
-    """A fresh ``kind(message)`` (a RuntimeError when ``kind`` cannot be built from a message)."""
     try:
-        return kind(message)
+        return type(err)(str(err))
     except Exception:  # noqa: BLE001 - some pybind exception types take other arguments
-        return RuntimeError(message)
+        return RuntimeError(str(err))
 
 
 def wait_work(work: Any, timeout: float) -> None:
@@ -307,12 +303,13 @@ def wait_work(work: Any, timeout: float) -> None:
     try:
         ok = work.wait(_td(timeout))
     except Exception as err:  # noqa: BLE001 - re-raised below, detached from the work
-        kind, message = _detach(err)
+        fresh = _fresh(err)
+        message = str(fresh)
         if "not implemented" not in message:
             # our store's KeyTimeout, or torch's own wording (its errors carry no type for it)
-            if issubclass(kind, KeyTimeout) or "timed out" in message.lower() or "timeout" in message.lower():
+            if isinstance(fresh, KeyTimeout) or "timed out" in message.lower() or "timeout" in message.lower():
                 raise TimeoutError(message) from None
-            raise _detached(kind, message) from None
+            raise fresh from None
         done = threading.Event()
         fut = work.get_future()
         fut.add_done_callback(lambda _f: done.set())
@@ -321,8 +318,7 @@ def wait_work(work: Any, timeout: float) -> None:
         try:
             fut.value()  # re-raises the operation's own error, if any
         except Exception as err:  # noqa: BLE001 - the same cycle, through the future
-            kind, message = _detach(err)
-            raise _detached(kind, message) from None
+            raise _fresh(err) from None
         return
     if ok is False:
         raise TimeoutError(f"operation did not complete within {timeout:.1f}s")
