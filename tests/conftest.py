@@ -116,7 +116,10 @@ class Procs:
 def cpu_hog() -> Iterator[subprocess.Popen[bytes]]:
     """A busy-loop process beside the test for its whole run: decisions about who is dead or late
     are made on a loaded machine, as they are in production."""
-    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    # it spins only while the test process lives: one killed or aborted (a timeout, a crash) left
+    # its hog running for hours, loading every later run on the machine
+    spin = f"import os\nwhile os.getppid() == {os.getpid()}:\n    for _ in range(100000): pass"
+    hog = subprocess.Popen([sys.executable, "-c", spin])
     try:
         yield hog
     finally:
