@@ -50,6 +50,29 @@ def test_ring_wraps_and_keeps_the_newest() -> None:
         FlightRecorder(capacity=-1)
 
 
+def test_an_unfinished_entry_outlives_the_ring_wrapping() -> None:
+    """A failure (or an operation still in flight) pushed out by later entries is kept aside: the
+    death at version 3 still reads in a dump written hundreds of versions later."""
+    rec = FlightRecorder(capacity=8)
+    rec.record("heartbeat", channel="c", member="publisher", peers=("gen1",)).start().fail("connection closed")
+    hung = rec.record("bucket_send", channel="c", member="publisher", version=4).start()
+    for i in range(40):
+        rec.record("put", channel="c", member="publisher", version=5 + i).start().complete()
+    entries = rec.snapshot()
+    assert [e.op for e in entries[:2]] == ["heartbeat", "bucket_send"]
+    assert entries[0].state == "failed" and entries[1].state == "started"
+    assert len(entries) == 10 and [e.seq for e in entries] == sorted(e.seq for e in entries)
+    hung.complete()  # ended after it was pushed out: the dump shows how it ended
+    assert rec.snapshot()[1].state == "completed"
+    for i in range(40):  # completed ones are not kept
+        rec.record("put", channel="c", member="publisher", version=50 + i).start().complete()
+    assert [e.op for e in rec.snapshot()] == ["heartbeat", "bucket_send"] + ["put"] * 8
+    for i in range(10):  # the side list is bounded too (a quarter of the capacity)
+        rec.record("receive", channel="c", member="gen0", version=i).start().fail("late")
+        rec.record("put", channel="c", member="publisher", version=100 + i).start().complete()
+    assert len(rec.snapshot()) == 8 + 2
+
+
 def test_dump_round_trip_and_states(tmp_path: Path) -> None:
     rec = FlightRecorder(capacity=10, directory=tmp_path, label="gen7")
     rec.record("receive", channel="c", member="gen7", version=3).start().fail(TimeoutError("late"))

@@ -8,6 +8,10 @@ where progress stopped.
 
 Recording is a few attribute writes under no lock (a ``deque`` append is atomic), so it stays
 on by default. ``capacity=0`` turns it off: ``record`` then returns a shared inert entry.
+
+An entry the ring pushes out before it completed (a failure, an abort, an operation still in
+flight) is kept aside, up to ``capacity // 4`` of them: a death at version 3 still reads in a
+dump written 400 versions later, when the ring holds only the last few hundred versions.
 """
 
 from __future__ import annotations
@@ -110,6 +114,7 @@ class FlightRecorder:
             raise ValueError(f"capacity must be >= 0 (0 turns recording off), got {capacity}")
         self.capacity = capacity
         self._ring: deque[Entry] = deque(maxlen=capacity or 1)
+        self._kept: deque[Entry] = deque(maxlen=max(1, capacity // 4))  # pushed out unfinished
         self._seq = itertools.count()
         self._lock = threading.Lock()
         self._directory = Path(directory) if directory is not None else None
@@ -129,7 +134,16 @@ class FlightRecorder:
         """Add an entry in state ``scheduled`` and return it for the caller to advance."""
         entry = Entry(seq=next(self._seq), op=op, channel=channel, member=member, t_scheduled=time.time(), **fields)
         if self.capacity:
-            self._ring.append(entry)
+            ring = self._ring
+            if len(ring) == ring.maxlen:
+                try:
+                    oldest = ring[0]
+                except IndexError:  # emptied by a resize meanwhile
+                    pass
+                else:
+                    if oldest.state != COMPLETED:
+                        self._kept.append(oldest)
+            ring.append(entry)
         return entry
 
     def scope(self, channel: str, member: str) -> RecorderScope:
@@ -137,9 +151,13 @@ class FlightRecorder:
         return RecorderScope(self, channel, member)
 
     def snapshot(self) -> list[Entry]:
-        """A copy of the ring, oldest first (entries still in flight keep their state)."""
+        """A copy of the ring, oldest first (entries still in flight keep their state), after the
+        unfinished entries the ring pushed out (each once, in ``seq`` order)."""
         with self._lock:
-            return [msgspec.structs.replace(e) for e in list(self._ring)]
+            ring = list(self._ring)
+            first = ring[0].seq if ring else None
+            kept = {e.seq: e for e in list(self._kept) if first is None or e.seq < first}
+            return [msgspec.structs.replace(e) for e in [*sorted(kept.values(), key=lambda e: e.seq), *ring]]
 
     # where dumps go --------------------------------------------------------------------------
     def configure(self, *, directory: str | os.PathLike[str] | None = None, label: str | None = None,
@@ -215,6 +233,7 @@ class FlightRecorder:
         with self._lock:
             self.capacity = capacity
             self._ring = deque(self._ring, maxlen=capacity or 1)
+            self._kept = deque(self._kept, maxlen=max(1, capacity // 4))
 
 
 class RecorderScope:
