@@ -20,7 +20,7 @@ VLLM_STAMP := $(VLLM_VENV)/.weightsync-vllm
 $(STAMP): pyproject.toml requirements/torch-$(TORCH).txt
 	test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
 	$(PIP_ENV) $(VENV)/bin/pip install --quiet -r requirements/torch-$(TORCH).txt
-	$(PIP_ENV) $(VENV)/bin/pip install --quiet -e ".[test,dev,plot]" -r requirements/torch-$(TORCH).txt
+	$(PIP_ENV) $(VENV)/bin/pip install --quiet -e ".[test,dev,plot,ray]" -r requirements/torch-$(TORCH).txt
 	rm -f $(VENV)/.weightsync-torch-*
 	touch $@
 
