@@ -45,7 +45,7 @@ bench-vllm: $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/python -m benchmarks.vllm_update
 
 demo: $(STAMP)
-	$(VENV)/bin/python -m rl_examples.cartpole
+	$(VENV)/bin/weightsync demo
 
 bench: $(STAMP)
 	$(VENV)/bin/python -m benchmarks.push_vs_broadcast

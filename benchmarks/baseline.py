@@ -11,8 +11,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from benchmarks.model import packed_chunks
 from benchmarks.procs import Workers
+from weightsync.bench.model import packed_chunks
 
 
 class BlockingBroadcast:

@@ -36,9 +36,9 @@ import torch
 import weightsync as ws
 from benchmarks.baseline import BlockingBroadcast
 from benchmarks.lag import LagMeter
-from benchmarks.model import make_state_dict, nbytes
 from benchmarks.procs import Workers
 from benchmarks.report import verdict, write_json
+from weightsync.bench.model import make_state_dict, nbytes
 
 MODES = ("naive", "packed", "ws_copy", "ws_nocrc", "ws_nocopy")
 WS_MODES = ("ws_copy", "ws_nocrc", "ws_nocopy")

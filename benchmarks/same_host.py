@@ -3,7 +3,7 @@
     python -m benchmarks.same_host [--sizes 64,256,512,1024] [--subscribers 1,2,4] [--reps 3]
 
 For each generator count, one publisher pushes the same LLM-shaped state dict
-(``benchmarks.model``) to N generator processes on this host, first with ``transport="shm"``
+(``weightsync.bench.model``) to N generator processes on this host, first with ``transport="shm"``
 and then with ``transport="group"`` (gloo over loopback), checksums on (the default) and off.
 Each point is the median time from ``put`` until every generator acknowledged, over ``--reps``
 pushes after one warm-up. The memcpy ceiling (one thread, ``ctypes.memmove``: what one
@@ -31,9 +31,9 @@ import msgspec
 import torch
 
 import weightsync as ws
-from benchmarks.model import make_state_dict, nbytes
 from benchmarks.procs import Workers
 from benchmarks.report import pyplot, verdict, write_json
+from weightsync.bench.model import make_state_dict, nbytes
 
 TRANSPORTS = ("shm", "group")
 

@@ -27,8 +27,8 @@ import torch
 
 import weightsync as ws
 from benchmarks.baseline import BlockingBroadcast
-from benchmarks.model import make_state_dict
 from benchmarks.procs import Workers
+from weightsync.bench.model import make_state_dict
 
 
 class LoopResult(msgspec.Struct):

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 import weightsync as ws
 from benchmarks.lag import LagMeter
-from benchmarks.model import make_state_dict, packed_chunks
+from weightsync.bench.model import make_state_dict, packed_chunks
 
 
 class WorkerResult(msgspec.Struct):

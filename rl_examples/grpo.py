@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
+import os
 import subprocess
 import sys
 import time
@@ -34,8 +35,7 @@ import msgspec
 import torch
 
 import weightsync as ws
-from rl_examples._loop import (
-    REPO,
+from weightsync.demo.loop import (
     Generators,
     RolloutQueue,
     analyze_summary,
@@ -47,6 +47,7 @@ from rl_examples._loop import (
     member_rng,
     next_batch,
     run_dir,
+    tensor_bytes,
 )
 
 CHANNEL = "grpo"
@@ -118,7 +119,7 @@ def sample_groups(policy: Policy, rng: torch.Generator, member: str, version: in
             tokens = torch.cat([tokens, token], 1)
     rewards = (tokens[:, -N:] == answer.repeat_interleave(group, 0)).float().mean(1)  # the check
     return Groups(generator=member, version=version, prompts=prompts, group=group,
-                  tokens=tokens.numpy().tobytes(), logp=torch.cat(logps, 1).numpy().tobytes(),
+                  tokens=tensor_bytes(tokens), logp=tensor_bytes(torch.cat(logps, 1)),
                   rewards=rewards.tolist())
 
 
@@ -190,7 +191,7 @@ async def trainer(args: argparse.Namespace) -> int:
         assert pub.address is not None
         replacements_log = (out / "replacements.log").open("ab")
         pub.orchestrator = ws.LocalProcessOrchestrator(gens.argv(pub.address, "gen-r{n}", extra), env=gens.env(),
-                                                       cwd=str(REPO), stdout=replacements_log,
+                                                       cwd=os.getcwd(), stdout=replacements_log,
                                                        stderr=subprocess.STDOUT)
         try:
             for i in range(args.generators):

@@ -38,7 +38,7 @@ import torch
 
 import weightsync as ws
 from rl_examples import _llama
-from rl_examples._loop import can_plot, mean, run_dir
+from weightsync.demo.loop import can_plot, mean, run_dir
 
 CHANNEL = "policy"
 BANDS, BAND, BASE = 4, 16, 64

@@ -20,7 +20,7 @@ def run(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_cartpole_demo_short_mode(tmp_path: Path) -> None:
-    out = run("-m", "rl_examples.cartpole", "--steps", "8", "--log-every", "4", "--no-check", "--out", str(tmp_path))
+    out = run("-m", "weightsync.cli", "demo", "--steps", "8", "--log-every", "4", "--no-check", "--out", str(tmp_path))
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     rows = msgspec.json.decode((tmp_path / "cartpole.json").read_bytes())
     assert [r["step"] for r in rows] == list(range(1, 9))

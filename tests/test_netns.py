@@ -182,6 +182,54 @@ async def test_a_link_taken_down_mid_transfer_is_a_dead_member_survivors_recover
     assert recovered < 3 * timeout + 10
 
 
+def test_weightsync_bench_runs_across_two_hosts_under_torchrun(cluster_of, tmp_path: Path) -> None:
+    """`weightsync bench` as a user runs it on two hosts: one torchrun per host (the trainer's in
+    the root namespace, a generator's in another host's), the rendezvous at the trainer's address.
+    The table, JSON and verdict come back from rank 0, every version bit-exact, and the run knows
+    it spanned two nodes."""
+    cluster, _hosts = cluster_of(None)
+    with socket_free() as port:
+        pass
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+            "--master-addr", cluster.trainer_ip, "--master-port", str(port), "-m", "weightsync.bench.run",
+            "--sizes", "4", "--subscribers", "1", "--reps", "1", "--step-ms", "20", "--out", str(tmp_path)]
+    base = {k: v for k, v in os.environ.items() if k not in ("GLOO_SOCKET_IFNAME", "PYTHONPATH")}
+    logs = [tmp_path / "node0.log", tmp_path / "node1.log"]
+    with open(logs[0], "wb") as out0, open(logs[1], "wb") as out1:
+        node0 = subprocess.Popen([*argv[:3], "--node-rank", "0", *argv[3:]], cwd=tmp_path, stdout=out0,
+                                 stderr=subprocess.STDOUT, start_new_session=True,
+                                 env=dict(base, GLOO_SOCKET_IFNAME=cluster.bridge))
+        try:
+            node1 = cluster.popen(0, [*argv[:3], "--node-rank", "1", *argv[3:]], cwd=tmp_path, stdout=out1,
+                                  stderr=subprocess.STDOUT, env=dict(base, GLOO_SOCKET_IFNAME="eth0"))
+            codes = [wait(node0, 200), wait(node1, 30)]
+        finally:
+            if node0.poll() is None:
+                os.killpg(node0.pid, signal.SIGKILL)
+                node0.wait(10)
+    text = logs[0].read_text()
+    assert codes == [0, 0], f"exit codes {codes}:\n{text[-3000:]}\n{logs[1].read_text()[-3000:]}"
+    assert "on 2 node(s)" in text and "verdict: at 4 MiB to 1 generator" in text and "bit-exact" in text, text
+    report = msgspec.json.decode((tmp_path / "bench.json").read_bytes())
+    assert report["ok"] and report["world_size"] == 2 and len(set(report["hosts"])) == 2
+    assert sorted(r["mode"] for r in report["rows"]) == ["naive", "packed", "put", "put_nocopy"]
+    assert all(r["exact"] for r in report["rows"])
+
+
+class socket_free:
+    """A free TCP port on this host (closed again before use: torchrun binds it itself)."""
+
+    def __enter__(self) -> int:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return s.getsockname()[1]
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
 def test_the_harness_leaves_nothing_when_its_owner_is_killed_9(tmp_path: Path) -> None:
     code = ("import sys; from benchmarks.netns import Cluster; c = Cluster([100, None]); "
             "print(c.owner, flush=True); sys.stdin.read()")

@@ -10,6 +10,7 @@ import sys
 import zipfile
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 
@@ -43,6 +44,7 @@ def test_the_wheel_holds_only_weightsync(wheel: Path) -> None:
                     reason="the fresh environment takes torch 2.13.0 from this machine's disk; CI's 2.13 run has it")
 def test_installed_without_editable_mode_it_imports_and_its_cli_writes_nothing_there(wheel: Path,
                                                                                     tmp_path: Path) -> None:
+    """Also: `weightsync bench` and `weightsync demo` run from that install in empty directories."""
     venv = tmp_path / "venv"
     sh(sys.executable, "-m", "venv", venv)
     python = venv / "bin" / "python"
@@ -69,3 +71,26 @@ def test_installed_without_editable_mode_it_imports_and_its_cli_writes_nothing_t
     assert sorted(p.relative_to(site) for p in site.rglob("*") if "__pycache__" not in p.parts) == [
         p for p in before if "__pycache__" not in p.parts]
     assert list(empty.iterdir()) == []
+    # the two programs a new user runs first, from the installed CLI, in a directory of their own:
+    # the side-by-side comparison (torchrun launched by the CLI: 1 trainer, 1 generator) ...
+    bench_dir, demo_dir = tmp_path / "bench-here", tmp_path / "demo-here"
+    bench_dir.mkdir()
+    demo_dir.mkdir()
+    out = sh(venv / "bin" / "weightsync", "bench", "--sizes", "2,8", "--subscribers", "1", "--reps", "1",
+             "--step-ms", "20", cwd=bench_dir, env=env)
+    assert "verdict: at 8 MiB to 1 generator, put stalls the trainer" in out and "bit-exact" in out, out
+    report = msgspec.json.decode((bench_dir / "weightsync-bench" / "bench.json").read_bytes())
+    assert sorted({(r["mode"], round(r["mib"])) for r in report["rows"]}) == sorted(
+        (m, s) for m in ("naive", "packed", "put", "put_nocopy") for s in (2, 8))
+    assert all(r["exact"] and r["stall_ms"] > 0 and r["to_all_ms"] > 0 for r in report["rows"]) and report["ok"]
+    assert not (bench_dir / "weightsync-bench" / "bench.png").exists()  # no matplotlib there: said, not failed
+    assert "matplotlib is not installed" in out
+    # ... and the demo, writing under ./runs/
+    out = sh(venv / "bin" / "weightsync", "demo", "--steps", "3", "--log-every", "1", "--no-check",
+             cwd=demo_dir, env=env)
+    (run,) = (demo_dir / "runs").iterdir()
+    steps = msgspec.json.decode((run / "cartpole.json").read_bytes())
+    assert [r["step"] for r in steps] == [1, 2, 3], out
+    assert len(list((run / "flight-recorder").glob("*.wsfr"))) == 4
+    assert sorted(p.relative_to(site) for p in site.rglob("*") if "__pycache__" not in p.parts) == [
+        p for p in before if "__pycache__" not in p.parts]

@@ -283,3 +283,29 @@ def test_connect_store_reaches_an_applications_store_and_gives_up_on_a_silent_li
     for thread in stuck:
         thread.join(10)
     assert not any(t.is_alive() for t in stuck)
+
+
+def test_bench_verdict_and_its_refusals() -> None:
+    """`weightsync bench`'s one-line verdict reads the rows it was given (an altered version turns
+    it into a failure), and bad options are refused before any rank starts."""
+    from weightsync.bench.model import make_state_dict, nbytes
+    from weightsync.bench.run import Row, add_ratios, main, verdict
+
+    def row(mode: str, stall: float, to_all: float, exact: bool = True) -> Row:
+        return Row(mode=mode, mib=240.0, subscribers=2, stall_ms=stall, to_all_ms=to_all, gbps=1.0, exact=exact)
+
+    rows = [row("naive", 900, 950), row("packed", 800, 1000), row("put", 80, 1100), row("put_nocopy", 4, 1050)]
+    add_ratios(rows)
+    line, ok = verdict(rows)
+    assert ok and "put stalls the trainer 0.100x" in line and "copy=False 0.005x" in line and "1.10x" in line
+    rows[2].exact = False
+    line, ok = verdict(rows)
+    assert not ok and "ALTERED" in line
+    assert verdict(rows[:1]) == ("verdict: incomplete run", False)
+    for bad in (["--sizes", "a,b"], ["--subscribers", "0"], ["--reps", "0"]):
+        with pytest.raises(SystemExit) as exc:
+            main(bad)
+        assert exc.value.code == 2
+    # seeded: every rank builds the same bytes; sizes below 64 MiB come out near what was asked
+    a, b = make_state_dict(8, seed=3), make_state_dict(8, seed=3)
+    assert all(torch.equal(a[k], b[k]) for k in a) and 7.5 < nbytes(a) / 2**20 < 8.5

@@ -4,13 +4,16 @@
     weightsync fr list              the dump folders under the default directory, newest first
     weightsync fr analyze DIR       merge all ranks' recorder dumps; name where a push stopped
     weightsync fr timeline DIR -o timeline.png|.html
+    weightsync bench [...]          weightsync against blocking broadcasts, here or across hosts (torchrun)
+    weightsync demo [...]           the CartPole actor-learner demo, writing under ./runs/
 
 ``fr analyze`` exits 0 when it finds nothing wrong, 1 for a stall or failure, 2 for input it
 cannot read (with a message, never a traceback); ``fr timeline`` exits 0 once the picture is
 written (what it shows is the analyzer's business). Output piped into ``head`` ends quietly.
 Everything here works from a plain install in any directory and writes only where it is told
-(``-o``). The demo and the benchmarks live in the repository (``make demo``, ``make bench``):
-they are programs about weightsync, not part of the library.
+(``-o``, ``--out``; ``bench`` and ``demo`` write under the current directory by default).
+``bench`` and ``demo`` take their own options (``weightsync bench --help``); the repository's
+benchmarks/ hold the detailed, single-host studies (``make bench`` and the rest).
 """
 
 from __future__ import annotations
@@ -89,10 +92,24 @@ def _fr(args: argparse.Namespace) -> int:
     return 0 if analysis.ok else 1
 
 
+PROGRAMS = {
+    "bench": ("weightsync.bench.run", "weightsync against blocking broadcasts on this host or across hosts "
+                                      "(launches torchrun; weightsync bench --help)"),
+    "demo": ("weightsync.demo.cartpole", "1 trainer + 3 generators learn CartPole (about a minute); "
+                                         "output in ./runs/ (weightsync demo --help)"),
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in PROGRAMS:  # programs with options of their own, handed everything after the name
+        import importlib  # noqa: PLC0415
+
+        return int(importlib.import_module(PROGRAMS[argv[0]][0]).main(argv[1:]))
     parser = argparse.ArgumentParser(prog="weightsync", description="asynchronous weight push for RL")
     sub = parser.add_subparsers(dest="command", required=True)
+    for name, (_module, text) in PROGRAMS.items():
+        sub.add_parser(name, help=text, add_help=False)
     sub.add_parser("doctor", help="what this torch offers (backends, feature probes)")
     fr = sub.add_parser("fr", help="flight-recorder dumps: list, analyze, timeline")
     fr_sub = fr.add_subparsers(dest="fr_command", required=True)

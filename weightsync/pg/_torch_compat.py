@@ -155,14 +155,20 @@ _lazy_lock = threading.Lock()
 def gloo_device(host: str | None) -> Any:
     """The network device a gloo backend binds: the interface with address ``host``.
 
-    ``GLOO_SOCKET_IFNAME`` wins when set (the user's explicit choice). Otherwise ``host`` is
+    ``GLOO_SOCKET_IFNAME`` wins when set (the user's explicit choice; the first of a comma-separated
+    list): torch reads it only when it makes the devices itself, and with devices passed in options
+    (as here) ``create_default_device`` ignored it and resolved the hostname, which inside a network
+    namespace fell back to loopback (a two-host ``weightsync bench`` hung on it). Otherwise ``host`` is
     the address this end's control connection uses, the one known to reach the other end. gloo's
     own default resolves the machine's hostname instead, which on a multi-homed host (or inside
     a network namespace) can name an interface the peers cannot reach. Without ``host``
     (a publisher listening on every interface), gloo's default applies.
     """
     gloo: Any = dist.ProcessGroupGloo
-    if host and not os.environ.get("GLOO_SOCKET_IFNAME"):
+    interface = os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")[0].strip()
+    if interface:
+        return gloo.create_device(interface=interface)
+    if host:
         return gloo.create_device(hostname=host)
     return gloo.create_default_device()
 

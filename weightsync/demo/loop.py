@@ -1,4 +1,4 @@
-"""What both RL examples share: the rollout queue back to the trainer, generator processes,
+"""What the demo and the repository's RL examples share: the rollout queue back to the trainer, generator processes,
 progress lines, the run directory with its plot, JSON and flight-recorder dumps.
 
 Weights go trainer -> generators over weightsync. Rollouts are small and go the other way as
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ctypes
 import datetime
 import os
 import signal
@@ -27,8 +28,6 @@ import torch.distributed as dist
 
 import weightsync as ws
 from weightsync.pg.recorder import process_recorder
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 class RolloutQueue:
@@ -169,12 +168,11 @@ class Generators:
                 "--rollouts", self.rollouts, "--out", str(self.out), *extra]
 
     def env(self) -> dict[str, str]:
-        pythonpath = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")]))
-        return dict(os.environ, PYTHONPATH=pythonpath, WEIGHTSYNC_FR_DIR=str(self.out / "flight-recorder"))
+        return dict(os.environ, WEIGHTSYNC_FR_DIR=str(self.out / "flight-recorder"))
 
     def start(self, address: str, member: str, extra: Sequence[str] = ()) -> subprocess.Popen[bytes]:
         log = open(self.out / f"{member}.log", "ab")  # noqa: SIM115 - the child owns it
-        proc = subprocess.Popen(self.argv(address, member, extra), env=self.env(), cwd=REPO, stdout=log,
+        proc = subprocess.Popen(self.argv(address, member, extra), env=self.env(), cwd=os.getcwd(), stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True)
         log.close()
         self.procs[member] = proc
@@ -235,6 +233,12 @@ def can_plot() -> bool:
         print("matplotlib is not installed: no plot this time (pip install 'weightsync[plot]')")
         return False
     return True
+
+
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    """A tensor's bytes without numpy (not a dependency of weightsync, nor of torch)."""
+    flat = t.detach().contiguous().cpu()
+    return ctypes.string_at(flat.data_ptr(), flat.numel() * flat.element_size()) if flat.numel() else b""
 
 
 def mean(values: Sequence[float]) -> float:

@@ -1,7 +1,7 @@
 """The demo: an asynchronous actor-learner loop that learns CartPole, on CPU, in about a minute.
 
-    make demo                                        # or: python -m rl_examples.cartpole
-    python -m rl_examples.cartpole --steps 6 --no-check  # the short mode CI runs
+    weightsync demo                        # from any install; in a checkout: make demo
+    weightsync demo --steps 6 --no-check   # the short mode CI runs
 
 One trainer process and three generator processes. The trainer hosts a weightsync channel,
 starts the generators, and after every optimizer step pushes the policy with ``await
@@ -29,7 +29,7 @@ import msgspec
 import torch
 
 import weightsync as ws
-from rl_examples._loop import (
+from weightsync.demo.loop import (
     Generators,
     RolloutQueue,
     analyze_summary,
@@ -41,6 +41,7 @@ from rl_examples._loop import (
     member_rng,
     next_batch,
     run_dir,
+    tensor_bytes,
 )
 
 CHANNEL = "cartpole"
@@ -124,10 +125,10 @@ def sample_batch(policy: torch.nn.Module, env: CartPole, generator: torch.Genera
     keep = mask.bool()
     advantages = (to_go - baseline[:, None])[keep]
     def rows(tensors: list[torch.Tensor]) -> bytes:
-        return torch.stack(tensors)[keep].numpy().tobytes()
+        return tensor_bytes(torch.stack(tensors)[keep])
 
     return Batch(generator=member, version=version, steps=int(keep.sum()), obs=rows(rows_obs),
-                 actions=rows(rows_act), logp=rows(rows_logp), advantages=advantages.numpy().tobytes(),
+                 actions=rows(rows_act), logp=rows(rows_logp), advantages=tensor_bytes(advantages),
                  episode_returns=mask.sum(0).tolist(), sample_seconds=time.perf_counter() - t0)
 
 
@@ -174,7 +175,7 @@ async def trainer(args: argparse.Namespace) -> int:
     optimizer = torch.optim.Adam(policy.parameters(), lr=args.lr)
     rows: list[StepRow] = []
     queue = RolloutQueue.host(f"rl/{CHANNEL}/batches")  # rollouts come back on a store of our own
-    gens = Generators("rl_examples.cartpole", out, queue.address)
+    gens = Generators("weightsync.demo.cartpole", out, queue.address)
     print(f"demo: CartPole, 1 trainer + {args.generators} generators, {args.steps} steps; "
           f"output in {out}", flush=True)
     async with ws.Publisher(CHANNEL, address="127.0.0.1:0", timeout=30, heartbeat_interval=0.5,
@@ -259,7 +260,7 @@ def plot(rows: list[StepRow], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = example_parser("python -m rl_examples.cartpole", __doc__, steps=150, log_every=10)
+    parser = example_parser("weightsync demo", __doc__, steps=150, log_every=10)
     parser.add_argument("--episodes", type=int, default=16, help="episodes per batch")
     parser.add_argument("--epochs", type=int, default=4, help="PPO epochs per batch")
     parser.add_argument("--lr", type=float, default=5e-4)

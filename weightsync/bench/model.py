@@ -8,9 +8,13 @@ from dataclasses import dataclass
 import torch
 
 
-def make_state_dict(mib: int) -> dict[str, torch.Tensor]:
-    """About ``mib`` MiB: an embedding, per-layer attention/MLP matrices (bf16) and small norms (fp32)."""
-    hidden = 1024
+def make_state_dict(mib: int, *, seed: int | None = None) -> dict[str, torch.Tensor]:
+    """About ``mib`` MiB: an embedding, per-layer attention/MLP matrices (bf16) and small norms (fp32).
+
+    With ``seed`` the values are the same in every process (a receiver can check what arrived).
+    From 64 MiB up the hidden size is 1024 (an embedding of 16 MiB, 32 MiB per layer); smaller
+    sizes take narrower layers so that they come out near what was asked."""
+    hidden = 1024 if mib >= 64 else 256 if mib >= 8 else 64
     sd: dict[str, torch.Tensor] = {"embed.weight": torch.zeros(8192, hidden, dtype=torch.bfloat16)}
     layer_bytes = (4 * hidden * hidden + 3 * hidden * 4 * hidden) * 2
     layers = max(1, (mib * 2**20 - sd["embed.weight"].numel() * 2) // layer_bytes)
@@ -22,9 +26,10 @@ def make_state_dict(mib: int) -> dict[str, torch.Tensor]:
         sd[f"layers.{i}.mlp.down.weight"] = torch.zeros(hidden, 4 * hidden, dtype=torch.bfloat16)
         sd[f"layers.{i}.norm1.weight"] = torch.ones(hidden)
         sd[f"layers.{i}.norm2.weight"] = torch.ones(hidden)
+    gen = torch.Generator().manual_seed(seed) if seed is not None else None
     for t in sd.values():
         if t.dtype == torch.bfloat16:
-            t.normal_()
+            t.normal_(generator=gen)
     return sd
 
 
