@@ -379,6 +379,10 @@ def spmd(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:
     if subs[-1] > world - 1:
         p.error(f"--subscribers {subs[-1]} needs {subs[-1] + 1} ranks; this run has {world}")
     cuda = torch.cuda.is_available() and not args.cpu
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if cuda and torch.cuda.device_count() < local_world:
+        p.error(f"NCCL takes one GPU per rank: this host runs {local_world} ranks and has "
+                f"{torch.cuda.device_count()} GPU(s); start fewer ranks here, or pass --cpu for gloo")
     device = torch.device(f"cuda:{local_rank}") if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
@@ -389,7 +393,7 @@ def spmd(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:
     hosts = _gather_text(f"{socket.gethostname()} (node {node})", ctrl, world)
     # several nodes (torchrun agents): rank 0 listens where the others reached torchrun's own
     # rendezvous, the address every node already uses for it
-    multi_node = int(os.environ.get("LOCAL_WORLD_SIZE", world)) != world
+    multi_node = local_world != world
     listen = f"{os.environ.get('MASTER_ADDR', '0.0.0.0')}:0" if multi_node else "127.0.0.1:0"
     rows: list[Row] = []
     total = len(sizes) * len(subs) * len(MODES)
