@@ -39,6 +39,7 @@ from benchmarks.lag import LagMeter
 from benchmarks.procs import Workers
 from benchmarks.report import verdict, write_json
 from weightsync.bench.model import make_state_dict, nbytes
+from weightsync.bench.run import add_ratios, draw
 
 MODES = ("naive", "packed", "ws_copy", "ws_nocrc", "ws_nocopy")
 WS_MODES = ("ws_copy", "ws_nocrc", "ws_nocopy")
@@ -220,15 +221,6 @@ def _row(mode: str, size: int, n: int, stalls: list[float], to_all: list[float],
 
 
 # report --------------------------------------------------------------------------------------------
-def add_ratios(rows: list[Row]) -> None:
-    packed = {(r.mib, r.subscribers): r for r in rows if r.mode == "packed"}
-    for r in rows:
-        base = packed.get((r.mib, r.subscribers))
-        if base is not None:
-            r.stall_vs_packed = r.stall_ms / base.stall_ms
-            r.to_all_vs_packed = r.to_all_ms / base.to_all_ms
-
-
 def check_targets(rows: list[Row]) -> dict[str, bool]:
     """The issue's targets at 512 MiB (or the largest size run) and 2 subscribers (or the nearest)."""
     ws_rows = [r for r in rows if r.mode.startswith("ws")]
@@ -261,32 +253,8 @@ def table(rows: list[Row], ceiling: Ceiling) -> str:
 
 
 def plot(report: Report, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    subs = sorted({r.subscribers for r in report.rows})
-    fig, axes = plt.subplots(len(subs), 2, figsize=(11, 3.2 * len(subs)), squeeze=False)
-    for row_i, n in enumerate(subs):
-        for col, (field, label) in enumerate((("stall_ms", "trainer stall per push (ms)"),
-                                              ("to_all_ms", "until every generator has it (ms)"))):
-            ax = axes[row_i][col]
-            for mode in MODES:
-                pts = sorted((r.mib, getattr(r, field)) for r in report.rows if r.mode == mode and r.subscribers == n)
-                if pts:
-                    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=mode)
-            ax.set_xscale("log", base=2)
-            ax.set_yscale("log")
-            ax.set_xlabel("state dict (MiB)")
-            ax.set_ylabel(label)
-            ax.set_title(f"{n} generator{'s' if n > 1 else ''}")
-            ax.grid(True, which="both", alpha=0.3)
-    axes[0][0].legend(fontsize=8)
-    fig.suptitle(f"weightsync vs blocking broadcast (gloo, CPU, {report.cores} cores, torch {report.torch})")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    title = f"weightsync vs blocking broadcast (gloo, CPU, {report.cores} cores, torch {report.torch})"
+    draw(report.rows, MODES, title, path)
 
 
 async def bench(sizes: list[int], subscribers: list[int], reps: int, step_ms: float, packed_bytes: int,

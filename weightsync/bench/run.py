@@ -256,7 +256,8 @@ def _row(mode: str, size: int, n: int, stalls: list[float], to_all: list[float],
 
 
 # the report --------------------------------------------------------------------------------------
-def add_ratios(rows: list[Row]) -> None:
+def add_ratios(rows: list[Any]) -> None:
+    """``stall_vs_packed`` and ``to_all_vs_packed`` of every row, against ``packed`` at its size and count."""
     packed = {(r.mib, r.subscribers): r for r in rows if r.mode == "packed"}
     for r in rows:
         base = packed.get((r.mib, r.subscribers))
@@ -293,6 +294,14 @@ def verdict(rows: list[Row]) -> tuple[str, bool]:
 
 
 def plot(report: Report, path: Path) -> bool:
+    title = (f"weightsync vs blocking broadcast ({report.backend}, {report.device}, {len(set(report.hosts))} "
+             f"node(s), torch {report.torch})")
+    return draw(report.rows, MODES, title, path)
+
+
+def draw(rows: list[Any], modes: tuple[str, ...], title: str, path: Path) -> bool:
+    """Stall and time-to-all against size, one row of panels per generator count (any rows with
+    ``mode, mib, subscribers, stall_ms, to_all_ms``); False, said, without matplotlib."""
     try:
         import matplotlib  # noqa: PLC0415 - an extra (weightsync[plot])
 
@@ -301,14 +310,14 @@ def plot(report: Report, path: Path) -> bool:
     except ImportError:
         print("matplotlib is not installed: no plot (pip install 'weightsync[plot]')")
         return False
-    subs = sorted({r.subscribers for r in report.rows})
+    subs = sorted({r.subscribers for r in rows})
     fig, axes = plt.subplots(len(subs), 2, figsize=(11, 3.2 * len(subs)), squeeze=False)
     for i, n in enumerate(subs):
         for j, (field, label) in enumerate((("stall_ms", "trainer stall per push (ms)"),
                                             ("to_all_ms", "until every generator has it (ms)"))):
             ax = axes[i][j]
-            for mode in MODES:
-                pts = sorted((r.mib, getattr(r, field)) for r in report.rows if r.mode == mode and r.subscribers == n)
+            for mode in modes:
+                pts = sorted((r.mib, getattr(r, field)) for r in rows if r.mode == mode and r.subscribers == n)
                 if pts:
                     ax.plot([p[0] for p in pts], [max(p[1], 1e-3) for p in pts], marker="o", label=mode)
             ax.set_xscale("log", base=2)
@@ -318,8 +327,7 @@ def plot(report: Report, path: Path) -> bool:
             ax.set_title(f"{n} generator{'s' if n > 1 else ''}")
             ax.grid(True, which="both", alpha=0.3)
     axes[0][0].legend(fontsize=8)
-    fig.suptitle(f"weightsync vs blocking broadcast ({report.backend}, {report.device}, {len(set(report.hosts))} "
-                 f"node(s), torch {report.torch})")
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
