@@ -342,7 +342,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--sizes", default="64,256", help="state-dict sizes in MiB, comma-separated")
     p.add_argument("--subscribers", default=None,
                    help="generator counts, comma-separated (default: 1 and every other rank; on this host 1,2)")
-    p.add_argument("--reps", type=int, default=3, help="measured pushes per point (plus one warm-up)")
+    p.add_argument("--reps", type=int, default=5, help="measured pushes per point (plus one warm-up)")
     p.add_argument("--step-ms", type=float, default=300.0, help="the synthetic training step put_nocopy overlaps")
     p.add_argument("--packed-mib", type=int, default=1024, help="the packed baseline's buffer size (vLLM: 1 GiB)")
     p.add_argument("--cpu", action="store_true", help="gloo on CPUs even where GPUs are")
