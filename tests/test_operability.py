@@ -174,10 +174,17 @@ async def test_joins_generations_evictions_and_checksum_failures_are_logged(
 
 
 def test_the_library_never_prints() -> None:
-    offenders = [f"{p.relative_to(REPO)}:{node.lineno}" for p in (REPO / "weightsync").rglob("*.py")
-                 if p.name != "cli.py" for node in ast.walk(ast.parse(p.read_text()))
+    """Only the command-line programs print (the CLI, `weightsync bench`, `weightsync demo`); none of
+    the library's modules does, nor imports them."""
+    package = REPO / "weightsync"
+    programs = {package / "cli.py", *(package / "bench").rglob("*.py"), *(package / "demo").rglob("*.py")}
+    library = [p for p in package.rglob("*.py") if p not in programs]
+    offenders = [f"{p.relative_to(REPO)}:{node.lineno}" for p in library for node in ast.walk(ast.parse(p.read_text()))
                  if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "print"]
     assert offenders == []  # docstring examples may print; the code never does
+    importers = [f"{p.relative_to(REPO)}" for p in library
+                 if re.search(r"^\s*(from|import) weightsync\.(bench|demo|cli)\b", p.read_text(), re.M)]
+    assert importers == []
 
 
 # -- statistics and Prometheus -------------------------------------------------------------------
