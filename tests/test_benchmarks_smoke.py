@@ -42,6 +42,17 @@ def test_same_host_bench_runs_both_transports_and_both_pipelines(tmp_path: Path)
     assert report["memcpy_gbps"] > 0 and (tmp_path / "same_host.png").stat().st_size > 10_000
 
 
+def test_cast_bench_pushes_fp32_masters_as_bf16_in_every_mode(tmp_path: Path) -> None:
+    out = run("-m", "benchmarks.cast", "--mib", "4", "--subscribers", "1", "--reps", "1", "--out", str(tmp_path))
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = {r["mode"]: r for r in msgspec.json.decode((tmp_path / "cast.json").read_bytes())["rows"]}
+    assert list(rows) == ["fp32", "caller_bf16", "dtype", "dtype_nocopy"]
+    half = rows["fp32"]["wire_mib"] / 2  # every bf16 mode sends half the fp32 bytes (give or take alignment)
+    assert all(abs(rows[m]["wire_mib"] - half) < 0.01 for m in ("caller_bf16", "dtype", "dtype_nocopy"))
+    assert all(r["stall_ms"] > 0 and r["to_all_ms"] > 0 for r in rows.values())
+    assert (tmp_path / "cast.png").stat().st_size > 10_000
+
+
 def test_train_loop_and_recorder_overhead_run(tmp_path: Path) -> None:
     out = run("-m", "benchmarks.train_loop", "--mib", "8", "--steps", "2", "--step-ms", "20", "--subscribers", "1",
               "--out", str(tmp_path))

@@ -321,3 +321,40 @@ async def test_subscribers_take_bucket_size_and_deadlines_from_the_publisher() -
         assert digests(await subs[0].get(timeout=10)) == digests(sd)
     finally:
         await close(pub, subs)
+
+
+@pytest.mark.parametrize("copy", [True, False], ids=["snapshot", "copy-false"])
+async def test_put_casts_to_the_engines_dtype_in_the_snapshot(copy: bool) -> None:
+    """put(dtype=torch.bfloat16): fp32 and fp64 tensors arrive as exactly `.to(torch.bfloat16)`,
+    integer and bool tensors as they were; the wire carries the cast bytes. Odd buckets split a
+    bf16 element between two (the copy=False path casts bucket by bucket)."""
+    pub, subs = await channel(2, bucket_bytes=(1 << 15) + 3)
+    try:
+        gen = torch.Generator().manual_seed(7)
+        sd = {"w": torch.randn(300, 257, generator=gen), "b": torch.randn(257, dtype=torch.float64, generator=gen),
+              "step": torch.tensor(12), "mask": torch.ones(5, dtype=torch.bool),
+              "already": torch.randn(64, generator=gen).to(torch.bfloat16),
+              "strided": torch.randn(40, 30, generator=gen).t()}
+        expected = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v) for k, v in sd.items()}
+        handle = await pub.put(sd, version=3, copy=copy, dtype=torch.bfloat16)
+        if not copy:
+            await handle.released(timeout=10)
+        report = await handle.delivered(timeout=10)
+        sent = sum(t.numel() * t.element_size() for t in expected.values())
+        assert sent <= report.nbytes < sent + 64 * len(sd) < sum(t.numel() * t.element_size() for t in sd.values())
+        for sub in subs:
+            w = await sub.get(min_version=3, timeout=5)
+            for name, want in expected.items():
+                assert w[name].dtype == want.dtype and torch.equal(w[name], want), name
+        # a mapping casts what it names, nothing else
+        await (await pub.put(sd, version=4, copy=copy, dtype={"w": torch.float16})).delivered(timeout=10)
+        w = await subs[0].get(min_version=4, timeout=5)
+        assert torch.equal(w["w"], sd["w"].half()) and torch.equal(w["b"], sd["b"]) and w["b"].dtype == torch.float64
+        for bad, kind, words in ((torch.int8, ValueError, "floating-point dtype"), ("bf16", TypeError, "torch.dtype"),
+                                 ({"nope": torch.bfloat16}, ValueError, "not in this version"),
+                                 ({"step": torch.bfloat16}, ValueError, "not a floating-point tensor")):
+            with pytest.raises(kind, match=words):
+                await pub.put(sd, version=5, dtype=bad)
+        assert pub.version == 4  # a refused put took no version
+    finally:
+        await close(pub, subs)

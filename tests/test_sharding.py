@@ -85,6 +85,16 @@ async def test_fsdp2_ranks_push_their_shards_and_subscribers_get_bit_exact_full_
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize("copy", [True, False], ids=["snapshot", "copy-false"])
+async def test_fsdp2_ranks_cast_their_shards_to_bf16_as_they_pack_them(procs: Procs, tmp_path: Path,
+                                                                      copy: bool) -> None:
+    """put(dtype=torch.bfloat16) on every FSDP2 rank: each casts only its own shards while it packs
+    them (its lane holds bf16), and subscribers hold exactly full_tensor().to(bfloat16); the int
+    buffer keeps its dtype."""
+    await _push_and_check(procs, tmp_path, 2, versions=2, cast="bfloat16", nocopy=not copy)
+
+
+@pytest.mark.asyncio
 async def test_hsdp_2d_mesh_over_the_trainers_own_group(procs: Procs, tmp_path: Path) -> None:
     """HSDP (Replicate, Shard(0)) on a 2x2 mesh: one rank of each replica set sends each shard;
     the ranks find rank 0 through their own ProcessGroup (group=)."""

@@ -179,6 +179,9 @@ async def sharded_trainer(spec: dict) -> dict:
             sd["shared.replicated"] = replicated + version
             sd["plain.step"] = torch.tensor([version, rank * 0], dtype=torch.int32)
             full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in sd.items()}
+            cast = getattr(torch, spec["cast"]) if spec.get("cast") else None  # put(dtype=): what members hold
+            if cast is not None:
+                full = {k: (v.to(cast) if v.is_floating_point() else v) for k, v in full.items()}
             expected[str(version)] = {k: digest(v) for k, v in full.items()}
             for r in range(spec.get("tp", 0)):  # what tensor-parallel generator rank r should hold
                 expected[f"{version}/tp{r}"] = {k: digest(tp_box(full[k], dim, r, spec["tp"]))
@@ -187,7 +190,7 @@ async def sharded_trainer(spec: dict) -> dict:
             if spec.get("die_at") == version and rank == spec.get("die_rank"):
                 os.kill(os.getpid(), signal.SIGSTOP if spec.get("die_by") == "stop" else signal.SIGKILL)
             try:
-                handle = await pub.put(sd, version=version)
+                handle = await pub.put(sd, version=version, dtype=cast, copy=not spec.get("nocopy"))
                 await handle.delivered(timeout=60)
             except ws.WeightSyncError as err:
                 error = f"{type(err).__name__}: {err}"

@@ -106,6 +106,46 @@ def _unsendable(tensor: object) -> str:
     return ""
 
 
+CastLike = Union[torch.dtype, Mapping[str, torch.dtype], None]
+
+
+def wire_dtypes(items: list[tuple[str, torch.Tensor]], dtype: CastLike) -> dict[str, torch.dtype]:
+    """The tensors ``put(..., dtype=)`` casts, name -> the dtype they are sent (and held) in.
+
+    ``dtype`` is one floating dtype for every floating-point tensor (integer and bool tensors keep
+    theirs: a step counter stays exact), or a mapping naming the tensors to cast. Only tensors whose
+    dtype differs are listed. TypeError / ValueError name what is wrong.
+    """
+    if dtype is None:
+        return {}
+    if isinstance(dtype, torch.dtype):
+        target = _cast_target(dtype, "dtype")
+        return {name: target for name, t in items if t.dtype.is_floating_point and t.dtype != target}
+    if not isinstance(dtype, Mapping):
+        raise TypeError(f"dtype must be a torch.dtype or a mapping of names to dtypes, got {type(dtype).__name__}")
+    dtypes = {name: t.dtype for name, t in items}
+    unknown = sorted(set(dtype) - set(dtypes))
+    if unknown:
+        raise ValueError(f"dtype names tensors not in this version: {unknown[:5]}")
+    out = {}
+    for name, want in dtype.items():
+        target = _cast_target(want, f"dtype[{name!r}]")
+        if not dtypes[name].is_floating_point:
+            raise ValueError(f"dtype[{name!r}]: {dtypes[name]} is not a floating-point tensor; only those are cast")
+        if dtypes[name] != target:
+            out[name] = target
+    return out
+
+
+def _cast_target(dtype: object, what: str) -> torch.dtype:
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"{what} must be a torch.dtype, got {type(dtype).__name__}")
+    if not dtype.is_floating_point:
+        raise ValueError(f"{what}: a cast is to a floating-point dtype (torch.bfloat16, torch.float16, ...), "
+                         f"not {dtype}")
+    return dtype
+
+
 def untie(items: list[tuple[str, torch.Tensor]]) -> tuple[list[tuple[str, torch.Tensor]], tuple[tuple[str, str], ...]]:
     """Tensors that are the same memory under two names (tied weights) are sent once.
 
@@ -127,15 +167,23 @@ def untie(items: list[tuple[str, torch.Tensor]]) -> tuple[list[tuple[str, torch.
     return kept, tuple(ties)
 
 
-def build_manifest(items: list[tuple[str, torch.Tensor]], ties: tuple[tuple[str, str], ...] = ()) -> Manifest:
-    """Lay the tensors out in order, each at a 64-byte aligned offset (``ties``: see :func:`untie`)."""
+def build_manifest(items: list[tuple[str, torch.Tensor]], ties: tuple[tuple[str, str], ...] = (),
+                   wire: Mapping[str, torch.dtype] | None = None) -> Manifest:
+    """Lay the tensors out in order, each at a 64-byte aligned offset (``ties``: see :func:`untie`),
+    each in its ``wire`` dtype where it is cast (:func:`wire_dtypes`)."""
     specs = []
     offset = 0
+    wire = wire or {}
     for name, tensor in items:
-        nbytes = tensor.numel() * tensor.element_size()
-        specs.append(TensorSpec(name, dtype_name(tensor.dtype), tuple(tensor.shape), offset, nbytes))
+        dtype = wire.get(name, tensor.dtype)
+        nbytes = tensor.numel() * _element_size(dtype)
+        specs.append(TensorSpec(name, dtype_name(dtype), tuple(tensor.shape), offset, nbytes))
         offset = _aligned(offset + nbytes)
     return Manifest(tensors=tuple(specs), total_bytes=offset, ties=ties)
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
 
 
 def bucket_ranges(total_bytes: int, bucket_bytes: int) -> list[tuple[int, int]]:
@@ -172,14 +220,21 @@ def pack_into(flat: torch.Tensor, manifest: Manifest, items: list[tuple[str, tor
     """Copy every tensor into its range of ``flat`` (strided sources are fine).
 
     Each source is checked again first: a ``copy=False`` tensor the caller freed or resized
-    since ``put`` would be read through a dangling pointer (a crash, not an exception).
+    since ``put`` would be read through a dangling pointer (a crash, not an exception). A tensor
+    whose spec has another (floating) dtype is cast in the same pass as the copy.
     """
     for spec, (name, tensor) in zip(manifest.tensors, items, strict=True):
         problem = _unsendable(tensor)
-        if problem or tuple(tensor.shape) != spec.shape or dtype_name(tensor.dtype) != spec.dtype:
+        if problem or tuple(tensor.shape) != spec.shape or not _same_or_cast(tensor.dtype, spec.dtype):
             raise ValueError(f"{name!r} changed since it was put: {problem or 'its shape or dtype differs'}")
         if spec.nbytes:
             tensor_view(flat, spec).copy_(tensor, non_blocking=True)
+
+
+def _same_or_cast(dtype: torch.dtype, wire: str) -> bool:
+    """The source's dtype is the spec's, or both are floating (put's ``dtype=`` cast). The copy reads
+    the source by its own dtype, so a cast cannot read past its storage."""
+    return dtype_name(dtype) == wire or (dtype.is_floating_point and dtype_from_name(wire).is_floating_point)
 
 
 def pack_range(
@@ -191,11 +246,21 @@ def pack_range(
     The alignment padding between tensors is left as it is: nobody reads it (a snapshot's
     padding is uninitialised memory too), and zeroing it would add a pass over every byte.
     """
-    for spec, (_, tensor) in zip(manifest.tensors, items, strict=True):
+    for spec, (name, tensor) in zip(manifest.tensors, items, strict=True):
         a, b = max(lo, spec.offset), min(hi, spec.offset + spec.nbytes)
         if a >= b:
             continue
         src = tensor if tensor.is_contiguous() else tensor.contiguous()
+        if dtype_name(src.dtype) != spec.dtype:  # put(dtype=): cast the elements this range covers
+            if not _same_or_cast(src.dtype, spec.dtype):
+                raise ValueError(f"{name!r} changed since it was put: its dtype differs")
+            wire = dtype_from_name(spec.dtype)
+            size = _element_size(wire)
+            first, last = (a - spec.offset) // size, -(-(b - spec.offset) // size)
+            part = src.reshape(-1)[first:last].to(wire).view(torch.uint8)
+            skip = a - spec.offset - first * size
+            out[a - lo : b - lo].copy_(part[skip : skip + b - a], non_blocking=True)
+            continue
         src_bytes = src.reshape(-1).view(torch.uint8)
         out[a - lo : b - lo].copy_(src_bytes[a - spec.offset : b - spec.offset], non_blocking=True)
 

@@ -403,7 +403,7 @@ class Publisher:
         return self._tally.snapshot(generation=self.membership.generation, members=members)
 
     async def put(self, tensors: layout.TensorsLike, *, version: int | None = None, copy: bool = True,
-                  owners: Mapping[str, int] | None = None) -> PutHandle:
+                  owners: Mapping[str, int] | None = None, dtype: layout.CastLike = None) -> PutHandle:
         """Queue a new version; returns once the snapshot is taken.
 
         With ``copy=True`` the tensors are copied into staging (on CUDA: a stream-ordered
@@ -416,18 +416,24 @@ class Publisher:
         same tensors (DTensors and plain ones): each sends only what it owns (see
         docs/sharding.md; ``owners`` names the rank that sends a plain tensor, default 0), only
         once every rank's put agreed; the handle resolves once every rank's part was delivered.
+
+        ``dtype`` (a floating dtype, or a mapping of names to dtypes) sends the floating-point
+        tensors in that dtype, as the engine serves them: the cast is done in the snapshot's copy
+        (with ``copy=False``, bucket by bucket as each is sent), so the wire, the staging buffers
+        and every member's slot hold the cast bytes. Integer and bool tensors keep their dtype.
         """
         began = time.perf_counter()
-        handle = await self._put(tensors, version=version, copy=copy, owners=owners)
+        handle = await self._put(tensors, version=version, copy=copy, owners=owners, dtype=dtype)
         self._tally.put_returned(handle.version, time.perf_counter() - began)
         return handle
 
     async def _put(self, tensors: layout.TensorsLike, *, version: int | None = None, copy: bool = True,
-                   owners: Mapping[str, int] | None = None) -> PutHandle:
+                   owners: Mapping[str, int] | None = None, dtype: layout.CastLike = None) -> PutHandle:
         """The body of :meth:`put` (its stall is timed around this)."""
         self._check_running()
         assert self._put_lock is not None and self._loop is not None
         items = layout.as_items(tensors, sharded=self.world_size > 1)
+        wire = layout.wire_dtypes(items, dtype)
         if owners and self.world_size == 1:
             raise ValueError("owners is for sharded publishers (world_size > 1)")
         async with self._put_lock:
@@ -435,10 +441,10 @@ class Publisher:
             version = lifecycle.next_version(version, self._last_version)
             assembly: _wire.Assembly | None = None
             if self._trainers is not None:
-                items, manifest, assembly = await self._trainers.agree(items, version, owners)
+                items, manifest, assembly = await self._trainers.agree(items, version, owners, wire)
             else:  # tied weights (one tensor under two names) are sent once
                 items, ties = layout.untie(items)
-                manifest = layout.build_manifest(items, ties)
+                manifest = layout.build_manifest(items, ties, wire)
             if len(_wire.encode(manifest)) + len(_wire.encode(assembly)) > MAX_FRAME // 2:
                 raise ValueError(f"the manifest of {len(items)} tensors is over {MAX_FRAME // 2} bytes encoded: "
                                  "shorter names, or fewer tensors per channel")

@@ -96,9 +96,12 @@ class Split:
         return self.lane.total_bytes
 
 
-def split(items: list[tuple[str, Any]], rank: int, world: int, owners: Mapping[str, int] | None = None) -> Split:
-    """This rank's pieces of ``items`` (DTensors and plain tensors); raises for what cannot be split."""
+def split(items: list[tuple[str, Any]], rank: int, world: int, owners: Mapping[str, int] | None = None,
+          wire: Mapping[str, torch.dtype] | None = None) -> Split:
+    """This rank's pieces of ``items`` (DTensors and plain tensors), each in its ``wire`` dtype where
+    ``put(dtype=)`` casts it; raises for what cannot be split."""
     owners = dict(owners or {})
+    wire = dict(wire or {})
     unknown = sorted(set(owners) - {name for name, _ in items})
     if unknown:
         raise ValueError(f"owners names tensors not in this version: {unknown[:5]}")
@@ -117,17 +120,18 @@ def split(items: list[tuple[str, Any]], rank: int, world: int, owners: Mapping[s
             if not isinstance(owner, int) or not 0 <= owner < world:
                 raise ValueError(f"{name!r}: owner {owner!r} is not a rank of {world}")
             shape, local, offset = tuple(value.shape), (value if owner == rank else None), (0,) * value.dim()
-        specs.append((name, value.dtype, shape))
+        specs.append((name, wire.get(name, value.dtype), shape))
         if local is not None and local.numel():
             mine.append((index, local, tuple(local.shape), offset))
     manifest = global_manifest(specs)
-    order = sorted(mine, key=lambda m: -m[1].element_size())  # no padding: largest elements first
+    size = {name: _element_size(wire.get(name, value.dtype)) for name, value in items}
+    order = sorted(mine, key=lambda m: -size[items[m[0]][0]])  # no padding: largest elements first
     lane_items = [(items[index][0], local) for index, local, _, _ in order]
-    lane = packed_manifest(lane_items)
+    lane = packed_manifest(lane_items, wire)
     pieces = []
-    for index, local, shape, offset in order:
+    for index, _local, shape, offset in order:
         spec = manifest.tensors[index]
-        pieces.append(_wire.Piece(index, blocks_of(spec.shape, shape, offset, local.element_size(), spec.offset)))
+        pieces.append(_wire.Piece(index, blocks_of(spec.shape, shape, offset, size[spec.name], spec.offset)))
     return Split(manifest, lane_items, lane, tuple(pieces))
 
 
@@ -166,15 +170,24 @@ def global_manifest(specs: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> _w
     return _wire.Manifest(tensors=tuple(out), total_bytes=offset)
 
 
-def packed_manifest(items: list[tuple[str, torch.Tensor]]) -> _wire.Manifest:
-    """Back to back, no alignment padding (the items come largest element size first)."""
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def packed_manifest(items: list[tuple[str, torch.Tensor]], wire: Mapping[str, torch.dtype] | None = None
+                    ) -> _wire.Manifest:
+    """Back to back, no alignment padding (the items come largest element size first), each in
+    its ``wire`` dtype where it is cast."""
     out = []
     offset = 0
+    wire = wire or {}
     for name, tensor in items:
-        nbytes = tensor.numel() * tensor.element_size()
-        if offset % tensor.element_size():
+        dtype = wire.get(name, tensor.dtype)
+        size = _element_size(dtype)
+        nbytes = tensor.numel() * size
+        if offset % size:
             raise ValueError(f"{name!r}: lane offset {offset} is not aligned to its element size")
-        out.append(_wire.TensorSpec(name, layout.dtype_name(tensor.dtype), tuple(tensor.shape), offset, nbytes))
+        out.append(_wire.TensorSpec(name, layout.dtype_name(dtype), tuple(tensor.shape), offset, nbytes))
         offset += nbytes
     return _wire.Manifest(tensors=tuple(out), total_bytes=offset)
 

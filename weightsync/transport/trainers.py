@@ -149,13 +149,15 @@ class TrainerRanks:
         for link in held:
             self._admit(link)
 
-    async def agree(self, items: list[tuple[str, Any]], version: int, owners: Mapping[str, int] | None
+    async def agree(self, items: list[tuple[str, Any]], version: int, owners: Mapping[str, int] | None,
+                    wire: Mapping[str, torch.dtype] | None = None
                     ) -> tuple[list[tuple[str, torch.Tensor]], _wire.Manifest, _wire.Assembly]:
-        """This rank's pieces of a sharded put, once every rank agreed on it (before anything is sent)."""
+        """This rank's pieces of a sharded put, once every rank agreed on it (before anything is sent);
+        ``wire``: the tensors ``put(dtype=)`` casts (every rank must cast the same: the digest says)."""
         assert self._loop is not None and self._ranks is not None
         if self._error is not None:
             raise self._error
-        part = sharding.split(items, self.rank, self.world, owners)
+        part = sharding.split(items, self.rank, self.world, owners, wire)
         payload = sum(spec.nbytes for spec in part.manifest.tensors)
         await self._loop.run_in_executor(None, self._ranks.agree, version, sharding.digest(version, part.manifest),
                                          part.owned_bytes, payload, self._deadlines.ranks_agreement())
