@@ -396,7 +396,7 @@ def spmd(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:
         torch.cuda.set_device(device)
     backend = "nccl" if cuda else "gloo"
     dist.init_process_group(backend, timeout=TIMEOUT)
-    ctrl = dist.new_group(backend="gloo", timeout=TIMEOUT) if cuda else dist.group.WORLD
+    ctrl: Any = dist.new_group(backend="gloo", timeout=TIMEOUT) if cuda else dist.group.WORLD
     node = os.environ.get("GROUP_RANK", "0")
     hosts = _gather_text(f"{socket.gethostname()} (node {node})", ctrl, world)
     # several nodes (torchrun agents): rank 0 listens where the others reached torchrun's own
@@ -417,7 +417,7 @@ def spmd(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:
     failed = ""
     try:
         for n in subs:
-            group = dist.new_group(ranks=list(range(n + 1)), timeout=TIMEOUT)  # every rank takes part in making it
+            group: Any = dist.new_group(ranks=list(range(n + 1)), timeout=TIMEOUT)  # every rank takes part in making it
             if rank <= n:
                 run_baselines(rank, n, sizes, args.reps, device, args.packed_mib << 20, group, progress)
             dist.barrier(group=ctrl)
