@@ -85,7 +85,9 @@ def test_ray_orchestrator_kills_a_live_dropped_actor_and_reuses_its_name(cluster
     with pytest.raises(ray.exceptions.RayActorError):
         ray.get(old.ready.remote(), timeout=60)
     assert [(m.member_id, new_id) for m, new_id, _h in orch.started] == [("slowgen", "slowgen")]
-    asyncio.run(orch.aclose())
+    asyncio.run(orch.aclose())  # returns once Ray has it dead: ray.kill alone only asks
+    with pytest.raises(ValueError):
+        ray.get_actor("slowgen")
     with pytest.raises(ray.exceptions.RayActorError):
         ray.get(new.ready.remote(), timeout=60)
 

@@ -65,7 +65,8 @@ class RayOrchestrator:
             finds unnamed ones too.
 
     ``started`` lists ``(dropped member, new member id, actor handle)``; :meth:`aclose` kills the
-    actors this orchestrator started (not the application's own).
+    actors this orchestrator started (not the application's own) and returns once Ray has the
+    named ones dead.
     """
 
     def __init__(self, actor_class: Any, *args: Any, member_id: str = "repl-{n}", name: str | None = "{member}",
@@ -83,6 +84,7 @@ class RayOrchestrator:
         self.ready, self.ready_timeout, self.kill_old = ready, ready_timeout, kill_old
         self.actors: dict[str, Any] = dict(actors or {})
         self.started: list[tuple[MemberInfo, str, Any]] = []
+        self._names: list[str] = []  # of the actors it started and named
 
     async def __aenter__(self) -> RayOrchestrator:
         return self
@@ -113,6 +115,8 @@ class RayOrchestrator:
             options["namespace"] = self.namespace
         handle = self.actor_class.options(**options).remote(*args, **kwargs)
         self.started.append((member, new_id, handle))
+        if name is not None:
+            self._names.append(name)
         self.actors[new_id] = handle
         log.info("started Ray actor %s to replace %s (%s)", name or new_id, member.member_id, member.reason)
         if self.ready is not None:
@@ -144,12 +148,19 @@ class RayOrchestrator:
             await asyncio.sleep(_NAME_RELEASE_POLL)  # polling Ray's registry, bounded by the deadline
 
     async def aclose(self) -> None:
-        """Kill the actors this orchestrator started."""
+        """Kill the actors this orchestrator started; returns once Ray has the named ones dead
+        (``ray.kill`` only asks: a call made right after it could still be served), bounded by
+        ``ready_timeout``."""
         for _member, _new_id, handle in self.started:
             try:
                 self._ray.kill(handle, no_restart=True)
             except Exception as err:  # noqa: BLE001 - one gone already must not stop the others
                 log.debug("could not kill a replacement actor: %s", err)
+        for name in self._names:
+            try:
+                await self._name_released(name)
+            except TimeoutError as err:
+                log.warning("%s", err)
 
 
 def _fill(template: str, fields: Mapping[str, str]) -> str:
