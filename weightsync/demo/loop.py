@@ -29,6 +29,9 @@ import torch.distributed as dist
 import weightsync as ws
 from weightsync.pg.recorder import process_recorder
 
+# torch's typed store errors: an empty queue (a subclass of DistStoreError, the store's timeout)
+_QUEUE_EMPTY: Any = getattr(dist, "QueueEmptyError", ())
+
 
 class RolloutQueue:
     """A msgspec queue on the rollout store; one connection per process side.
@@ -67,12 +70,10 @@ class RolloutQueue:
             self.store.set_timeout(datetime.timedelta(seconds=left))
             try:
                 return bytes(self.store.queue_pop(key, True))
-            except (RuntimeError, dist.DistError) as err:
-                if "queue is empty" in str(err):
-                    continue  # a spurious wake-up
-                if "timeout" in str(err).lower() or "timed out" in str(err).lower():
-                    raise TimeoutError(str(err)) from None
-                raise
+            except _QUEUE_EMPTY:
+                continue  # a spurious wake-up
+            except dist.DistStoreError as err:  # the store's own timeout type
+                raise TimeoutError(str(err)) from None
 
     # credits bound the backlog: a generator samples a batch only with a credit, and the trainer
     # grants one per batch it consumed, so batches are never more than a few versions stale
