@@ -83,22 +83,30 @@ class Report(msgspec.Struct):
 
 
 # helpers over the control group (gloo, CPU tensors: no pickle) -----------------------------------
-def _bcast_text(text: str, group: Any) -> str:
-    buf = torch.zeros(_MAX_HOST, dtype=torch.uint8)
-    raw = text.encode()[:_MAX_HOST]
-    buf[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else buf[:0]
-    dist.broadcast(buf, src=0, group=group)
-    return bytes(buf.tolist()).rstrip(b"\0").decode()
-
-
-def _gather_text(text: str, group: Any, world: int) -> list[str]:
+def _text_tensor(text: str) -> torch.Tensor:
+    """``text`` (at most 256 bytes of it) in a zero-padded uint8 tensor."""
     buf = torch.zeros(_MAX_HOST, dtype=torch.uint8)
     raw = text.encode()[:_MAX_HOST]
     if raw:
         buf[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    return buf
+
+
+def _text_of(buf: torch.Tensor) -> str:
+    return bytes(buf.tolist()).rstrip(b"\0").decode()
+
+
+def _bcast_text(text: str, group: Any) -> str:
+    buf = _text_tensor(text)
+    dist.broadcast(buf, src=0, group=group)
+    return _text_of(buf)
+
+
+def _gather_text(text: str, group: Any, world: int) -> list[str]:
+    buf = _text_tensor(text)
     out = [torch.zeros_like(buf) for _ in range(world)]
     dist.all_gather(out, buf, group=group)
-    return [bytes(b.tolist()).rstrip(b"\0").decode() for b in out]
+    return [_text_of(b) for b in out]
 
 
 def _digest(sd: dict[str, torch.Tensor]) -> int:
