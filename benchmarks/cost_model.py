@@ -122,7 +122,7 @@ async def measure(cluster: netns.Cluster, n: int, rates: list[float], seconds: f
     async with ws.Publisher("model", address=f"{cluster.trainer_ip}:0", timeout=120, bucket_bytes=BUCKET) as pub:
         for i in range(n):
             spec = {"role": "follower", "channel": "model", "address": pub.address, "member": f"gen{i}",
-                    "timeout": 120.0, "result": str(tmp / f"n{n}-g{i}.json")}
+                    "timeout": 120.0, "transport": "group", "result": str(tmp / f"n{n}-g{i}.json")}
             cluster.popen(i, [sys.executable, "-m", "benchmarks.workers", msgspec.json.encode(spec).decode()],
                           env=env, cwd=REPO, stdout=subprocess.DEVNULL)
         await pub.wait_subscribers(n, timeout=120)

@@ -200,10 +200,10 @@ class Cluster:
         """Start ``argv`` inside host ``index``; it is killed when the cluster closes.
 
         Namespaces share one kernel, so a subscriber in one would find the publisher's shared
-        memory; an emulated other host receives through the group, as a real one would
-        (``WEIGHTSYNC_TRANSPORT=group`` unless ``env`` says otherwise).
+        memory: a process in an emulated other host asks for ``transport="group"`` itself, to
+        receive as a real one would.
         """
-        env = {"WEIGHTSYNC_TRANSPORT": "group", **(env if env is not None else os.environ)}
+        env = dict(env if env is not None else os.environ)
         proc = subprocess.Popen(["ip", "netns", "exec", self.hosts[index].ns, *argv], env=env,  # type: ignore[call-overload]
                                 start_new_session=True, **kwargs)
         self._procs.append(proc)

@@ -224,7 +224,7 @@ def _run(world: int, mode: str, args: argparse.Namespace, tmp: Path) -> dict:
 
 def _spawn(tmp: Path, name: str, spec: dict) -> tuple[subprocess.Popen[bytes], Path]:
     out = tmp / f"{name}.json"
-    env = dict(os.environ, TORCH_CPP_LOG_LEVEL="ERROR", WEIGHTSYNC_TRANSPORT="group")
+    env = dict(os.environ, TORCH_CPP_LOG_LEVEL="ERROR")
     proc = subprocess.Popen([sys.executable, "-m", "benchmarks.sharded", "--role",
                              msgspec.json.encode({**spec, "result": str(out)}).decode()], env=env)
     return proc, out

@@ -62,7 +62,7 @@ async def subscriber(spec: dict) -> WorkerResult:
 async def follower(spec: dict) -> WorkerResult:
     """Read every version it can until the publisher goes (a member of benchmarks.recovery)."""
     async with ws.Subscriber(spec.get("channel", "bench"), address=spec["address"], member_id=spec["member"],
-                             timeout=spec.get("timeout", 30.0)) as sub:
+                             timeout=spec.get("timeout", 30.0), transport=spec.get("transport")) as sub:
         last = -1
         while True:
             try:

@@ -23,13 +23,31 @@ except ImportError:  # pragma: no cover - uvloop is a dependency; keep collectio
 
 LOOPS = ["asyncio", "uvloop"] if uvloop is not None else ["asyncio"]
 
-# Most tests are about the process group (broadcasts, buckets on the wire, link probes,
-# generations) and run their generators on this host, where "auto" would take shared memory:
-# they ask for the group unless the run says otherwise. tests/test_shm.py asks for each
-# transport explicitly, and `make test` runs the end-to-end modules again with
-# WEIGHTSYNC_TRANSPORT=auto (the default users get).
-os.environ.setdefault("WEIGHTSYNC_TRANSPORT", "group")
 REPO = Path(__file__).resolve().parent.parent
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    # Most tests are about the process group (broadcasts, buckets on the wire, link probes,
+    # generations) and run their generators on this host, where "auto" would take shared memory:
+    # they ask for the group unless the run says otherwise. tests/test_shm.py asks for each
+    # transport explicitly, and `make test` runs the end-to-end modules again with
+    # --transport auto (the default users get).
+    parser.addoption("--transport", default="group", choices=("group", "auto"),
+                     help="the transport subscribers take when a test names none (default: group)")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def run_transport(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The run's transport for subscribers that name none, in this process and in the processes
+    tests start (``WS_TEST_TRANSPORT``, read by tests/workers.py and tests/vllm_driver.py; the
+    library reads no such variable)."""
+    from weightsync.testing import set_default_transport
+
+    name = request.config.getoption("--transport")
+    previous = set_default_transport(name)
+    os.environ["WS_TEST_TRANSPORT"] = name
+    yield name
+    set_default_transport(previous)
 
 
 def loop_policy(name: str) -> asyncio.AbstractEventLoopPolicy:

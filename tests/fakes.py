@@ -91,6 +91,16 @@ class FakePlane:
             if transfer.after is not None:
                 transfer.after(i)
 
+    def send_each(self, transfer: Transfer, sends: Any) -> None:
+        """Rank 0 of a point-to-point version: like ``move``, and asks for each bucket's sends."""
+        self.calls.append(("send_each", transfer.version))
+        for i in range(len(transfer.buckets)):
+            if transfer.before is not None:
+                transfer.before(i)
+            sends(i)
+            if transfer.after is not None:
+                transfer.after(i)
+
     def leave(self, reason: str, *, failed: bool = False) -> None:
         self.calls.append(("leave", failed))
 

@@ -44,7 +44,8 @@ class Hosts:
         out, log = self.tmp / f"host{host}.json", self.tmp / f"host{host}.log"
         env = {k: v for k, v in os.environ.items() if k != "GLOO_SOCKET_IFNAME"}
         env.update(PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
-        body = msgspec.json.encode({"role": "subscriber", "result": str(out), **spec}).decode()
+        # an emulated other host receives through the group, as a real one would (it shares our kernel)
+        body = msgspec.json.encode({"role": "subscriber", "result": str(out), "transport": "group", **spec}).decode()
         with open(log, "wb") as fh:
             proc = self.cluster.popen(host, [sys.executable, "-m", "tests.workers", body], env=env, cwd=REPO,
                                       stdout=fh, stderr=subprocess.STDOUT)
@@ -192,7 +193,8 @@ def test_weightsync_bench_runs_across_two_hosts_under_torchrun(cluster_of, tmp_p
         pass
     argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
             "--master-addr", cluster.trainer_ip, "--master-port", str(port), "-m", "weightsync.bench.run",
-            "--sizes", "4", "--subscribers", "1", "--reps", "1", "--step-ms", "20", "--out", str(tmp_path)]
+            "--sizes", "4", "--subscribers", "1", "--reps", "1", "--step-ms", "20", "--transport", "group",
+            "--out", str(tmp_path)]
     base = {k: v for k, v in os.environ.items() if k not in ("GLOO_SOCKET_IFNAME", "PYTHONPATH")}
     logs = [tmp_path / "node0.log", tmp_path / "node1.log"]
     with open(logs[0], "wb") as out0, open(logs[1], "wb") as out1:

@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 import torch
@@ -91,7 +92,8 @@ class Rig:
         self.sender = Sender("unit", settings=SETTINGS, staging=self.staging, membership=self.membership,
                              recorder=self.recorder, policy=StragglerPolicy(), control=self.control, table=FakeTable(),
                              make_plane=lambda: self.plane, slot_device=torch.device("cpu"),
-                             on_change=lambda: None, on_evicted=lambda _m: None, segments=self.segments)
+                             on_change=lambda: None, on_evicted=lambda _m: None,
+                             planes=("group", "shm"), plane_objects={"segments": self.segments})
         self.loop = asyncio.new_event_loop()
         self.members: dict[str, Member] = {}
         self.thread = threading.Thread(target=self.sender.main, name="unit-sender", daemon=True)
@@ -217,17 +219,16 @@ def test_a_sliced_member_is_sent_only_its_box_point_to_point_with_its_own_digest
     items = tensors(3000, 5.0)
     sent: dict[int, list[tuple[int, int]]] = {}
 
-    def move(transfer: Transfer) -> None:  # what rank 0 sends each member, bucket by bucket
-        r.plane.calls.append(("move", transfer.version))
-        assert transfer.direct and transfer.sends is not None
+    def send_each(transfer: Transfer, sends: Any) -> None:  # what rank 0 sends each member, bucket by bucket
+        r.plane.calls.append(("send_each", transfer.version))
         for i in range(len(transfer.buckets)):
             if transfer.before is not None:
                 transfer.before(i)
-            sent[i] = [(rank, piece.numel()) for rank, piece in transfer.sends(i)]
+            sent[i] = [(rank, piece.numel()) for rank, piece in sends(i)]
             if transfer.after is not None:
                 transfer.after(i)
 
-    r.plane.move = move  # type: ignore[method-assign]
+    r.plane.send_each = send_each  # type: ignore[method-assign]
     assert set(r.put(0, items).members) == {"full", "sliced"}
     assert all(a.direct for a in sliced.of(_wire.Announce))
     ranks = {m: i + 1 for i, m in enumerate(r.plane.entered[-1].members)}

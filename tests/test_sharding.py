@@ -64,7 +64,7 @@ async def _push_and_check(procs: Procs, tmp: Path, world: int, versions: int, su
 @pytest.mark.asyncio
 @pytest.mark.parametrize("world", [2, 4])
 async def test_fsdp2_ranks_push_their_shards_and_subscribers_get_bit_exact_full_tensors(
-        procs: Procs, tmp_path: Path, world: int) -> None:
+        procs: Procs, tmp_path: Path, world: int, run_transport: str) -> None:
     """Uneven shards, three dtypes, a replicated DTensor, plain buffers; two subscribers; the
     other ranks learn rank 0's address the way users pass it (here through a rendezvous file)."""
     trainers, address_file, store = _trainers(procs, tmp_path, world, versions=3, subscribers=2)
@@ -76,7 +76,7 @@ async def test_fsdp2_ranks_push_their_shards_and_subscribers_get_bit_exact_full_
     assert all(not r["error"] for r in results), [r["error"] for r in results]
     expected = results[0]["expected"]
     assert all(r["expected"] == expected for r in results)
-    same_host = os.environ.get("WEIGHTSYNC_TRANSPORT") == "auto" and shm.available()
+    same_host = run_transport == "auto" and shm.available()
     for sub in got:
         assert sub["transport"] == ("shm" if same_host else "group")  # this run's path: both are covered
         assert sub["order"] and sub["order"][-1] == 2

@@ -15,6 +15,7 @@ import signal
 import socket
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -228,6 +229,9 @@ def test_a_reused_segment_is_never_read_as_the_announced_version() -> None:
     from weightsync._errors import Cancelled, ProtocolError
     from weightsync.transport.dataplane import Transfer
 
+    def at(ref: _wire.ShmRef) -> SimpleNamespace:  # the Announce's fields the plane reads
+        return SimpleNamespace(segment=ref, generation=0, seq=0)
+
     pool = shm.SegmentPool("unit")
     pool.open()
     plane = shm.ShmPlane(os.getpid())
@@ -240,7 +244,7 @@ def test_a_reused_segment_is_never_read_as_the_announced_version() -> None:
         assert ref is not None and ref.epoch == 0
         dest = torch.zeros(4 << 20, dtype=torch.uint8)
         buckets = [dest[i << 20:(i + 1) << 20] for i in range(4)]
-        plane.move(Transfer(1, buckets, lambda n: 10.0, source=ref))
+        plane.move(Transfer(1, buckets, lambda n: 10.0, announce=at(ref)))
         assert torch.equal(dest, buf)  # an undisturbed copy is exact
 
         def overwrite(i: int) -> None:
@@ -249,18 +253,18 @@ def test_a_reused_segment_is_never_read_as_the_announced_version() -> None:
                 buf.fill_(9)
 
         with pytest.raises(Cancelled, match="reused"):
-            plane.move(Transfer(2, buckets, lambda n: 10.0, after=overwrite, source=ref))
+            plane.move(Transfer(2, buckets, lambda n: 10.0, after=overwrite, announce=at(ref)))
         ref = pool.ref(buf)
         assert ref is not None
         mark(-1)  # the publisher's snapshot failed: nobody reads it
         with pytest.raises(Cancelled, match="failed"):
-            plane.move(Transfer(3, buckets, lambda n: 10.0, source=ref))
+            plane.move(Transfer(3, buckets, lambda n: 10.0, announce=at(ref)))
         with pytest.raises(ProtocolError, match="not the announced segment"):
-            plane.move(Transfer(3, buckets, lambda n: 10.0, source=_wire.ShmRef(
-                fd=ref.fd, token=b"y" * 16, offset=0, nbytes=ref.nbytes, epoch=1)))
+            plane.move(Transfer(3, buckets, lambda n: 10.0, announce=at(_wire.ShmRef(
+                fd=ref.fd, token=b"y" * 16, offset=0, nbytes=ref.nbytes, epoch=1))))
         with pytest.raises(ProtocolError, match="overrun"):
-            plane.move(Transfer(4, buckets, lambda n: 10.0, source=_wire.ShmRef(
-                fd=ref.fd, token=ref.token, offset=ref.nbytes - 10, nbytes=ref.nbytes, epoch=1)))
+            plane.move(Transfer(4, buckets, lambda n: 10.0, announce=at(_wire.ShmRef(
+                fd=ref.fd, token=ref.token, offset=ref.nbytes - 10, nbytes=ref.nbytes, epoch=1))))
         pool.drop(buf)
         assert pool.ref(buf) is None
     finally:

@@ -43,6 +43,8 @@ import msgspec
 import torch
 
 CHANNEL = "policy"
+# the workers' transport: the test run's (tests/conftest.py passes it down), as users pick it
+TRANSPORT = os.environ.get("WS_TEST_TRANSPORT", "auto")
 PROMPTS = [[1, 17, 42, 99, 5], [1, 300, 301, 302], [1, 7, 7, 7, 7, 7, 7], [1, 250]]
 MAX_TOKENS = 12
 FAIL_TIMEOUT = 6.0  # the bound given to the updates that must fail
@@ -149,7 +151,8 @@ def tensor_parallel(result: Path, work: Path) -> None:
         llm = engine(str(work / "A"), tensor_parallel_size=2, weight_transfer_config={"backend": "weightsync"})
         before = generate(llm)
         llm.init_weight_transfer_engine({"init_info": {"address": trainer.address, "channel": CHANNEL,
-                                                       "secret": secret, "timeout": 30}})
+                                                       "secret": secret, "timeout": 30,
+                                                       "transport": TRANSPORT}})
         trainer.put(1)
         version = update(llm, 1, timeout=60)
         report = TensorParallelReport(version, engine_info(llm), before, generate(llm))
@@ -171,13 +174,14 @@ def scenario(result: Path, work: Path) -> None:
     before = generate(llm)
     early: list[Failure | None] = []
     joining = threading.Thread(target=lambda: early.append(failure(lambda: llm.init_weight_transfer_engine(
-        {"init_info": {"address": address, "channel": CHANNEL, "secret": secret, "timeout": 60}}))))
+        {"init_info": {"address": address, "channel": CHANNEL, "secret": secret, "timeout": 60,
+                       "transport": TRANSPORT}}))))
     joining.start()  # the engine dials first; the trainer comes up while it waits
     trainer = Trainer(work, secret, address)
     try:
         joining.join(150)
         early_join = early[0] if early else Failure("TimeoutError: still joining after 150 s", 150.0)
-        init = {"address": address, "channel": CHANNEL, "timeout": FAIL_TIMEOUT}
+        init = {"address": address, "channel": CHANNEL, "timeout": FAIL_TIMEOUT, "transport": TRANSPORT}
         wrong = failure(lambda: llm.init_weight_transfer_engine({"init_info": {**init, "secret": "wrong"}}))
         llm.init_weight_transfer_engine({"init_info": {**init, "secret": secret}})
         trainer.put(1)

@@ -19,7 +19,7 @@ import torch
 import weightsync as ws
 from tests.statedicts import digests
 from weightsync.pg.recorder import process_recorder
-from weightsync.testing import Faults, inject
+from weightsync.testing import Faults, inject, set_default_transport
 
 
 async def subscriber(spec: dict) -> dict:
@@ -371,6 +371,8 @@ if __name__ == "__main__":
     faulthandler.register(signal.SIGUSR2, all_threads=True)
     faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
     faulthandler.enable(all_threads=True)  # a crash (SIGSEGV, SIGABRT) prints where it happened
+    # the test run's transport for subscribers that name none (tests/conftest.py's fixture sets it)
+    set_default_transport(os.environ.get("WS_TEST_TRANSPORT", "auto"))
     spec = load_spec(sys.argv[1])
     if spec.get("loop") == "uvloop":
         import uvloop

@@ -17,6 +17,10 @@ What each fault does, where a real failure would hit:
   bad link would; the checksum must catch it, and the re-send must deliver V intact.
 
 Without ``inject`` a Subscriber runs :class:`Hooks`, which does nothing.
+
+A test suite that runs its subscribers over one transport (the group, say, where links are
+timed and generations formed) sets the default that ``Subscriber(transport=None)`` takes with
+:func:`set_default_transport`; users get ``"auto"``.
 """
 
 from __future__ import annotations
@@ -27,7 +31,22 @@ from typing import Any
 
 import torch
 
-__all__ = ["Faults", "Hooks", "inject"]
+__all__ = ["Faults", "Hooks", "default_transport", "inject", "set_default_transport"]
+
+_default_transport = "auto"
+
+
+def default_transport() -> str:
+    """What ``Subscriber(transport=None)`` takes in this process (``"auto"`` unless a test set it)."""
+    return _default_transport
+
+
+def set_default_transport(name: str) -> str:
+    """Make ``name`` the transport subscribers of this process take when they name none; returns the
+    previous default (a test fixture restores it)."""
+    global _default_transport
+    previous, _default_transport = _default_transport, name
+    return previous
 
 
 class Hooks:

@@ -236,14 +236,14 @@ async def trainer_weightsync(n: int, sizes: list[int], reps: int, step_ms: float
 
 
 async def generator_weightsync(rank: int, member: bool, sizes: list[int], reps: int, device: torch.device,
-                               ctrl: Any) -> list[bool]:
+                               ctrl: Any, transport: str = "auto") -> list[bool]:
     """Ranks 1..n: a Subscriber reading every version and checking each bit for bit."""
     channel, address, token = _bcast_text("", ctrl).split()
     if not member:  # a rank beyond this round's subscriber count
         return []
     exact: list[bool] = []
     async with ws.Subscriber(channel, address=address, secret=token, member_id=f"rank{rank}", timeout=120,
-                             device=device if device.type == "cuda" else None) as sub:
+                             device=device if device.type == "cuda" else None, transport=transport) as sub:
         version = 0
         for mib in sizes:
             expected = _digest(make_state_dict(mib, seed=SEED))
@@ -354,6 +354,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--step-ms", type=float, default=300.0, help="the synthetic training step put_nocopy overlaps")
     p.add_argument("--packed-mib", type=int, default=1024, help="the packed baseline's buffer size (vLLM: 1 GiB)")
     p.add_argument("--cpu", action="store_true", help="gloo on CPUs even where GPUs are")
+    p.add_argument("--transport", default="auto", choices=("auto", "group"),
+                   help="the generators' transport (auto: the trainer's shared memory for ranks on its host)")
     p.add_argument("--out", default="weightsync-bench", help="where bench.json and bench.png go")
     return p
 
@@ -433,7 +435,8 @@ def spmd(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:
                 asyncio.run(trainer_weightsync(n, sizes, args.reps, args.step_ms, device, ctrl, listen, progress))
                 exact = [True] * (len(sizes) * len(WS_MODES))
             else:
-                exact = asyncio.run(generator_weightsync(rank, rank <= n, sizes, args.reps, device, ctrl))
+                exact = asyncio.run(generator_weightsync(rank, rank <= n, sizes, args.reps, device, ctrl,
+                                                           args.transport))
             flags = torch.tensor([int(all(exact))], dtype=torch.int64)
             dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=ctrl)
             if rank == 0 and not flags.item():

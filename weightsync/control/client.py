@@ -150,8 +150,9 @@ class ControlClient:
                                   "secret, or neither", channel=self.channel, member=self.member_id)
 
     def _choose_transport(self, offer: _wire.ShmOffer | None) -> str:
-        """``"shm"`` when asked for (or ``"auto"``) and this process can read the publisher's memory."""
-        if self.requested in ("group", "rank"):
+        """``"shm"`` when asked for (or ``"auto"``) and this process can read the publisher's memory;
+        any other transport (the group, a trainer rank's link, a registered plane) as asked."""
+        if self.requested not in ("auto", "shm"):
             return self.requested
         problem = shm.door_problem(offer)
         if problem is None:

@@ -102,13 +102,15 @@ class ControlServer:
                  table: KeyValue, recorder: RecorderScope, heartbeat_interval: float, dead_after: float,
                  handshake_timeout: float, closing: Callable[[], bool], on_join: Callable[[Link], None],
                  on_leave: Callable[[Link], None], on_dead: Callable[[str, str], None],
-                 shm_offer: Callable[[], _wire.ShmOffer | None] = lambda: None, rank_links: bool = False,
+                 shm_offer: Callable[[], _wire.ShmOffer | None] = lambda: None, planes: tuple[str, ...] = (),
+                 rank_links: bool = False,
                  wait_bound: float = 3600.0) -> None:
         self.channel, self._host, self._port = channel, host, port
         self._secret, self._mine, self._table, self._rec = secret, mine, table, recorder
         self._interval, self._dead_after, self._handshake_timeout = heartbeat_interval, dead_after, handshake_timeout
         self._closing, self._on_join, self._on_leave, self._on_dead = closing, on_join, on_leave, on_dead
         self._shm_offer = shm_offer
+        self._planes = planes  # transports served beyond the group and shared memory (registered planes)
         self._wait_bound = wait_bound  # the longest a member's rendezvous wait may last (its deadline)
         self._rank_links = rank_links  # a sharded publisher's rank 0: the other ranks connect here too
         self.replies: queue.SimpleQueue[Any] = queue.SimpleQueue()  # Ready | Ack | Wake, for the Sender
@@ -357,7 +359,7 @@ class ControlServer:
         join = session.open(await reader.readexactly(length), _wire.client_decoder)
         if not isinstance(join, _wire.Join):
             raise BadFrame(f"expected a Join, got {type(join).__name__}")
-        transports = ("group", "shm") if offer is not None else ("group",)
+        transports = ("group", "shm", *self._planes) if offer is not None else ("group", *self._planes)
         deny = auth.admission_problem(join, channel=self.channel, server_nonce=nonce, secret=self._secret,
                                       mine=self._mine, closing=self._closing() and join.transport != "rank",
                                       transports=transports + (("rank",) if self._rank_links else ()))

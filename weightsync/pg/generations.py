@@ -103,7 +103,8 @@ class Generations:
                  recorder: FlightRecorder, plane: DataPlane,
                  settings: _wire.ChannelSettings, stopped: Callable[[], bool], on_change: Callable[[], None],
                  on_evicted: Callable[[MemberInfo], None] = lambda _m: None,
-                 pump: Callable[[], None] = lambda: None) -> None:
+                 pump: Callable[[], None] = lambda: None,
+                 in_group: Callable[[str], bool] = lambda _m: True) -> None:
         self.channel = channel
         self.control, self.table = control, table
         self.membership = membership
@@ -120,7 +121,8 @@ class Generations:
         self._incarnation: dict[str, str] = {}  # member -> its connection (a rejoin is a new one)
         self._info: dict[str, MemberInfo] = {}
         self._slots: dict[str, int] = {}
-        self._transport: dict[str, str] = {}  # member -> "group" | "shm" (same host: no group)
+        self._transport: dict[str, str] = {}  # member -> the transport it joined with (for the log)
+        self._in_group = in_group  # whether a member's plane is the group's (the others join none)
         self._next_slot = itertools.count(1)  # 0 is the publisher's
         self._seq = itertools.count()
         self.last_timings: dict[str, tuple[float, float]] = {}  # member -> (seconds, own seconds)
@@ -138,8 +140,8 @@ class Generations:
         return self._transport.get(member, "group")
 
     def group_of(self, members: Iterable[str]) -> tuple[str, ...]:
-        """The members (in order) that form the data plane's group; the others read shared memory."""
-        return tuple(m for m in members if self.transport_of(m) == "group")
+        """The members (in order) that form the data plane's group; the others' planes join none."""
+        return tuple(m for m in members if self._in_group(m))
 
     def next_seq(self) -> int:
         """The sequence number of the next command in the current generation."""
@@ -268,7 +270,7 @@ class Generations:
                 extended, deadline = True, time.monotonic() + self.deadlines.rendezvous()
                 continue
             if isinstance(message, _wire.Ready) and message.generation == plan.generation:
-                in_group = self.transport_of(message.member_id) == "group"  # same-host members bring none
+                in_group = self._in_group(message.member_id)  # members of other planes bring none
                 if self.settings.in_place and in_group and not message.handle:
                     self._rec.record("rendezvous",
                                      peers=(message.member_id,)).fail("Ready without a reconfigure handle")

@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -136,16 +136,17 @@ class DedicatedGroup:
         """
         self._run(transfer, op, depth, lambda i, tensor, limit: [compat.broadcast(self._pg, tensor, 0, limit)])
 
-    def exchange(self, transfer: Transfer, *, op: str, depth: int = 2) -> None:
-        """Point to point (``transfer.direct``): rank 0 sends each member what ``transfer.sends(i)``
-        says for bucket i; a member receives ``transfer.buckets[i]`` (nothing when it is empty).
+    def exchange(self, transfer: Transfer, sends: Callable[[int], Sequence[tuple[int, torch.Tensor]]] | None, *,
+                 op: str, depth: int = 2) -> None:
+        """Point to point: rank 0 sends each member what ``sends(i)`` says for bucket i (``(rank,
+        bytes)`` pairs); a member receives ``transfer.buckets[i]`` (nothing when it is empty).
         Bounds and failures as :meth:`broadcast`."""
         def issue(i: int, tensor: torch.Tensor, limit: float) -> list[Any]:
             if self.rank != 0:
                 return [compat.recv(self._pg, tensor, 0, i)] if tensor.numel() else []
-            assert transfer.sends is not None
+            assert sends is not None
             try:
-                pairs = transfer.sends(i)
+                pairs = sends(i)
             except Exception as err:  # noqa: BLE001 - gathering our own bucket: a local failure
                 raise LocalFailure(f"gathering bucket {i} failed: {type(err).__name__}: {err}") from err
             works: list[Any] = []
@@ -158,16 +159,16 @@ class DedicatedGroup:
                 raise
             return works
 
-        self._run(transfer, op, depth, issue)
+        # rank 0 sends each member its own: a bucket's deadline covers all of them
+        self._run(transfer, op, depth, issue, fan=self.size - 1 if self.rank == 0 else 1)
 
     def _run(self, transfer: Transfer, op: str, depth: int,
-             issue: Callable[[int, torch.Tensor, float], list[Any]]) -> None:
+             issue: Callable[[int, torch.Tensor, float], list[Any]], fan: int = 1) -> None:
         if self.state != ALIVE:
             raise Cancelled(f"generation {self.generation} of {self.channel!r} was aborted")
         if self._pg is None:
             return
         pending: list[tuple[int, list[Any], Any, float]] = []  # (bucket, works, recorder entry, deadline)
-        fan = self.size - 1 if transfer.direct and self.rank == 0 else 1  # rank 0 sends each member its own
         try:
             for i, tensor in enumerate(transfer.buckets):
                 if len(pending) >= depth:
@@ -363,13 +364,21 @@ class GroupPlane:
                                               host=self.host)
 
     def move(self, transfer: Transfer) -> None:
+        """Rank 0: broadcast the buckets. A member: receive them, point to point where the Announce
+        says so (a generation with sliced members)."""
         if self.group is None:
             raise Cancelled("no generation entered")
         op = "bucket_send" if self.group.rank == 0 else "bucket_recv"
-        if transfer.direct:
-            self.group.exchange(transfer, op=op)
+        if self.group.rank != 0 and getattr(transfer.announce, "direct", False):
+            self.group.exchange(transfer, None, op=op)
         else:
             self.group.broadcast(transfer, op=op)
+
+    def send_each(self, transfer: Transfer, sends: Callable[[int], Sequence[tuple[int, torch.Tensor]]]) -> None:
+        """Rank 0 of a point-to-point version: bucket i's ``(rank, bytes)`` pairs are ``sends(i)``."""
+        if self.group is None:
+            raise Cancelled("no generation entered")
+        self.group.exchange(transfer, sends, op="bucket_send")
 
     def leave(self, reason: str, *, failed: bool = False) -> None:
         # a failed generation's publisher end is torn down after its peers' (reaper.retire)

@@ -1,44 +1,64 @@
 """The data-plane interface: the one seam the Sender and Receiver drive to move bytes.
 
-A *data plane* moves the buckets of one version from the publisher's end to the members of a
-generation. The Sender and the Receiver know nothing else about it: not the backend, not how
-a generation is formed, not whether bytes cross a socket. Lifecycle, every call made by the
-owning thread (the publisher's sender thread, or a subscriber's receiver thread), in order:
+A *data plane* moves the buckets of one version from the publisher's end to members. It has
+two ends, and a name (the transport a member joins with: ``"group"``, ``"shm"``, or one
+registered with :func:`register_plane`). The Sender and the Receiver know nothing else about
+it: not the backend, not how a generation is formed, not whether bytes cross a socket; they
+never branch on which plane it is, only on what it says of itself (``in_group``,
+``moves_alone``, ``drives``).
+
+**A member's end** (:class:`DataPlane`), every call made by its receiver thread, in order:
 
 1. ``offer()``: what this end contributes to the next generation's rendezvous, sent to the
-   publisher in ``Ready`` (a reconfigure handle, a segment name; ``""`` when nothing);
+   publisher in ``Ready`` (a reconfigure handle; ``""`` when nothing);
 2. ``enter(spec)``: form generation ``spec.generation`` with ``spec.members``, bounded by
-   ``spec.timeout``; the publisher's ``Go`` carries what every member offered;
-3. ``move(transfer)``: rank 0 sends ``transfer.buckets``, everyone else receives into them
-   (``transfer.direct``: point to point, rank 0 sending each member its own ``sends(i)``),
-   each bucket bounded by ``transfer.deadline(nbytes)`` (the receiver times its own work in
-   ``transfer.after``: straggler scoring counts that, not the wait on peers);
+   ``spec.timeout``; the publisher's ``Go`` carries what every member offered (only planes
+   ``in_group``: a member of a plane that is not joins no group);
+3. ``move(transfer)``: receive ``transfer.buckets`` (the Announce it reads its own fields from
+   is ``transfer.announce``), each bucket bounded by ``transfer.deadline(nbytes)``, calling
+   ``transfer.after(i)`` once bucket i is in (the receiver times its own work there: straggler
+   scoring counts that, not the wait on peers);
 4. ``leave(reason, failed=...)``: end the generation (a hung operation must return); with
    ``failed`` the next ``enter`` starts from fresh resources;
 5. ``close()``: for good. ``leave`` and ``close`` are idempotent and never raise.
+
+**The publisher's end** (:class:`SendPart`), driven by the Sender's thread through
+:class:`weightsync.transport.sendside.SendSide`, which holds one part per plane and picks each
+member's part at admission from the transport in its Join. Per version, the Sender builds an
+:class:`Outgoing` and asks every part with members in it to ``prepare`` it (the fields the
+Announce carries for them: a segment to read, whether the version goes point to point; a part
+may wrap the packing hook, add an after-bucket hook, or name members it proves with digests
+of their own), then ``move``: the one part that ``drives`` (the group: it issues the buckets)
+runs the hooks; with none, the send side walks the buckets through them itself. The part
+whose plane is ``in_group`` owns the generation's group plane (``plane``): Generations forms
+the group through it.
 
 Failures are :mod:`weightsync._errors`: ``PeerFailure`` when a peer broke the step,
 ``Cancelled`` when ``transfer.cancelled()`` said to stop, ``LocalFailure`` when this end's own
 ``before``/``after`` hook failed (packing a ``copy=False`` tensor, say). Nothing else escapes.
 
-How the planned planes plug in (docs/architecture.md has the picture):
+The planes (docs/architecture.md has the picture and how new ones plug in):
 
-- the dedicated group (:class:`weightsync.pg.group.GroupPlane`): gloo/NCCL broadcast of each
-  bucket from rank 0; ``offer`` is the reconfigure handle on torch 2.14+;
-- same host (:class:`weightsync.transport.shm.ShmPlane`, built): the publisher's snapshot lives
-  in shared memory; a same-host member's ``move`` copies each bucket out of the segment its
-  Announce names (``transfer.source``) and joins no group; the publisher's group plane serves
-  the other members of the same generation;
-- sharded trainers: one plane per trainer rank ("lanes"), each its own group with one
-  communicator; a version is readable when every lane's ``move`` has returned and verified;
-- one-sided (``torch.distributed._transport``, torch 2.15): ``offer`` publishes a memory
-  registration, ``move`` on a member is a read.
+- ``"group"`` (:mod:`weightsync.pg.group`, :mod:`weightsync.pg.groupsend`): gloo/NCCL broadcast
+  of each bucket from rank 0, or, in a generation with sliced members, rank 0 sending each
+  member its own share point to point over the same communicator;
+- ``"shm"`` (:mod:`weightsync.transport.shm`, :mod:`weightsync.transport.shmsend`): the
+  publisher's snapshot lives in shared memory; a same-host member's ``move`` copies each
+  bucket out of the segment its Announce names and joins no group;
+- sharded trainers ("lanes"): a member holds one receiver (and one plane) per trainer rank,
+  each its own channel end with one communicator; a version is readable once every lane's
+  ``move`` has returned and verified;
+- a plane registered from outside (:func:`register_plane`): tests/test_planes.py plugs one in
+  that the Sender and Receiver serve unchanged; CUDA IPC and one-sided
+  (``torch.distributed._transport``) planes would plug in the same way.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+import importlib
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -67,15 +87,14 @@ class Transfer:
     before: Callable[[int], None] | None = None  # runs before bucket i is issued (packing)
     after: Callable[[int], None] | None = None  # runs once bucket i completed (checksums)
     cancelled: Callable[[], bool] | None = None  # polled while waiting: True gives up (Cancelled)
-    source: Any = None  # where a plane that reads (not receives) finds the bytes: an Announce's segment
-    direct: bool = False  # point to point instead of a broadcast (a generation with sliced members)
-    # rank 0 of a direct transfer: bucket i's (member rank, bytes for it) pairs, gathered after ``before(i)``
-    sends: Callable[[int], Sequence[tuple[int, torch.Tensor]]] | None = None
+    #: the version's Announce as sent: a plane reads its own fields there (where a segment is, whether
+    #: the version goes point to point); the Sender and Receiver never look at them for it
+    announce: Any = None
 
 
 class DataPlane(Protocol):
-    """See the module docstring for who calls what, and when. A plane has no kind attribute: nothing
-    may branch on which plane it drives, only on what it says of itself."""
+    """A member's end of a plane; see the module docstring for who calls what, and when. A plane has
+    no kind attribute: nothing may branch on which plane it is, only on what it says of itself."""
 
     #: a member end takes part in its generation's group (``enter`` forms it); False: it joins
     #: none and reads the version from where the Announce says (shared memory)
@@ -97,3 +116,145 @@ class DataPlane(Protocol):
     def leave(self, reason: str, *, failed: bool = False) -> None: ...
 
     def close(self) -> None: ...
+
+
+@dataclass
+class Outgoing:
+    """One version leaving the publisher, as the Sender hands it to the send side's parts.
+
+    The Sender fills the first fields; ``prepare`` of each part may wrap ``before`` (with
+    :meth:`wrap`) and add to ``afters``; whoever walks the buckets (the driving part, else the
+    send side) calls ``before(i)`` before bucket i is issued and every ``afters`` hook once it
+    completed.
+    """
+
+    version: int
+    generation: int
+    seq: int
+    buckets: Sequence[torch.Tensor]  # what goes on the wire, bucket by bucket
+    ranges: Sequence[tuple[int, int]]  # each bucket's bytes in the staged version
+    manifest: Any  # the staged version's manifest (a lane's own, for a sharded rank)
+    assembly: Any  # a sharded rank's part of the full version, else None
+    snapshot: torch.Tensor | None  # the staged bytes; None: copy=False, the buckets are two buffers in turns
+    progress: Any  # a pipelined snapshot still being taken (it marks its own progress), else None
+    bucket_bytes: int
+    checksum: bool
+    deadline: Callable[[int], float]
+    cancelled: Callable[[], bool]
+    before: Callable[[int], None] | None = None
+    afters: list[Callable[[int], None]] = field(default_factory=list)
+    #: asked for by the Sender: send each member its bytes straight (finding a corrupting relay);
+    #: a plane without relays ignores it
+    point_to_point: bool = False
+    hooked: bool = False  # a part wrapped ``before``: the buckets must be walked even with nobody driving
+
+    def wrap(self, outer: Callable[[Callable[[int], None]], Callable[[int], None]]) -> None:
+        """Wrap the packing hook: ``outer(inner)`` runs in its place (``inner`` may be a no-op)."""
+        inner = self.before or (lambda _i: None)
+        self.before, self.hooked = outer(inner), True
+
+    def after(self, i: int) -> None:
+        for hook in self.afters:
+            hook(i)
+
+
+class SendPart(Protocol):
+    """The publisher's end of one plane, for the members admitted to it (see the module docstring)."""
+
+    name: str  # the transport a member's Join names to be served by this part
+    in_group: bool  # its members are ranks of the generation's group (``plane`` forms it)
+    moves_alone: bool  # its members' receive time is all their own (no link to probe, no peer to wait on)
+    drives: bool  # its ``move`` issues the buckets (runs the hooks); else it rides along
+    plane: Any  # the part ``in_group``: the group plane Generations forms generations through; else None
+
+    def admit(self, member: str, want: Any) -> None: ...
+
+    def forget(self, member: str) -> None: ...
+
+    def prepare(self, out: Outgoing, members: tuple[str, ...]) -> dict[str, Any]:
+        """Ready ``out`` for ``members`` (this part's, in the version); returns Announce fields.
+        Raises LocalFailure when this end cannot serve them (the put fails, nobody is blamed)."""
+        ...
+
+    def move(self, out: Outgoing, members: tuple[str, ...]) -> None: ...
+
+    def digests(self) -> Mapping[str, Sequence[int]]:
+        """After ``move``: members this part proves with digests of their own bytes (sliced ones)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class MemberContext:
+    """What a member's end of a plane is built from, once the publisher admitted the member."""
+
+    channel: str
+    member: str
+    backend: str
+    device: torch.device
+    recorder: Any  # the member's FlightRecorder
+    scope: Any  # its RecorderScope
+    client: Any  # its ControlClient (a plane that answers the publisher sends through it)
+    admit: Any  # the publisher's Admit
+    rendezvous_timeout: float
+
+
+@dataclass(frozen=True)
+class PublisherContext:
+    """What the publisher's end of a plane is built from, on the sender thread."""
+
+    channel: str
+    control: Any  # the control server (a plane that waits on members' replies uses it)
+    recorder: Any
+    scope: Any
+    deadlines: Any
+    buckets: Any  # the Sender's two copy=False bucket buffers (BucketBuffers)
+    make_plane: Callable[[], Any]  # the group plane of this end (a group part owns it)
+    extra: Mapping[str, Any] = field(default_factory=dict)  # a registered plane's own objects
+
+
+@dataclass(frozen=True)
+class PlaneSpec:
+    """A plane the library can serve: its name and how to build each end."""
+
+    name: str
+    send_part: Callable[[PublisherContext], SendPart]
+    member_plane: Callable[[MemberContext], DataPlane]
+
+
+#: the built-in planes, imported when first used (nothing is imported or registered at import)
+_BUILTIN = {"group": "weightsync.pg.groupsend", "shm": "weightsync.transport.shmsend"}
+_registered: dict[str, PlaneSpec] = {}
+_lock = threading.Lock()
+
+
+def register_plane(spec: PlaneSpec) -> None:
+    """Serve ``spec.name`` from now on in this process: a member asking for
+    ``Subscriber(transport=spec.name)`` is served by ``spec`` on both ends (both ends must
+    have it registered). A built-in name cannot be taken."""
+    if spec.name in _BUILTIN or spec.name in ("auto", "rank"):
+        raise ValueError(f"transport {spec.name!r} is built in")
+    with _lock:
+        _registered[spec.name] = spec
+
+
+def unregister_plane(name: str) -> None:
+    with _lock:
+        _registered.pop(name, None)
+
+
+def registered_planes() -> tuple[str, ...]:
+    """The planes registered from outside the library (not the built-in ones)."""
+    with _lock:
+        return tuple(_registered)
+
+
+def plane_spec(name: str) -> PlaneSpec:
+    """The plane serving transport ``name``; KeyError for one nobody registered."""
+    if name in _BUILTIN:
+        module = importlib.import_module(_BUILTIN[name])
+        spec: PlaneSpec = module.PLANE
+        return spec
+    with _lock:
+        return _registered[name]

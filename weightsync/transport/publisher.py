@@ -42,6 +42,7 @@ from weightsync.pg.membership import MemberInfo, Membership, StragglerPolicy
 from weightsync.pg.recorder import FlightRecorder, process_recorder
 from weightsync.statistics import MemberStatistics, PublisherStatistics, PublisherTally
 from weightsync.transport import layout, lifecycle, ranks, shm
+from weightsync.transport.dataplane import registered_planes
 from weightsync.transport.handles import PutHandle, check_timeout
 from weightsync.transport.lifecycle import EndState, call_soon
 from weightsync.transport.options import (
@@ -155,6 +156,7 @@ class Publisher:
             handshake_timeout=self.options.timeout, closing=lambda: self._state is not EndState.RUNNING,
             on_join=self._on_join, on_leave=self._on_leave,
             on_dead=self._on_dead, shm_offer=self._segments.offer if self._segments is not None else lambda: None,
+            planes=registered_planes(),
             rank_links=self.world_size > 1 and self.rank == 0, wait_bound=2 * deadlines.rendezvous())
         self.membership = Membership(name, self._recorder, self.options.heartbeat_interval,
                                      dead_after=deadlines.member_silence(), heard=self._control.heard,
@@ -169,7 +171,8 @@ class Publisher:
                               recorder=self._recorder, policy=self.policy, control=self._control, table=self._table,
                               make_plane=self._make_plane, slot_device=self._slot_device,
                               on_change=self._notify_members, on_evicted=self._replacements.member_dropped,
-                              segments=self._segments, tally=self._tally)
+                              planes=("group", "shm", *registered_planes()), plane_objects={"segments": self._segments},
+                              tally=self._tally)
         self._last_version: int | None = None
         self._put_lock: asyncio.Lock | None = None
         self._loop: asyncio.AbstractEventLoop | None = None

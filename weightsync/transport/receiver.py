@@ -57,7 +57,6 @@ from weightsync._errors import (
 )
 from weightsync.control import auth
 from weightsync.control.client import READ_SLICE, ControlClient
-from weightsync.control.rendezvous import RemoteStore
 from weightsync.errors import (
     AdmissionDenied,
     Closed,
@@ -68,16 +67,14 @@ from weightsync.errors import (
     SyncTimeout,
     WeightSyncError,
 )
-from weightsync.pg.group import GroupPlane
 from weightsync.pg.recorder import FlightRecorder
 from weightsync.statistics import SubscriberTally
 from weightsync.testing import Hooks
 from weightsync.transport import layout, sharding, slicing
 from weightsync.transport.checksum import checksum
-from weightsync.transport.dataplane import DataPlane, GenerationSpec, Transfer
+from weightsync.transport.dataplane import DataPlane, GenerationSpec, MemberContext, Transfer, plane_spec
 from weightsync.transport.lifecycle import Latch
 from weightsync.transport.options import UNBOUNDED, Deadlines
-from weightsync.transport.shm import ShmPlane
 from weightsync.transport.slots import SlotPair
 
 #: what a receive may fail with and still be acknowledged (as failed): the wire, not a bug
@@ -145,7 +142,7 @@ class Receiver:
         self._client = ControlClient(channel, member_id, host=host, port=port, secret=secret,
                                      fingerprint=auth.fingerprint(backend, device), recorder=self._rec,
                                      send_timeout=own_timeout,
-                                     transport=transport if slots.device.type == "cpu" and want is None else "group",
+                                     transport=transport,
                                      want=want)
 
     # terminal state ------------------------------------------------------------------------
@@ -168,7 +165,7 @@ class Receiver:
 
     @property
     def transport(self) -> str:
-        """How this member receives: ``"group"`` or ``"shm"`` (decided when it connects)."""
+        """The transport this member joined with: the plane it receives through (decided when it connects)."""
         return self._client.transport
 
     @property
@@ -252,15 +249,10 @@ class Receiver:
         self.lanes = reply.lanes
         log.info("%s joined channel %r at %s (generation %d, transport %s)", self.member_id, self.channel,
                  self._where, reply.generation, self._client.transport)
-        if self._client.transport == "shm":  # the publisher's shared memory: no group to join
-            self._plane = ShmPlane(self._client.shm_pid, self._rec)
-            entry.complete()
-            return reply.generation, reply.members
-        store = RemoteStore(self._client, self.deadlines.rendezvous())
-        self._plane = GroupPlane(store, channel=self.channel, member=self.member_id, backend=self.backend,
-                                 device=self._slots.device, recorder=self._recorder,
-                                 in_place=reply.settings.in_place, slot=reply.slot,
-                                 timeout=self.deadlines.rendezvous(), host=self._client.local_host)
+        # the plane serving the transport this connection joined with
+        self._plane = plane_spec(self._client.transport).member_plane(MemberContext(
+            self.channel, self.member_id, backend=self.backend, device=self._slots.device, recorder=self._recorder,
+            scope=self._rec, client=self._client, admit=reply, rendezvous_timeout=self.deadlines.rendezvous()))
         entry.complete()
         return reply.generation, reply.members
 
@@ -422,11 +414,7 @@ class Receiver:
             last = [time.monotonic()]
             verify = announce.checksum
 
-            ring = announce.segment is not None and announce.segment.ring > 0
-
             def after(i: int) -> None:  # bucket i is here; bucket i+1 is on the wire meanwhile
-                if ring:  # its ring slot is free for bucket i + 2: say so first
-                    self._client.send(_wire.Copied(announce.generation, announce.seq, self.member_id, i))
                 began = time.monotonic()
                 self._hooks.after_bucket(announce.version, i, buckets[i], began - last[0])
                 if verify:
@@ -441,8 +429,7 @@ class Receiver:
             try:
                 self._plane.move(Transfer(announce.version, buckets, self.deadlines.bucket, after=after,
                                           cancelled=lambda: self.aborting.is_set()
-                                          or not self._client.commands.empty(), source=announce.segment,
-                                          direct=announce.direct))
+                                          or not self._client.commands.empty(), announce=announce))
             finally:
                 in_move = time.monotonic() - moving
             if verify:  # the Seal comes when the whole broadcast is done: waiting for it is not ours
@@ -587,3 +574,4 @@ class Receiver:
     def _publisher_gone(self, reason: str) -> None:
         self.end(PublisherGone(reason, channel=self.channel, member=self.member_id))
         self.wake(reason)
+

@@ -35,24 +35,24 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
-import msgspec
 import torch
 
 from weightsync import _wire
-from weightsync._errors import Cancelled, ControlFailure, InternalError, LocalFailure, PeerFailure
+from weightsync._errors import Cancelled, ControlFailure, LocalFailure, PeerFailure
 from weightsync.errors import WeightSyncError
 from weightsync.pg.generations import Control, Generations, Rendezvous, relay_suspects
 from weightsync.pg.membership import MAX_STRIKES, MemberInfo, Membership, StragglerPolicy
 from weightsync.pg.recorder import FlightRecorder
 from weightsync.statistics import PublisherTally
-from weightsync.transport import layout, sharding, slicing
+from weightsync.transport import layout, sharding
 from weightsync.transport.checksum import checksum
-from weightsync.transport.dataplane import DataPlane, Transfer
+from weightsync.transport.dataplane import DataPlane, Outgoing, PublisherContext
 from weightsync.transport.handles import DeliveryReport
 from weightsync.transport.lifecycle import Latch
 from weightsync.transport.options import Deadlines
-from weightsync.transport.shm import SegmentPool
+from weightsync.transport.sendside import SendSide
 from weightsync.transport.staging import BucketBuffers, Job, Staging, bucket_slices
 
 PROBE_FROM = 256 << 10  # versions smaller than this are not worth timing links for
@@ -114,17 +114,6 @@ class Abort:
 Event = PutCommitted | Join | Leave | Evict | MemberDied | Drain | Abort
 
 
-def _own_step(fn: Callable[[int], None], i: int) -> None:
-    """Pack bucket ``i`` (a ``copy=False`` send): the caller's tensors failing is this put's failure,
-    never a peer's; a same-host member late to free its ring slot is (PeerFailure, as raised)."""
-    try:
-        fn(i)
-    except InternalError:
-        raise
-    except Exception as err:  # noqa: BLE001 - the caller's tensors (freed, resized): a local failure
-        raise LocalFailure(f"packing bucket {i} failed: {type(err).__name__}: {err}") from err
-
-
 class _PutFailed(Exception):
     """The version could not be sent because of our own side (its put fails, nobody is blamed)."""
 
@@ -141,19 +130,21 @@ class Sender:
         policy: what to do about slow members.
         control: the control server (replies, sending to members, closing their connections).
         table: the data plane's rendezvous table.
-        make_plane: builds this end's data plane (called on the sender thread).
+        make_plane: builds this end's group plane (called on the sender thread).
         slot_device: where bucket buffers for ``copy=False`` puts live.
         on_change: called after every generation change (wakes ``wait_subscribers``).
         on_evicted: called for every member dropped (the orchestrator may replace it).
-        segments: the shared-memory segments staging allocates from (None: no same-host path).
+        planes: the transports served (each a plane's publisher part, :mod:`~weightsync.transport.sendside`).
+        plane_objects: what those parts are built with beyond the Sender's own (the shared-memory
+            segments); ``allocate``/``drop`` there, if given, hold the ``copy=False`` bucket buffers.
     """
 
     def __init__(self, channel: str, *, settings: _wire.ChannelSettings, staging: Staging, membership: Membership,
                  recorder: FlightRecorder, policy: StragglerPolicy, control: Control, table: Rendezvous,
                  make_plane: Callable[[], DataPlane],
                  slot_device: torch.device, on_change: Callable[[], None],
-                 on_evicted: Callable[[MemberInfo], None], segments: SegmentPool | None = None,
-                 tally: PublisherTally | None = None) -> None:
+                 on_evicted: Callable[[MemberInfo], None], planes: tuple[str, ...] = ("group",),
+                 plane_objects: dict[str, Any] | None = None, tally: PublisherTally | None = None) -> None:
         self.channel = channel
         self.settings = settings
         self.checksum = settings.checksum  # per version: the publisher may turn it off and on
@@ -172,17 +163,18 @@ class Sender:
         self._on_change = on_change
         self._on_evicted_cb = on_evicted
         self._events: queue.SimpleQueue[Event] = queue.SimpleQueue()
+        self._planes, self._plane_objects = planes, dict(plane_objects or {})
+        segments = self._plane_objects.get("segments")
         self._buckets = BucketBuffers(slot_device, allocate=segments.allocate if segments is not None else None,
                                       drop=segments.drop if segments is not None else None)
-        self._segments = segments
+        self.side: SendSide | None = None  # built on the sender thread
         self._evicted_lock = threading.Lock()
         self._evicted: list[MemberInfo] = []
         self._gens: Generations | None = None
-        self.wants: dict[str, tuple[_wire.Want, ...]] = {}  # sliced members' boxes, from their Join
-        self._gathers = slicing.GatherBuffers()  # per sliced member: two buffers its runs are gathered into
         self.tally = tally or PublisherTally(channel)
         self._nobody_streak = False  # the last version reached nobody (its warning was logged)
         self._corrupting: dict[str, int] = {}  # relay -> versions it was found corrupting (acks do not reset)
+        self._admitted: set[str] = set()  # members the send side's parts know
 
     # any thread ---------------------------------------------------------------------------
     def submit(self, event: Event) -> None:
@@ -208,10 +200,13 @@ class Sender:
     # the sender thread --------------------------------------------------------------------
     def main(self) -> None:
         self.state = SenderState.RUNNING
+        self.side = side = SendSide(self._planes, PublisherContext(
+            self.channel, control=self.control, recorder=self._recorder, scope=self._rec, deadlines=self.deadlines,
+            buckets=self._buckets, make_plane=self._make_plane, extra=self._plane_objects))
         self._gens = Generations(self.channel, control=self.control, table=self._table, membership=self.membership,
-                                 recorder=self._recorder, plane=self._make_plane(), settings=self.settings,
+                                 recorder=self._recorder, plane=side.plane, settings=self.settings,
                                  stopped=self.aborting.is_set, on_change=self._generation_formed,
-                                 on_evicted=self._record_evicted, pump=self._pump)
+                                 on_evicted=self._record_evicted, pump=self._pump, in_group=side.in_group)
         self._gens.lanes = self.lanes  # set_lanes may come later (rank 0 of a sharded publisher)
         try:
             self._run(self._gens)
@@ -227,6 +222,7 @@ class Sender:
                 job.handle.resolve_threadsafe(error=fatal)
         finally:
             self._gens.shutdown()
+            side.close()
 
     def _run(self, gens: Generations) -> None:
         st = self.staging
@@ -272,13 +268,14 @@ class Sender:
             # from now on the control server speaks for this member through this connection;
             # one that hung up meanwhile is found dead by the next plan
             self.control.bind(event.incarnation)
-            # a sliced member's boxes; ids no longer in the channel are forgotten here, so the table
-            # holds at most the current members
-            self.wants = {m: w for m, w in self.wants.items() if self.membership.is_member_or_joining(m)}
-            if event.want is not None:
-                self.wants[event.member_id] = event.want
-            else:
-                self.wants.pop(event.member_id, None)
+            # the part serving its transport; ids no longer in the channel are forgotten here, so
+            # the parts hold at most the current members
+            assert self.side is not None
+            for gone in [m for m in self._admitted if not self.membership.is_member_or_joining(m)]:
+                self.side.forget(gone)
+                self._admitted.discard(gone)
+            self.side.admit(event.member_id, event.transport, event.want)
+            self._admitted.add(event.member_id)
             self._gens.register(event.member_id, event.incarnation, host=event.host, pid=event.pid,
                                 transport=event.transport)
         elif isinstance(event, Leave):
@@ -293,7 +290,7 @@ class Sender:
         self._on_change()
 
     def transport_of(self, member: str) -> str:
-        """How ``member`` receives (``"group"`` or ``"shm"``); any thread."""
+        """The transport ``member`` joined with (the plane serving it); any thread."""
         return "group" if self._gens is None else self._gens.transport_of(member)
 
     def _record_evicted(self, member: MemberInfo) -> None:
@@ -361,34 +358,32 @@ class Sender:
     def _send_once(self, gens: Generations, job: Job, direct: bool = False) -> set[str] | None:
         """Announce and move ``job`` once; None on success, else the members to blame.
 
-        Group members receive the buckets through the data plane; same-host members copy them
-        out of the shared-memory segment the Announce names, meanwhile. Both check the Seal.
+        Every member is served by its plane's part of the send side (``direct``: asked to send each
+        member its bytes straight, finding a corrupting relay); every member checks the Seal.
         """
         self._wait_snapshot(job)
+        assert self.side is not None
+        side = self.side
         members = tuple(self.membership.members)
-        group = gens.group_of(members)
         gen, seq = self.membership.generation, gens.next_seq()
         ranges = (layout.bucket_ranges(job.manifest.total_bytes, self.settings.bucket_bytes) if job.assembly is None
                   else sharding.bucket_plan(job.manifest, self.settings.bucket_bytes))
         verify = self.checksum
-        # a sliced member in the group: every member gets its buckets point to point, the sliced
-        # ones only their runs of each (docs/sharding.md says why not a broadcast then)
-        plans = {m: self._plan(m, job, ranges) for m in group if m in self.wants}
-        direct = direct or bool(plans)  # asked for (finding a corrupting relay), or sliced members in it
         t0 = time.monotonic()
-        same_host = tuple(m for m in members if m not in group)
-        # copy=False to same-host members: through the two bucket buffers in shared memory (a ring)
-        ring = bool(same_host) and job.flat is None and self._segments is not None
-        size = min(self.settings.bucket_bytes, job.manifest.total_bytes)
+        slices, before = (bucket_slices(job, ranges, self._buckets, self.settings.bucket_bytes, self.deadlines.bucket)
+                          if members else ([], None))
+        out = Outgoing(job.version, gen, seq, slices, ranges, job.manifest, job.assembly, job.flat, job.progress,
+                       self.settings.bucket_bytes, verify, self.deadlines.bucket, self._generation_broken,
+                       before=before, point_to_point=direct)
+        by = side.split(members)
         try:
-            segment = (self._ring(size) if ring else self._segment_for(job)) if same_host else None
+            fields = side.prepare(out, by)
         except LocalFailure as err:
             self._rec.record("send", generation=gen, version=job.version).fail(err)
             raise _PutFailed(str(err)) from err
         announce = _wire.Announce(generation=gen, seq=seq, version=job.version, manifest=job.manifest,
                                   bucket_bytes=self.settings.bucket_bytes, num_buckets=len(ranges),
-                                  resend=job.resends > 0, checksum=verify, segment=segment, assembly=job.assembly,
-                                  direct=direct)
+                                  resend=job.resends > 0, checksum=verify, assembly=job.assembly, **fields)
         job.resends += 1
         job.started = job.started or time.monotonic()
         entry = self._rec.record("announce", generation=gen,
@@ -397,36 +392,15 @@ class Sender:
             gens.tell(members, announce)
             entry.complete()
             if members:
-                slices, before = bucket_slices(job, ranges, self._buckets, self.settings.bucket_bytes,
-                                               self.deadlines.bucket)
-                if ring and before is not None:
-                    before = self._ring_turns(before, same_host, gen, seq, ranges)
+                # each bucket's digest is taken once it is on the wire, while the next one transfers;
+                # a member known dead (its connection closed, or silent past its bound) ends the wait
+                # for it now: the transfer is abandoned and re-sent to the rest, not left to time out
                 sums: list[int] = []
-                fanout = slicing.Fanout(group, plans, self._gathers.for_plans(
-                    plans, slices[0].device if slices else self._buckets.device), checksum) if direct else None
-                if group:
-                    # each bucket's digest is taken once it is on the wire, while the next one
-                    # transfers; a member known dead (its connection closed, or silent past its
-                    # bound) ends the wait for it now: the transfer is abandoned and re-sent to
-                    # the rest, not left to time out
-
-                    def after(i: int) -> None:
-                        if fanout is not None:
-                            fanout.done(i, verify)
-                        if verify:
-                            sums.append(checksum(slices[i]))
-
-                    gens.plane.move(Transfer(job.version, slices, self.deadlines.bucket, before=before, after=after,
-                                             cancelled=self._generation_broken, direct=direct,
-                                             sends=None if fanout is None else lambda i: fanout.sends(i, slices[i])))
-                elif verify or ring:  # same-host members only: they copy while the digests are taken
-                    for i, piece in enumerate(slices):
-                        if before is not None:
-                            _own_step(before, i)
-                        if verify:
-                            sums.append(checksum(piece))
+                if verify:
+                    out.afters.append(lambda i: sums.append(checksum(slices[i])))
+                side.move(out, by)
                 if verify:  # a sliced member checks exactly what it was sent; everyone else the buckets
-                    own = {} if fanout is None else fanout.digests
+                    own = side.digests(by)
                     whole = tuple(m for m in members if m not in own)
                     for to, digests in ([(whole, sums)] if whole else []) + [((m,), d) for m, d in own.items()]:
                         gens.tell(to, _wire.Seal(generation=gen, seq=seq, version=job.version,
@@ -446,59 +420,6 @@ class Sender:
             return failed
         self._finish(job, t0)
         return None
-
-    def _plan(self, member: str, job: Job, ranges: list[tuple[int, int]]) -> list[list[slicing.Run]] | None:
-        """A sliced member's runs of each bucket of ``job``; None (nothing sent) when its boxes do not
-        fit this version: the member finds that out itself and stops with a clear error."""
-        want = self.wants[member]
-        full = job.manifest if job.assembly is None else job.assembly.manifest
-        try:
-            return slicing.cached_routes(job.manifest, None if job.assembly is None else job.assembly.pieces,
-                                          full, want, tuple(ranges))
-        except ValueError as err:
-            self._rec.record("send", version=job.version, peers=(member,)).fail(f"its want= does not fit: {err}")
-            return None
-
-    def _ring(self, size: int) -> _wire.ShmRef:
-        """The ring a ``copy=False`` version goes through to same-host members: the two bucket buffers'
-        segment, its epoch bumped (a member still reading the last version stops)."""
-        assert self._segments is not None
-        bufs = self._buckets.get(size)
-        self._segments.reuse(bufs[0])
-        ref = self._segments.ref(bufs[0])
-        if ref is None:
-            raise LocalFailure("the bucket buffers are not in shared memory")
-        return msgspec.structs.replace(ref, ring=bufs[0].numel())
-
-    def _ring_turns(self, pack: Callable[[int], None], same_host: tuple[str, ...], gen: int, seq: int,
-                    ranges: list[tuple[int, int]]) -> Callable[[int], None]:
-        """Before bucket i goes into slot i % 2: every same-host member has copied bucket i - 2 out of it
-        (bounded by that bucket's deadline; PeerFailure names the late ones), then it is packed and marked."""
-        assert self._segments is not None
-        mark = self._segments.marker(self._buckets.get(1)[0])
-
-        def turn(i: int) -> None:
-            if i >= 2:
-                lo, hi = ranges[i - 2]
-                late = self.control.wait_copied(same_host, gen, seq, i - 2, self.deadlines.bucket(hi - lo),
-                                                self._generation_broken)
-                if late:
-                    raise PeerFailure(f"same-host members {sorted(late)} did not copy bucket {i - 2} in time")
-            pack(i)
-            mark(ranges[i][1])  # what members wait for: the version's bytes through bucket i are in
-
-        return turn
-
-    def _segment_for(self, job: Job) -> _wire.ShmRef:
-        """Where same-host members read ``job``'s snapshot (a ``copy=False`` job goes through :meth:`_ring`)."""
-        if self._segments is None or job.flat is None:
-            raise LocalFailure("same-host members, but no shared memory to serve them")
-        if job.progress is None:  # taken in full before it was committed (_wait_snapshot ran)
-            self._segments.marker(job.flat)(job.manifest.total_bytes)
-        ref = self._segments.ref(job.flat)
-        if ref is None:
-            raise LocalFailure(f"version {job.version}'s snapshot is not in shared memory")
-        return ref
 
     def _generation_broken(self) -> bool:
         return self.aborting.is_set() or self.membership.has_dead_members()
@@ -560,8 +481,10 @@ class Sender:
         own = {m: timings[m][1] for m in acked if m in timings}
         self.membership.note_delivered(acked, version, {m: timings[m][0] for m in own}, own)
         score = dict(own)
+        assert self.side is not None
+        part_of = self.side.part_of
         for member in own:
-            if gens.transport_of(member) != "group":
+            if part_of(member).moves_alone:
                 continue  # its bytes never cross a link: the copy is all in its own time
             probed = self.control.link_seconds(member)
             if probed is not None and probed[1] > 0:
@@ -572,12 +495,12 @@ class Sender:
                 score[member] = max(score[member], link)
         if nbytes >= PROBE_FROM:
             self.control.probe(min(PROBE_MAX, nbytes // 32))
-        # a member is compared with members of its own transport only: copies out of shared
-        # memory are an order of magnitude faster than any socket
+        # a member is compared with members of its own plane only: copies out of shared memory
+        # are an order of magnitude faster than any socket
         flagged: dict[str, float] = {}
-        for kind in {gens.transport_of(m) for m in score}:
+        for part in {part_of(m) for m in score}:
             flagged.update(self.membership.slow_members(
-                self.policy, {m: t for m, t in score.items() if gens.transport_of(m) == kind}))
+                self.policy, {m: t for m, t in score.items() if part_of(m) is part}))
         for member, ratio in flagged.items():
             self._rec.record("slow", version=version,
                                   peers=(member,)).fail(f"{ratio:.1f}x the others' receive time")

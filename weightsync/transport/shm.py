@@ -42,6 +42,7 @@ import time
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -232,9 +233,11 @@ class ShmPlane:
 
     in_group, moves_alone = False, True
 
-    def __init__(self, pid: int, recorder: RecorderScope | None = None) -> None:
+    def __init__(self, pid: int, recorder: RecorderScope | None = None, member: str = "",
+                 tell: Callable[[Any], None] | None = None) -> None:
         self.pid = pid
         self._rec = recorder
+        self._member, self._tell = member, tell  # a ring's slot freed is told to the publisher
         self._mapped: OrderedDict[bytes, tuple[mmap.mmap, int, int]] = OrderedDict()
 
     def offer(self) -> str:
@@ -270,7 +273,8 @@ class ShmPlane:
             pass
 
     def move(self, transfer: Transfer) -> None:
-        ref = transfer.source
+        announce = transfer.announce
+        ref = getattr(announce, "segment", None)
         if not isinstance(ref, _wire.ShmRef):
             raise ProtocolError(f"version {transfer.version} was announced without a segment to read")
         base, size = self._segment(ref)
@@ -302,11 +306,13 @@ class ShmPlane:
                 entry.complete()
             src += bucket.numel()
             done += bucket.numel()
-            if transfer.after is not None:
-                try:
+            try:
+                if ring and self._tell is not None:  # its ring slot is free for bucket i + 2: say so first
+                    self._tell(_wire.Copied(announce.generation, announce.seq, self._member, i))
+                if transfer.after is not None:
                     transfer.after(i)
-                except Exception as err:  # noqa: BLE001 - this end's own failure, as the DataPlane says
-                    raise LocalFailure(f"after bucket {i}: {err}") from err
+            except Exception as err:  # noqa: BLE001 - this end's own failure, as the DataPlane says
+                raise LocalFailure(f"after bucket {i}: {err}") from err
         # read after the copies: a publisher that started writing meanwhile bumped it first
         self._check_epoch(ref, transfer.version)
 

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from weightsync import _wire
+from weightsync import _wire, testing
 from weightsync.control import auth
 from weightsync.errors import Closed, SyncTimeout, TransportUnavailable, WeightSyncError
 from weightsync.pg.group import resolve_backend
@@ -38,6 +38,7 @@ from weightsync.pg.recorder import FlightRecorder, process_recorder
 from weightsync.statistics import SubscriberStatistics, SubscriberTally
 from weightsync.testing import Hooks
 from weightsync.transport import layout, lifecycle, sharding, slicing
+from weightsync.transport.dataplane import registered_planes
 from weightsync.transport.handles import Weights, WeightStream, check_timeout
 from weightsync.transport.lifecycle import EndState, call_soon
 from weightsync.transport.options import Deadlines, parse_address, resolve_device
@@ -72,11 +73,11 @@ class Subscriber:
         secret: shared secret (default ``$WEIGHTSYNC_TOKEN``).
         flight_recorder_dir: where dumps go (default ``$WEIGHTSYNC_FR_DIR``, else the same
             per-run directory under the system temp dir as a publisher on this host).
-        transport: (default ``$WEIGHTSYNC_TRANSPORT``, else ``"auto"``) ``"auto"``: the
-            publisher's shared memory when it is on this host and
-            stages in host memory, else the group; ``"group"``: always the process group;
-            ``"shm"``: shared memory, or :class:`TransportUnavailable` at ``start``;
-            ``"cuda_ipc"`` is not built yet and raises :class:`TransportUnavailable`.
+        transport: (default ``"auto"``) ``"auto"``: the publisher's shared memory when it is on
+            this host and stages in host memory, else the group; ``"group"``: always the process
+            group; ``"shm"``: shared memory, or :class:`TransportUnavailable` at ``start``;
+            ``"cuda_ipc"`` is not built yet and raises :class:`TransportUnavailable`; the name of
+            a plane registered with ``weightsync.transport.dataplane.register_plane``: that plane.
         want: a tensor-parallel engine's own tensors (names to ``DTensor`` shards on its mesh,
             or plain tensors): receive only those, each DTensor only its local shard's box,
             point to point from every trainer rank (docs/sharding.md, "Sliced receive").
@@ -90,9 +91,9 @@ class Subscriber:
                  flight_recorder_dir: str | os.PathLike[str] | None = None, transport: str | None = None,
                  want: Mapping[str, torch.Tensor] | None = None) -> None:
         lifecycle.validate_name("channel name", name)
-        transport = transport or os.environ.get("WEIGHTSYNC_TRANSPORT") or "auto"
-        if transport not in TRANSPORTS:
-            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+        transport = transport or testing.default_transport()
+        if transport not in TRANSPORTS and transport not in registered_planes():
+            raise ValueError(f"transport must be one of {TRANSPORTS} or a registered plane, got {transport!r}")
         if transport == "cuda_ipc":
             raise TransportUnavailable("transport='cuda_ipc' is not built yet: CUDA subscribers receive through "
                                        "the group (NCCL); see docs/architecture.md", channel=name)
@@ -122,6 +123,10 @@ class Subscriber:
         if self._want is not None and transport == "shm":
             raise TransportUnavailable("want= receives point to point over the group; transport='shm' copies whole "
                                        "versions", channel=name)
+        # the publisher's shared memory holds host bytes of whole tensors: a member receiving into a
+        # device, or receiving slices, takes the group instead
+        if transport == "auto" and (self._slots.device.type != "cpu" or self._want is not None):
+            transport = "group"
         self._transport = transport
         self._state = EndState.NEW
         self._started = False

@@ -67,6 +67,9 @@ class WeightsyncInitInfo(WeightTransferInitInfo):
         backend: the channel's process-group backend, as the publisher's: ``"auto"`` picks
             NCCL for a worker on a CUDA device (receive slots on that device) and gloo
             otherwise; ``"gloo"`` receives into host memory on any worker.
+        transport: the Subscriber's ``transport``: ``"auto"`` (the trainer's shared memory when
+            the worker is on its host and receives into host memory, else the group) or
+            ``"group"`` (as a worker on another host receives).
     """
 
     address: str
@@ -75,6 +78,7 @@ class WeightsyncInitInfo(WeightTransferInitInfo):
     timeout: float = 30.0
     member_id: str | None = None
     backend: str = "auto"
+    transport: str = "auto"
 
     def __post_init__(self) -> None:
         if not isinstance(self.address, str) or ":" not in self.address:
@@ -151,7 +155,8 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         self._bridge = LoopThread(f"ws-vllm-{member}")
         device = self.device if self.device.type == "cuda" and init_info.backend != "gloo" else "cpu"
         sub = Subscriber(init_info.channel, address=init_info.address, secret=init_info.secret,
-                         timeout=self._timeout, member_id=member, backend=init_info.backend, device=device)
+                         timeout=self._timeout, member_id=member, backend=init_info.backend, device=device,
+                         transport=init_info.transport)
         try:
             self._bridge.run(sub.start(), 2 * self._timeout + GRACE, f"joining channel {init_info.channel!r}")
         except BaseException:

@@ -1,0 +1,91 @@
+"""The ``"group"`` plane's ends: the publisher's part (broadcast, or point to point for sliced members)
+and how a member builds its :class:`~weightsync.pg.group.GroupPlane`.
+
+Broadcast members and point-to-point members (sliced receive) are one part, not two: they share
+the generation's one communicator, and while a sliced member is in a generation every member of
+it is sent its bytes point to point (docs/sharding.md says why not a broadcast then), so which
+of the two a version takes is decided per version by who is in it, not per member.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from weightsync import _wire
+from weightsync.control.rendezvous import RemoteStore
+from weightsync.pg.group import GroupPlane
+from weightsync.transport import slicing
+from weightsync.transport.checksum import checksum
+from weightsync.transport.dataplane import MemberContext, Outgoing, PlaneSpec, PublisherContext, Transfer
+
+
+class GroupSend:
+    """The publisher's end of the group: rank 0 of every generation (see the module docstring)."""
+
+    name = "group"
+    in_group, moves_alone, drives = True, False, True
+
+    def __init__(self, context: PublisherContext) -> None:
+        self._ctx = context
+        self.plane = context.make_plane()
+        self.wants: dict[str, tuple[_wire.Want, ...]] = {}  # sliced members' boxes, from their Join
+        self._gathers = slicing.GatherBuffers()  # per sliced member: two buffers its runs are gathered into
+        self._fanout: slicing.Fanout | None = None
+
+    def admit(self, member: str, want: Any) -> None:
+        if want is None:
+            self.wants.pop(member, None)
+        else:
+            self.wants[member] = want
+
+    def forget(self, member: str) -> None:
+        self.wants.pop(member, None)
+
+    def prepare(self, out: Outgoing, members: tuple[str, ...]) -> dict[str, Any]:
+        plans = {m: self._plan(m, out) for m in members if m in self.wants}
+        self._fanout = None
+        if not (plans or out.point_to_point):
+            return {"direct": False}
+        device = out.buckets[0].device if out.buckets else self._ctx.buckets.device
+        fanout = slicing.Fanout(members, plans, self._gathers.for_plans(plans, device), checksum)
+        self._fanout = fanout
+        out.afters.append(lambda i: fanout.done(i, out.checksum))
+        return {"direct": True}
+
+    def move(self, out: Outgoing, members: tuple[str, ...]) -> None:
+        transfer = Transfer(out.version, out.buckets, out.deadline, before=out.before, after=out.after,
+                            cancelled=out.cancelled)
+        fanout = self._fanout
+        if fanout is None:
+            self.plane.move(transfer)
+        else:
+            self.plane.send_each(transfer, lambda i: fanout.sends(i, out.buckets[i]))
+
+    def digests(self) -> Mapping[str, Sequence[int]]:
+        return {} if self._fanout is None else self._fanout.digests
+
+    def close(self) -> None:
+        """The plane is closed by Generations, which formed its groups."""
+
+    def _plan(self, member: str, out: Outgoing) -> list[list[slicing.Run]] | None:
+        """A sliced member's runs of each bucket; None (nothing sent) when its boxes do not fit this
+        version: the member finds that out itself and stops with a clear error."""
+        full = out.manifest if out.assembly is None else out.assembly.manifest
+        try:
+            return slicing.cached_routes(out.manifest, None if out.assembly is None else out.assembly.pieces,
+                                          full, self.wants[member], tuple(out.ranges))
+        except ValueError as err:
+            self._ctx.scope.record("send", version=out.version, peers=(member,)).fail(
+                f"its want= does not fit: {err}")
+            return None
+
+
+def member_plane(ctx: MemberContext) -> GroupPlane:
+    store = RemoteStore(ctx.client, ctx.rendezvous_timeout)
+    return GroupPlane(store, channel=ctx.channel, member=ctx.member, backend=ctx.backend, device=ctx.device,
+                      recorder=ctx.recorder, in_place=ctx.admit.settings.in_place, slot=ctx.admit.slot,
+                      timeout=ctx.rendezvous_timeout, host=ctx.client.local_host)
+
+
+PLANE = PlaneSpec("group", send_part=GroupSend, member_plane=member_plane)

@@ -1,0 +1,102 @@
+"""The publisher's send side: one part per plane, each member served by the part its Join asked for.
+
+The Sender drives this and nothing below it: it names no plane. Per version (``Sender._send_once``):
+``split`` the members by part, ``prepare`` (the Announce's fields: each part's), tell the
+Announce, ``move`` (the one driving part issues the buckets and runs the hooks; with none, the
+buckets are walked through the hooks here: packing, a ring's turns, the digests), then
+``digests`` (members proven with digests of their own bytes). Owned by the sender thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from weightsync._errors import InternalError, LocalFailure
+from weightsync.transport.dataplane import Outgoing, PublisherContext, SendPart, plane_spec
+
+
+def own_step(fn: Callable[[int], None], i: int) -> None:
+    """Run this end's hook for bucket ``i``: the caller's tensors failing is this put's failure, never
+    a peer's; a same-host member late to free its ring slot is (PeerFailure, as raised)."""
+    try:
+        fn(i)
+    except InternalError:
+        raise
+    except Exception as err:  # noqa: BLE001 - the caller's tensors (freed, resized): a local failure
+        raise LocalFailure(f"packing bucket {i} failed: {type(err).__name__}: {err}") from err
+
+
+class SendSide:
+    """The parts of the send side, by the transport members join with (see the module docstring)."""
+
+    def __init__(self, names: Sequence[str], context: PublisherContext) -> None:
+        self.parts: dict[str, SendPart] = {name: plane_spec(name).send_part(context) for name in names}
+        grouped = [p for p in self.parts.values() if p.in_group]
+        if len(grouped) != 1:
+            raise ValueError(f"exactly one plane forms the generation's group, not {len(grouped)}")
+        self.group_part = grouped[0]
+        self._of: dict[str, SendPart] = {}
+
+    @property
+    def plane(self) -> Any:
+        """The generation's group plane (Generations forms the group through it)."""
+        return self.group_part.plane
+
+    def admit(self, member: str, transport: str, want: Any = None) -> None:
+        part = self.parts.get(transport)
+        if part is None:  # the door checks the transport first: this is a bug
+            raise InternalError(f"{member} was admitted on transport {transport!r}, which nothing serves")
+        old = self._of.get(member)
+        if old is not None and old is not part:
+            old.forget(member)
+        self._of[member] = part
+        part.admit(member, want)
+
+    def forget(self, member: str) -> None:
+        part = self._of.pop(member, None)
+        if part is not None:
+            part.forget(member)
+
+    def part_of(self, member: str) -> SendPart:
+        return self._of.get(member, self.group_part)
+
+    def in_group(self, member: str) -> bool:
+        return self.part_of(member).in_group
+
+    def split(self, members: Sequence[str]) -> dict[SendPart, tuple[str, ...]]:
+        """Each part with members in ``members``, and its members (in order)."""
+        by: dict[SendPart, list[str]] = {}
+        for member in members:
+            by.setdefault(self.part_of(member), []).append(member)
+        return {part: tuple(ms) for part, ms in by.items()}
+
+    def prepare(self, out: Outgoing, by: Mapping[SendPart, tuple[str, ...]]) -> dict[str, Any]:
+        fields: dict[str, Any] = {}
+        for part, members in by.items():
+            fields.update(part.prepare(out, members))
+        return fields
+
+    def move(self, out: Outgoing, by: Mapping[SendPart, tuple[str, ...]]) -> None:
+        drivers = [part for part in by if part.drives]
+        for part in drivers:
+            part.move(out, by[part])
+        for part in by:
+            if not part.drives:
+                part.move(out, by[part])
+        if not drivers and (out.checksum or out.afters or out.hooked):
+            for i in range(len(out.buckets)):  # nobody issues the buckets: walk them through the hooks here
+                if out.before is not None:
+                    own_step(out.before, i)
+                out.after(i)
+
+    @staticmethod
+    def digests(by: Mapping[SendPart, tuple[str, ...]]) -> dict[str, Sequence[int]]:
+        own: dict[str, Sequence[int]] = {}
+        for part in by:
+            own.update(part.digests())
+        return own
+
+    def close(self) -> None:
+        for part in self.parts.values():
+            part.close()

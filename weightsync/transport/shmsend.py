@@ -1,0 +1,103 @@
+"""The ``"shm"`` plane's ends: the publisher's part (same-host members read its shared memory) and
+how a member builds its :class:`~weightsync.transport.shm.ShmPlane`.
+
+The publisher's part moves nothing itself (``drives`` is False): a same-host member copies the
+version out of the segment its Announce names while the group is sent, or, with nobody in the
+group, while the send side walks the buckets through the hooks (the digests). A ``copy=False``
+version goes through the two bucket buffers, which live in a segment of their own: a ring,
+where bucket i is packed into slot i % 2 only once every same-host member said it copied
+bucket i - 2 out of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import msgspec
+
+from weightsync import _wire
+from weightsync._errors import LocalFailure, PeerFailure
+from weightsync.transport.dataplane import MemberContext, Outgoing, PlaneSpec, PublisherContext
+from weightsync.transport.shm import SegmentPool, ShmPlane
+
+
+class ShmSend:
+    """The publisher's end for same-host members (see the module docstring)."""
+
+    name = "shm"
+    in_group, moves_alone, drives = False, True, False
+    plane = None  # joins no group
+
+    def __init__(self, context: PublisherContext) -> None:
+        self._ctx = context
+        self._segments: SegmentPool | None = context.extra.get("segments")
+
+    def admit(self, member: str, want: Any) -> None:
+        """Nothing per member: every same-host member reads the same segment."""
+
+    def forget(self, member: str) -> None:
+        """Nothing kept per member."""
+
+    def prepare(self, out: Outgoing, members: tuple[str, ...]) -> dict[str, Any]:
+        if out.snapshot is None and self._segments is not None:  # copy=False: through the ring
+            ref = self._ring(min(out.bucket_bytes, out.manifest.total_bytes))
+            out.wrap(lambda pack: self._turns(pack, members, out))
+            return {"segment": ref}
+        return {"segment": self._segment_for(out)}
+
+    def move(self, out: Outgoing, members: tuple[str, ...]) -> None:
+        """Nothing to move: the members copy out of the segment themselves."""
+
+    def digests(self) -> Mapping[str, Sequence[int]]:
+        return {}
+
+    def close(self) -> None:
+        """The segments belong to the publisher, which closes them after its sender thread."""
+
+    def _ring(self, size: int) -> _wire.ShmRef:
+        """The two bucket buffers' segment, its epoch bumped (a member still reading the last version stops)."""
+        assert self._segments is not None
+        bufs = self._ctx.buckets.get(size)
+        self._segments.reuse(bufs[0])
+        ref = self._segments.ref(bufs[0])
+        if ref is None:
+            raise LocalFailure("the bucket buffers are not in shared memory")
+        return msgspec.structs.replace(ref, ring=bufs[0].numel())
+
+    def _turns(self, pack: Callable[[int], None], members: tuple[str, ...], out: Outgoing) -> Callable[[int], None]:
+        """Before bucket i goes into slot i % 2: every same-host member has copied bucket i - 2 out of it
+        (bounded by that bucket's deadline; PeerFailure names the late ones), then it is packed and marked."""
+        assert self._segments is not None
+        mark = self._segments.marker(self._ctx.buckets.get(1)[0])
+        ranges = out.ranges
+
+        def turn(i: int) -> None:
+            if i >= 2:
+                lo, hi = ranges[i - 2]
+                late = self._ctx.control.wait_copied(members, out.generation, out.seq, i - 2,
+                                                     self._ctx.deadlines.bucket(hi - lo), out.cancelled)
+                if late:
+                    raise PeerFailure(f"same-host members {sorted(late)} did not copy bucket {i - 2} in time")
+            pack(i)
+            mark(ranges[i][1])  # what members wait for: the version's bytes through bucket i are in
+
+        return turn
+
+    def _segment_for(self, out: Outgoing) -> _wire.ShmRef:
+        """Where same-host members read the version's snapshot."""
+        if self._segments is None or out.snapshot is None:
+            raise LocalFailure("same-host members, but no shared memory to serve them")
+        if out.progress is None:  # taken in full before it was committed (the Sender waited for it)
+            self._segments.marker(out.snapshot)(out.manifest.total_bytes)
+        ref = self._segments.ref(out.snapshot)
+        if ref is None:
+            raise LocalFailure(f"version {out.version}'s snapshot is not in shared memory")
+        return ref
+
+
+def member_plane(ctx: MemberContext) -> ShmPlane:
+    return ShmPlane(ctx.client.shm_pid, ctx.scope, member=ctx.member, tell=ctx.client.send)
+
+
+PLANE = PlaneSpec("shm", send_part=ShmSend, member_plane=member_plane)
