@@ -184,9 +184,10 @@ def test_same_host_members_read_the_announced_segment_beside_the_group(rig) -> N
     report = r.put(0, tensors(3000, 2.0))
     assert set(report.members) == {"near", "far"}
     assert [s.members for s in r.plane.entered][-1] == ("far",)  # the same-host member is in no group
-    for member in (near, far):
-        announce = member.of(_wire.Announce)[-1]
-        assert announce.segment is not None and announce.segment.ring == 0 and announce.segment.nbytes > 0
+    announce = near.of(_wire.Announce)[-1]
+    assert announce.segment is not None and announce.segment.ring == 0 and announce.segment.nbytes > 0
+    # each member is told what its own plane reads: a group member never learns the segment's token
+    assert far.of(_wire.Announce)[-1].segment is None and far.of(_wire.Announce)[-1].version == announce.version
     assert near.of(_wire.Seal)[-1].checksums == far.of(_wire.Seal)[-1].checksums  # one pass, both told
 
 

@@ -26,9 +26,10 @@ from typing import Union
 
 import msgspec
 
-PROTOCOL_VERSION = 7  # 2: settings in Admit; CRC32C. 3: link probes. 4: same-host shm. 5: sharded (lanes).
+PROTOCOL_VERSION = 8  # 2: settings in Admit; CRC32C. 3: link probes. 4: same-host shm. 5: sharded (lanes).
 # 6: sliced members (Join.want, point-to-point buckets: Announce.direct)
 # 7: tied tensors sent once (Manifest.ties); Challenge.open
+# 8: each member's Announce names the version's encoding on the wire (Announce.encoding, .wire)
 
 
 class TensorSpec(msgspec.Struct, frozen=True, array_like=True):
@@ -201,6 +202,8 @@ class Announce(msgspec.Struct, frozen=True, tag="announce"):
     segment: ShmRef | None = None  # same-host members copy the version from here
     assembly: Assembly | None = None  # a sharded version: where this lane's bytes go in the full one
     direct: bool = False  # the buckets come point to point from rank 0, each member's own (Join.want) or whole
+    encoding: str = "full"  # how the buckets are encoded on the wire (weightsync.transport.encoding)
+    wire: tuple[int, ...] = ()  # each bucket's bytes on the wire; empty: the layout's (as staged)
 
 
 class Seal(msgspec.Struct, frozen=True, tag="seal"):

@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import torch
+
 from weightsync import _wire
 from weightsync.control.rendezvous import RemoteStore
 from weightsync.pg.group import GroupPlane
@@ -32,6 +34,7 @@ class GroupSend:
         self.wants: dict[str, tuple[_wire.Want, ...]] = {}  # sliced members' boxes, from their Join
         self._gathers = slicing.GatherBuffers()  # per sliced member: two buffers its runs are gathered into
         self._fanout: slicing.Fanout | None = None
+        self._wire: Sequence[torch.Tensor] = ()
 
     def admit(self, member: str, want: Any) -> None:
         if want is None:
@@ -45,8 +48,12 @@ class GroupSend:
     def prepare(self, out: Outgoing, members: tuple[str, ...]) -> dict[str, Any]:
         plans = {m: self._plan(m, out) for m in members if m in self.wants}
         self._fanout = None
-        if not (plans or out.point_to_point):
-            return {"direct": False}
+        if not (plans or out.point_to_point):  # one broadcast, in the version's encoding
+            wire = out.encoded()
+            self._wire = wire.wire
+            return {"direct": False, "encoding": out.encoding, "wire": wire.sizes}
+        # point to point: each member is sent its gathered share of the staged bytes ("full")
+        self._wire = out.buckets
         device = out.buckets[0].device if out.buckets else self._ctx.buckets.device
         fanout = slicing.Fanout(members, plans, self._gathers.for_plans(plans, device), checksum)
         self._fanout = fanout
@@ -54,7 +61,7 @@ class GroupSend:
         return {"direct": True}
 
     def move(self, out: Outgoing, members: tuple[str, ...]) -> None:
-        transfer = Transfer(out.version, out.buckets, out.deadline, before=out.before, after=out.after,
+        transfer = Transfer(out.version, self._wire, out.deadline, before=out.before, after=out.after,
                             cancelled=out.cancelled)
         fanout = self._fanout
         if fanout is None:

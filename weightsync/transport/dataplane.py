@@ -63,6 +63,9 @@ from typing import Any, Protocol
 
 import torch
 
+from weightsync.transport import encoding
+from weightsync.transport.encoding import WirePlan
+
 
 @dataclass(frozen=True)
 class GenerationSpec:
@@ -147,6 +150,8 @@ class Outgoing:
     #: a plane without relays ignores it
     point_to_point: bool = False
     hooked: bool = False  # a part wrapped ``before``: the buckets must be walked even with nobody driving
+    encoding: str = "full"  # the version's encoding on the wire, for parts that carry it (:meth:`encoded`)
+    _wire: WirePlan | None = None
 
     def wrap(self, outer: Callable[[Callable[[int], None]], Callable[[int], None]]) -> None:
         """Wrap the packing hook: ``outer(inner)`` runs in its place (``inner`` may be a no-op)."""
@@ -156,6 +161,24 @@ class Outgoing:
     def after(self, i: int) -> None:
         for hook in self.afters:
             hook(i)
+
+    def encoded(self) -> WirePlan:
+        """The version in its encoding (planned once, by the first part that carries it): the wire
+        buckets to move instead of ``buckets``; the encoder's hook runs once bucket i is staged."""
+        if self._wire is None:
+            plan = encoding.encoder(self.encoding).plan(self)
+            if plan.hook is not None:
+                encode = plan.hook
+
+                def outer(inner: Callable[[int], None]) -> Callable[[int], None]:
+                    def staged_then_encoded(i: int) -> None:
+                        inner(i)
+                        encode(i)
+                    return staged_then_encoded
+
+                self.wrap(outer)
+            self._wire = plan
+        return self._wire
 
 
 class SendPart(Protocol):

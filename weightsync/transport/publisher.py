@@ -43,6 +43,7 @@ from weightsync.pg.recorder import FlightRecorder, process_recorder
 from weightsync.statistics import MemberStatistics, PublisherStatistics, PublisherTally
 from weightsync.transport import layout, lifecycle, ranks, shm
 from weightsync.transport.dataplane import registered_planes
+from weightsync.transport.encoding import FULL, known
 from weightsync.transport.handles import PutHandle, check_timeout
 from weightsync.transport.lifecycle import EndState, call_soon
 from weightsync.transport.options import (
@@ -108,6 +109,9 @@ class Publisher:
             default) is the single-process publisher.
         group: instead of rank and world_size: a ProcessGroup of the trainer ranks; rank 0's
             address travels to the others over it (a tensor broadcast, no pickle).
+        encoding: how versions go on the group's wire (``weightsync.transport.encoding``):
+            ``"full"`` (the staged bytes, the default) or one registered on both ends; members
+            decode before they check the digests, which are always the staged bytes'.
     """
 
     def __init__(self, name: str, *, address: str | None = None, backend: str = "auto",
@@ -117,8 +121,10 @@ class Publisher:
                  flight_recorder_dir: str | os.PathLike[str] | None = None, policy: StragglerPolicy | None = None,
                  orchestrator: Orchestrator | None = None, checksum: bool = True,
                  pipeline: bool | None = None, rank: int | None = None, world_size: int | None = None,
-                 group: Any = None, lane_address: str | None = None) -> None:
+                 group: Any = None, lane_address: str | None = None, encoding: str = FULL) -> None:
         lifecycle.validate_name("channel name", name)
+        if not known(encoding):
+            raise ValueError(f"encoding {encoding!r} is neither built in nor registered")
         self.rank, self.world_size = ranks.rank_and_world(rank, world_size, group)
         self._group = group
         if orchestrator is not None and not callable(getattr(orchestrator, "replace", None)):
@@ -172,7 +178,7 @@ class Publisher:
                               make_plane=self._make_plane, slot_device=self._slot_device,
                               on_change=self._notify_members, on_evicted=self._replacements.member_dropped,
                               planes=("group", "shm", *registered_planes()), plane_objects={"segments": self._segments},
-                              tally=self._tally)
+                              tally=self._tally, encoding=encoding)
         self._last_version: int | None = None
         self._put_lock: asyncio.Lock | None = None
         self._loop: asyncio.AbstractEventLoop | None = None

@@ -70,7 +70,7 @@ from weightsync.errors import (
 from weightsync.pg.recorder import FlightRecorder
 from weightsync.statistics import SubscriberTally
 from weightsync.testing import Hooks
-from weightsync.transport import layout, sharding, slicing
+from weightsync.transport import encoding, layout, sharding, slicing
 from weightsync.transport.checksum import checksum
 from weightsync.transport.dataplane import DataPlane, GenerationSpec, MemberContext, Transfer, plane_spec
 from weightsync.transport.lifecycle import Latch
@@ -413,10 +413,21 @@ class Receiver:
             sums: list[int] = []
             last = [time.monotonic()]
             verify = announce.checksum
+            try:  # the wire form the plane receives; decoded into the slot's buckets before each digest
+                wire = encoding.decoder(announce.encoding).plan(announce, buckets)
+            except KeyError:
+                raise ProtocolError(f"version {announce.version} is in encoding {announce.encoding[:32]!r}, "
+                                    "which this member does not have") from None
+            if announce.wire and tuple(b.numel() for b in wire.wire) != announce.wire:
+                raise ProtocolError(f"version {announce.version}: wire buckets of {list(announce.wire)[:4]} bytes, "
+                                    f"the decoder planned {[b.numel() for b in wire.wire][:4]}")
+            decode = wire.hook
 
             def after(i: int) -> None:  # bucket i is here; bucket i+1 is on the wire meanwhile
                 began = time.monotonic()
-                self._hooks.after_bucket(announce.version, i, buckets[i], began - last[0])
+                self._hooks.after_bucket(announce.version, i, wire.wire[i], began - last[0])  # faults hit the wire
+                if decode is not None:
+                    decode(i)
                 if verify:
                     sums.append(checksum(buckets[i]) if buckets[i].numel() else 0)
                 if placer is not None:
@@ -427,7 +438,7 @@ class Receiver:
             # anything new in our queue mid-transfer means the publisher gave up on this version
             moving = time.monotonic()
             try:
-                self._plane.move(Transfer(announce.version, buckets, self.deadlines.bucket, after=after,
+                self._plane.move(Transfer(announce.version, wire.wire, self.deadlines.bucket, after=after,
                                           cancelled=lambda: self.aborting.is_set()
                                           or not self._client.commands.empty(), announce=announce))
             finally:

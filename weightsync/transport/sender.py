@@ -37,6 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import torch
 
 from weightsync import _wire
@@ -144,10 +145,12 @@ class Sender:
                  make_plane: Callable[[], DataPlane],
                  slot_device: torch.device, on_change: Callable[[], None],
                  on_evicted: Callable[[MemberInfo], None], planes: tuple[str, ...] = ("group",),
-                 plane_objects: dict[str, Any] | None = None, tally: PublisherTally | None = None) -> None:
+                 plane_objects: dict[str, Any] | None = None, tally: PublisherTally | None = None,
+                 encoding: str = "full") -> None:
         self.channel = channel
         self.settings = settings
         self.checksum = settings.checksum  # per version: the publisher may turn it off and on
+        self.encoding = encoding  # how versions go on the wire where a plane carries it (transport.encoding)
         self.lanes: tuple[str, ...] = ()  # a sharded publisher's rank 0: the other ranks' addresses
         self.deadlines = Deadlines(settings)
         self.staging = staging
@@ -374,22 +377,24 @@ class Sender:
                           if members else ([], None))
         out = Outgoing(job.version, gen, seq, slices, ranges, job.manifest, job.assembly, job.flat, job.progress,
                        self.settings.bucket_bytes, verify, self.deadlines.bucket, self._generation_broken,
-                       before=before, point_to_point=direct)
+                       before=before, point_to_point=direct, encoding=self.encoding)
         by = side.split(members)
         try:
             fields = side.prepare(out, by)
         except LocalFailure as err:
             self._rec.record("send", generation=gen, version=job.version).fail(err)
             raise _PutFailed(str(err)) from err
+        # one Announce per part: each names what its members read (a segment, point to point, the encoding)
         announce = _wire.Announce(generation=gen, seq=seq, version=job.version, manifest=job.manifest,
                                   bucket_bytes=self.settings.bucket_bytes, num_buckets=len(ranges),
-                                  resend=job.resends > 0, checksum=verify, assembly=job.assembly, **fields)
+                                  resend=job.resends > 0, checksum=verify, assembly=job.assembly)
         job.resends += 1
         job.started = job.started or time.monotonic()
         entry = self._rec.record("announce", generation=gen,
                                       version=job.version, nbytes=job.manifest.total_bytes, peers=members).start()
         try:
-            gens.tell(members, announce)
+            for part, to in by.items():
+                gens.tell(to, msgspec.structs.replace(announce, **fields[part]) if fields[part] else announce)
             entry.complete()
             if members:
                 # each bucket's digest is taken once it is on the wire, while the next one transfers;

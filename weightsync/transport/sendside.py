@@ -71,11 +71,9 @@ class SendSide:
             by.setdefault(self.part_of(member), []).append(member)
         return {part: tuple(ms) for part, ms in by.items()}
 
-    def prepare(self, out: Outgoing, by: Mapping[SendPart, tuple[str, ...]]) -> dict[str, Any]:
-        fields: dict[str, Any] = {}
-        for part, members in by.items():
-            fields.update(part.prepare(out, members))
-        return fields
+    def prepare(self, out: Outgoing, by: Mapping[SendPart, tuple[str, ...]]) -> dict[SendPart, dict[str, Any]]:
+        """Each part's Announce fields for its members."""
+        return {part: part.prepare(out, members) for part, members in by.items()}
 
     def move(self, out: Outgoing, by: Mapping[SendPart, tuple[str, ...]]) -> None:
         drivers = [part for part in by if part.drives]

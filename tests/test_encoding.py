@@ -1,0 +1,72 @@
+"""The encoding seam, driven by an encoding registered from outside (tests/xor_encoding.py).
+
+Group members receive the version XORed on the wire and decode it before their digest;
+same-host members read the staged segment as it is; both end bit-exact. A decoder that gets
+one bit wrong is caught by the digest over what it decoded, and never exposes a version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import pytest
+
+import weightsync as ws
+from tests import xor_encoding
+from tests.statedicts import digest, mixed_state_dict
+from weightsync.transport import shm
+from weightsync.transport.encoding import register_encoding, unregister_encoding
+
+pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(120)]
+
+FAST = {"timeout": 5.0, "heartbeat_interval": 0.25, "bucket_bytes": 1 << 16}
+
+
+@pytest.fixture
+def xor() -> Iterator[None]:
+    register_encoding(xor_encoding.XOR)
+    register_encoding(xor_encoding.BROKEN)
+    yield
+    unregister_encoding(xor_encoding.XOR.name)
+    unregister_encoding(xor_encoding.BROKEN.name)
+
+
+async def test_an_unknown_encoding_is_refused_at_once() -> None:
+    with pytest.raises(ValueError, match="neither built in nor registered"):
+        ws.Publisher("enc", encoding="zstd-someday")
+
+
+async def test_an_encoded_version_is_decoded_bit_exact_on_every_plane(xor: None) -> None:
+    transports = ["group", "group"] + (["shm"] if shm.available() else [])
+    async with ws.Publisher("enc", encoding="xor-test", **FAST) as pub:
+        subs = [ws.Subscriber("enc", address=pub.address, member_id=f"m{i}", timeout=5.0, transport=t)
+                for i, t in enumerate(transports)]
+        await asyncio.gather(*(s.start() for s in subs))
+        try:
+            await pub.wait_subscribers(len(subs), timeout=20)
+            encoded, decoded = xor_encoding.Counts.encoded, xor_encoding.Counts.decoded
+            for version in range(3):
+                sd = mixed_state_dict(version, mib=0.5)
+                report = await (await pub.put(sd, version=version))
+                assert set(report.members) == {s.member_id for s in subs}
+                for sub in subs:
+                    weights = await sub.get(min_version=version, timeout=10)
+                    assert {k: digest(v) for k, v in weights.items()} == {k: digest(v) for k, v in sd.items()}
+            # the group's buckets went XORed (encoded once per bucket for the whole group) and both
+            # group members decoded them; the same-host member read the staged segment as it is
+            assert xor_encoding.Counts.encoded > encoded
+            assert xor_encoding.Counts.decoded - decoded == 2 * (xor_encoding.Counts.encoded - encoded)
+        finally:
+            await asyncio.gather(*(s.aclose() for s in subs))
+
+
+async def test_a_wrong_decode_is_caught_by_the_digest_and_never_readable(xor: None) -> None:
+    async with ws.Publisher("enc", encoding="xor-test-broken", **FAST) as pub:
+        async with ws.Subscriber("enc", address=pub.address, member_id="m0", timeout=5.0,
+                                 transport="group") as sub:
+            await pub.wait_subscribers(1, timeout=20)
+            report = await (await pub.put(mixed_state_dict(0, mib=0.5), version=0))
+            assert report.members == ()  # nobody acknowledged bytes that do not match
+            stats = sub.statistics()
+            assert stats.checksum_failures >= 1 and stats.versions_received == 0 and stats.version is None

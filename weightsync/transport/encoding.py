@@ -1,0 +1,114 @@
+"""The encoding seam: what a version looks like on the wire, between staging and the plane.
+
+A version is staged as the bytes a member will hold (its manifest's layout). On its way it may
+be *encoded* (``"full"``, the identity, is the only built-in one today; deltas against a base
+version and quantized forms plug in here), and a member *decodes* each bucket between the plane
+and its slot. The digests in the Seal are the staged bytes' and each member checks its
+decoded bytes against them: the checksum proves what the member holds after decoding (a wrong
+base, a corrupted wire, a bug in either end), never only the wire's bytes.
+
+Publisher side, per version and per part that carries the encoding (the group's broadcast; the
+same-host segment holds the staged bytes and its members read them as they are, and members sent
+point to point are sent gathered staged bytes), the Sender asks ``encoder(name).plan(out)``:
+
+- ``wire``: the tensors the plane moves, one per bucket (the staged buckets for ``"full"``);
+- ``sizes``: each wire bucket's length, told in the Announce before any byte moves (empty when
+  they are the staged buckets' lengths), so a member can size what it receives into;
+- ``encode(i)``: fills wire bucket i; it runs after bucket i is staged (packed, or copied by a
+  pipelined snapshot) and before the plane issues it, on the sender thread.
+
+Member side, ``decoder(name).plan(announce, buckets)``, where ``buckets`` are the slot's (where the
+decoded bytes belong): ``wire`` (what the plane receives into; the slot's buckets for
+``"full"``) and ``decode(i)``: runs once wire bucket i is in, before the member's digest of
+bucket i.
+
+What an encoding may assume: the manifest (names, dtypes, offsets; every dtype's element size
+is whole bytes), the staged bytes of this version on the publisher's device, and, on the member,
+the slot's buckets on the member's device. A base version is not given today: the delta encoding
+adds it (the base's version number and digest named in the Announce, the member's copy of it
+found by the decoder, the full version instead wherever a member lacks it). Registered
+encodings (:func:`register_encoding`) must be registered on both ends.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+FULL = "full"
+
+
+@dataclass
+class WirePlan:
+    """One version's (or one member's) wire form: the tensors moved and the per-bucket hook."""
+
+    wire: Sequence[torch.Tensor]
+    sizes: tuple[int, ...] = ()  # the wire buckets' lengths when they differ from the staged ones
+    hook: Callable[[int], None] | None = None  # encode(i) on the publisher, decode(i) on a member
+
+
+class Encoder(Protocol):
+    def plan(self, out: Any) -> WirePlan: ...
+
+
+class Decoder(Protocol):
+    def plan(self, announce: Any, buckets: Sequence[torch.Tensor]) -> WirePlan: ...
+
+
+@dataclass(frozen=True)
+class EncodingSpec:
+    name: str
+    encoder: Encoder
+    decoder: Decoder
+
+
+class _FullEncoder:
+    """The identity: the wire carries the staged bytes..."""
+
+    def plan(self, out: Any) -> WirePlan:
+        return WirePlan(out.buckets)
+
+
+class _FullDecoder:
+    """...straight into the member's slot."""
+
+    def plan(self, announce: Any, buckets: Sequence[torch.Tensor]) -> WirePlan:
+        return WirePlan(buckets)
+
+
+_registered: dict[str, EncodingSpec] = {FULL: EncodingSpec(FULL, _FullEncoder(), _FullDecoder())}
+_lock = threading.Lock()
+
+
+def register_encoding(spec: EncodingSpec) -> None:
+    """Make ``spec.name`` an encoding this process can send and receive (``Publisher(encoding=)``)."""
+    if spec.name == FULL:
+        raise ValueError(f"encoding {FULL!r} is built in")
+    with _lock:
+        _registered[spec.name] = spec
+
+
+def unregister_encoding(name: str) -> None:
+    if name != FULL:
+        with _lock:
+            _registered.pop(name, None)
+
+
+def known(name: str) -> bool:
+    with _lock:
+        return name in _registered
+
+
+def encoder(name: str) -> Encoder:
+    with _lock:
+        return _registered[name].encoder
+
+
+def decoder(name: str) -> Decoder:
+    """KeyError for an encoding this process does not have (the member refuses the version)."""
+    with _lock:
+        return _registered[name].decoder
