@@ -67,7 +67,7 @@ pytest: $(STAMP)
 test: lint pytest
 
 # the pure tier: no processes, no sockets between processes (about 30 s here); the full suite runs it too
-QUICK_TESTS := tests/test_core_units.py tests/test_unit.py tests/test_sender_units.py tests/test_receiver_units.py tests/test_docs.py::test_the_module_table_in_architecture_md_names_every_module_and_only_modules_that_exist
+QUICK_TESTS := tests/test_core_units.py tests/test_unit.py tests/test_sender_units.py tests/test_receiver_units.py tests/test_tree.py tests/test_docs.py::test_the_module_table_in_architecture_md_names_every_module_and_only_modules_that_exist
 
 test-quick: lint
 	$(VENV)/bin/python -m pytest $(QUICK_TESTS) $(PYTEST_ARGS)

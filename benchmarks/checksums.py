@@ -8,7 +8,7 @@ Candidates, each over the same 64 MiB host bucket, one thread:
 - ``zlib-crc32``    CRC32 of the bytes;
 - ``xxh64``         xxHash 64;
 - ``xxh3-64``       xxHash XXH3-64;
-- ``crc32c``        hardware CRC32C, what ``weightsync.transport.checksum`` uses now (protocol 2);
+- ``crc32c``        hardware CRC32C, what ``weightsync.format.checksum`` uses now (protocol 2);
 
 and the memory-copy rate of the same bucket, measured beside them as the ceiling. Prints GB/s
 and each one's ratio to protocol 1, writes ``checksums.json`` and ``checksums.png``.
@@ -25,7 +25,7 @@ import torch
 import xxhash
 
 from benchmarks import report
-from weightsync.transport.checksum import _host_view, checksum
+from weightsync.testing import digest as checksum
 
 
 def striped_crc32(buf: torch.Tensor) -> int:
@@ -36,6 +36,11 @@ def striped_crc32(buf: torch.Tensor) -> int:
     digest = zlib.crc32(words.sum(axis=1).tobytes())
     digest = zlib.crc32(words.sum(axis=0).tobytes(), digest)
     return zlib.crc32(host[n:].tobytes(), digest)
+
+
+def _host(buf: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous host uint8 tensor, in place (valid while ``buf`` lives)."""
+    return memoryview(buf.numpy())
 
 
 def rate(fn, buf: torch.Tensor, reps: int) -> float:
@@ -60,9 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = {
         "memcpy (ceiling)": rate(lambda b: dst.copy_(b), buf, args.reps),
         "striped-crc32 (protocol 1)": rate(striped_crc32, buf, args.reps),
-        "zlib-crc32": rate(lambda b: zlib.crc32(_host_view(b)), buf, args.reps),
-        "xxh64": rate(lambda b: xxhash.xxh64_intdigest(_host_view(b)), buf, args.reps),
-        "xxh3-64": rate(lambda b: xxhash.xxh3_64_intdigest(_host_view(b)), buf, args.reps),
+        "zlib-crc32": rate(lambda b: zlib.crc32(_host(b)), buf, args.reps),
+        "xxh64": rate(lambda b: xxhash.xxh64_intdigest(_host(b)), buf, args.reps),
+        "xxh3-64": rate(lambda b: xxhash.xxh3_64_intdigest(_host(b)), buf, args.reps),
         "crc32c (protocol 2)": rate(checksum, buf, args.reps),
     }
     base = rows["striped-crc32 (protocol 1)"]

@@ -27,8 +27,7 @@ import msgspec
 import torch
 
 import weightsync as ws
-from weightsync.pg.group import reconfigure_enabled
-from weightsync.pg.recorder import FlightRecorder
+from weightsync.fr import FlightRecorder
 
 
 class PathResult(msgspec.Struct):
@@ -123,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.cycles < 1 or args.members < 1:
         parser.error("--cycles and --members must be >= 1")
-    paths = ["in_place", "rebuild"] if reconfigure_enabled("gloo") else ["rebuild"]
+    in_place = ws.Publisher("probe", backend="gloo").settings.in_place  # this torch re-forms gloo in place
+    paths = ["in_place", "rebuild"] if in_place else ["rebuild"]
     if len(paths) == 1:
         print(f"torch {torch.__version__} cannot reconfigure gloo in place: measuring the rebuild path only")
     out = Path(args.out)

@@ -75,7 +75,7 @@ async def run(gb: float, reps: int) -> GpuResult:
         copies.append((time.perf_counter() - t0) * 1e3)
     del flat
     stalls, done = [], []
-    backend = "nccl" if ws.pg._torch_compat.nccl_available() else "gloo"
+    backend = "nccl" if torch.distributed.is_available() and torch.distributed.is_nccl_available() else "gloo"
     async with ws.Publisher("gpu-bench", backend=backend, device="cuda", timeout=120) as pub:
         for version in range(reps + 1):
             torch.cuda.synchronize()

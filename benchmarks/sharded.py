@@ -160,7 +160,7 @@ def _tp_want(spec: dict) -> dict:
 
 async def generator(spec: dict) -> dict:
     import weightsync as ws
-    from weightsync.pg.recorder import process_recorder
+    from weightsync.fr import process_recorder
 
     address_file = Path(spec["address_file"])
     want = _tp_want(spec) if spec["mode"] == "sliced" else None

@@ -23,8 +23,7 @@ from pathlib import Path
 import torch
 
 import weightsync as ws
-from weightsync.pg.analyze import analyze, load_dir, render
-from weightsync.pg.timeline import draw
+from weightsync.fr import analyze, draw, load_dir, render
 
 
 async def generator(address: str, member: str, last: int) -> None:

@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.steps < 1 or args.generators < 1:
         parser.error("--steps and --generators must be >= 1")
-    from weightsync.pg.recorder import install_signal_handler
+    from weightsync.fr import install_signal_handler
 
     install_signal_handler()  # `kill -USR1 <pid>` dumps this trainer's flight recorder
     return trainer(args.steps, args.generators)

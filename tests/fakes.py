@@ -11,7 +11,7 @@ import queue
 from collections import defaultdict
 from typing import Any
 
-from weightsync.transport.dataplane import GenerationSpec, Transfer
+from weightsync.planes.dataplane import GenerationSpec, Transfer
 
 
 class FakeControl:

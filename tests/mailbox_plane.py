@@ -4,7 +4,7 @@
 process): the publisher's part rides along (``drives`` False) and drops a copy of bucket i in
 the mailbox once bucket i is ready (an after-bucket hook); a member's ``move`` takes bucket i
 out of it, bounded by the bucket's deadline and given up when the transfer is cancelled. It
-joins no group. Registered with :func:`weightsync.transport.dataplane.register_plane`, it is
+joins no group. Registered with :func:`weightsync.planes.dataplane.register_plane`, it is
 served by the library's Sender and Receiver as they are: announcements, seals, checksums,
 acknowledgements, re-sends and scoring are theirs.
 """
@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from weightsync._errors import Cancelled, LocalFailure, PeerFailure
-from weightsync.transport.dataplane import (
+from weightsync.planes.dataplane import (
     GenerationSpec,
     MemberContext,
     Outgoing,

@@ -14,13 +14,13 @@ import torch
 from tests.fakes import FakeControl, FakePlane, FakeTable
 from weightsync import _wire
 from weightsync._errors import PeerFailure
-from weightsync.pg.analyze import analyze, render
-from weightsync.pg.generations import Generations
-from weightsync.pg.membership import Membership
-from weightsync.pg.recorder import Dump, Entry, FlightRecorder
-from weightsync.transport import layout
+from weightsync.format import layout
+from weightsync.membership.generations import Generations
+from weightsync.membership.membership import Membership
+from weightsync.options import ChannelOptions, Deadlines
+from weightsync.recorder.analyze import analyze, render
+from weightsync.recorder.recorder import Dump, Entry, FlightRecorder
 from weightsync.transport.handles import PutHandle
-from weightsync.transport.options import ChannelOptions, Deadlines
 from weightsync.transport.staging import Job
 
 pytestmark = pytest.mark.timeout(60)
@@ -470,7 +470,7 @@ def test_two_failed_versions_in_a_row_evict_as_failed_and_a_delivered_one_forgiv
 
 
 def test_slow_needs_window_versions_in_a_row_and_a_uniformly_slow_network_flags_nobody() -> None:
-    from weightsync.pg.membership import StragglerPolicy
+    from weightsync.membership.membership import StragglerPolicy
 
     policy = StragglerPolicy(slow_factor=3.0, slow_floor=0.05, window=3, on_slow="keep")
     membership = _members("a", "b", "c")
@@ -490,7 +490,7 @@ def test_a_member_that_reports_zero_own_time_cannot_make_an_honest_one_slow() ->
     was its 0 (two members) or half an honest one's time (three), and an honest member within the
     policy's factor was evicted as slow. The upper median of at least two others is an honest
     report; with one other member nobody is scored at all."""
-    from weightsync.pg.membership import StragglerPolicy
+    from weightsync.membership.membership import StragglerPolicy
 
     policy = StragglerPolicy(slow_factor=3.0, slow_floor=0.05, window=3, on_slow="evict")
     pair = _members("honest", "liar")
@@ -505,7 +505,7 @@ def test_a_member_that_reports_zero_own_time_cannot_make_an_honest_one_slow() ->
 
 def test_relay_suspects_blame_the_relay_whose_children_were_fed_bad_bytes() -> None:
     """gloo's binomial tree over the publisher (0) and members 1..n: 3 and 5 hear from 1, 6 from 2."""
-    from weightsync.pg.generations import relay_suspects
+    from weightsync.membership.generations import relay_suspects
 
     def parent(r: int) -> int | None:
         return r - (1 << (r.bit_length() - 1)) if r > 0 else None
@@ -530,7 +530,7 @@ def test_a_failed_works_error_leaves_no_frame_holding_the_work() -> None:
     descriptor count)."""
     import gc
 
-    from weightsync.pg import _torch_compat as compat
+    from weightsync import _torch_compat as compat
 
     class Work:  # what a failed gloo work does: raise the same stored exception on every wait
         def __init__(self, error: BaseException) -> None:
@@ -557,8 +557,8 @@ def test_trainer_ranks_tell_a_key_timeout_from_a_lost_store_by_type_never_by_mes
     other store failure is rank 0 gone at once, whatever its message says."""
     from weightsync._errors import KeyTimeout, StoreError
     from weightsync.errors import PublisherGone, SyncTimeout
-    from weightsync.pg.recorder import FlightRecorder
-    from weightsync.transport.ranks import Ranks
+    from weightsync.membership.ranks import Ranks
+    from weightsync.recorder.recorder import FlightRecorder
 
     class Store:
         def __init__(self, error: BaseException) -> None:

@@ -18,7 +18,7 @@ import weightsync as ws
 from tests.conftest import LOOPS, Procs, loop_policy
 from tests.statedicts import digests
 from weightsync.cli import main as cli
-from weightsync.pg.recorder import FlightRecorder, load_dump
+from weightsync.recorder.recorder import FlightRecorder, load_dump
 from weightsync.testing import Faults, inject
 
 REPO = Path(__file__).resolve().parent.parent
@@ -183,7 +183,7 @@ def report_generation(rec: FlightRecorder) -> int:
 
 def test_sigusr1_dumps_when_the_application_installed_the_handler(tmp_path: Path) -> None:
     code = ("import os, signal, sys, time, weightsync as ws\n"
-            "from weightsync.pg.recorder import install_signal_handler\n"
+            "from weightsync.recorder.recorder import install_signal_handler\n"
             "rec = ws.FlightRecorder(capacity=10, directory=sys.argv[1], label='app')\n"
             "rec.record('put', channel='c', member='publisher', version=1).complete()\n"
             "assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL  # importing installed nothing\n"
@@ -203,7 +203,7 @@ def test_sigusr1_dumps_when_the_application_installed_the_handler(tmp_path: Path
 def test_automatic_dumps_are_rate_limited_per_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import types
 
-    from weightsync.pg import recorder as recorder_module
+    from weightsync.recorder import recorder as recorder_module
 
     clock = [1000.0]
     fake = types.SimpleNamespace(monotonic=lambda: clock[0], time=time.time)
@@ -243,7 +243,7 @@ def test_dumps_go_where_the_docs_say(tmp_path: Path, monkeypatch: pytest.MonkeyP
 
 def test_torchs_own_trace_is_written_beside_a_dump_when_there_is_one(tmp_path: Path,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    from weightsync.pg import _torch_compat as compat
+    from weightsync import _torch_compat as compat
 
     rec = FlightRecorder(directory=tmp_path, label="pub")
     monkeypatch.setattr(compat, "torch_flight_recorder_json", lambda: b"")
@@ -289,7 +289,7 @@ def test_piped_into_head_the_cli_ends_quietly_and_fr_list_finds_folders_without_
     """`fr analyze --json | head` ended in a BrokenPipe traceback; `fr list` names the folders under
     the default directory (newest first), so nobody needs the publisher's port to find theirs; old
     folders are pruned to a bound, never the one in use."""
-    from weightsync.pg.recorder import dump_folders, prune_dump_folders
+    from weightsync.recorder.recorder import dump_folders, prune_dump_folders
 
     rec = FlightRecorder(capacity=5000, directory=tmp_path / "run", label="publisher")
     for v in range(3000):  # far more output than a pipe holds
@@ -340,8 +340,8 @@ async def test_a_real_kill_and_replace_run_reads_as_it_happened(procs: Procs, tm
     never the healthy replacement; its text is a summary; the timeline is written (exit 0), with
     the death marked and an incident panel."""
     from tests.test_stragglers import close_then_reap, orchestrator, put_checked
-    from weightsync.pg.analyze import analyze, load_dir
-    from weightsync.pg.timeline import _incidents
+    from weightsync.recorder.analyze import analyze, load_dir
+    from weightsync.recorder.timeline import _incidents
 
     monkeypatch.setenv("WEIGHTSYNC_FR_DUMP", "close")  # this process's recorder and every child's
     numel = 64 << 10

@@ -12,7 +12,7 @@ import torch
 import weightsync as ws
 from tests.conftest import Procs
 from tests.statedicts import digests, mixed_state_dict
-from weightsync.pg import _torch_compat as compat
+from weightsync import _torch_compat as compat
 
 pytestmark = [pytest.mark.gpu, pytest.mark.asyncio, pytest.mark.timeout(300),
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

@@ -28,9 +28,9 @@ import weightsync as ws
 from tests import mailbox_plane
 from tests.conftest import Procs
 from tests.statedicts import digest, mixed_state_dict
+from weightsync.planes import shm
+from weightsync.planes.dataplane import register_plane, unregister_plane
 from weightsync.testing import Faults, inject
-from weightsync.transport import shm
-from weightsync.transport.dataplane import register_plane, unregister_plane
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(180)]
 

@@ -18,7 +18,7 @@ ray = pytest.importorskip("ray", reason="Ray is not installed here (the test ext
 
 from rl_examples import ray_generators  # noqa: E402 - after the skip
 from weightsync.integrations.ray import RayOrchestrator  # noqa: E402
-from weightsync.pg.membership import MemberInfo  # noqa: E402
+from weightsync.membership.membership import MemberInfo  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -23,13 +23,14 @@ import torch
 
 from tests import xor_encoding
 from weightsync import _wire
-from weightsync.pg.recorder import FlightRecorder
+from weightsync.format import layout, sharding, slicing
+from weightsync.format.checksum import checksum
+from weightsync.options import ChannelOptions
+from weightsync.planes import shm
+from weightsync.planes.dataplane import GenerationSpec, PlaneSpec, Transfer, register_plane, unregister_plane
+from weightsync.planes.encoding import register_encoding, unregister_encoding
+from weightsync.recorder.recorder import FlightRecorder
 from weightsync.testing import Hooks
-from weightsync.transport import layout, sharding, shm, slicing
-from weightsync.transport.checksum import checksum
-from weightsync.transport.dataplane import GenerationSpec, PlaneSpec, Transfer, register_plane, unregister_plane
-from weightsync.transport.encoding import register_encoding, unregister_encoding
-from weightsync.transport.options import ChannelOptions
 from weightsync.transport.receiver import Receiver
 from weightsync.transport.slots import SlotPair
 

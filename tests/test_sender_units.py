@@ -24,13 +24,14 @@ import torch
 
 from tests.fakes import FakeControl, FakePlane, FakeTable
 from weightsync import _wire
-from weightsync.pg.membership import Membership, StragglerPolicy
-from weightsync.pg.recorder import FlightRecorder
-from weightsync.transport import layout, sharding, shm
-from weightsync.transport.checksum import checksum
-from weightsync.transport.dataplane import Transfer
+from weightsync.format import layout, sharding
+from weightsync.format.checksum import checksum
+from weightsync.membership.membership import Membership, StragglerPolicy
+from weightsync.options import ChannelOptions
+from weightsync.planes import shm
+from weightsync.planes.dataplane import Transfer
+from weightsync.recorder.recorder import FlightRecorder
 from weightsync.transport.handles import DeliveryReport, PutHandle
-from weightsync.transport.options import ChannelOptions
 from weightsync.transport.sender import Abort, Join, PutCommitted, Sender
 from weightsync.transport.staging import Job, Staging
 

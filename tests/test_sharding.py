@@ -20,7 +20,8 @@ import torch.distributed as dist
 import weightsync as ws
 from tests.conftest import REPO, Procs
 from weightsync import _wire
-from weightsync.transport import layout, sharding, shm, slicing
+from weightsync.format import layout, sharding, slicing
+from weightsync.planes import shm
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -436,8 +437,8 @@ def test_bad_rank_arguments_are_refused_at_construction() -> None:
 def test_the_ranks_table_stays_bounded_whatever_the_version_numbers() -> None:
     """Each rank forgets its keys of all but its latest puts, with gaps between version numbers too."""
     from weightsync.control.rendezvous import KeyValue
-    from weightsync.pg.recorder import FlightRecorder
-    from weightsync.transport import ranks
+    from weightsync.membership import ranks
+    from weightsync.recorder.recorder import FlightRecorder
 
     table = KeyValue()
     rec = FlightRecorder().scope("t", "publisher")
@@ -453,8 +454,8 @@ def test_a_rank_that_said_its_word_and_left_between_two_looks_is_not_gone() -> N
     """Rank 1 sets its outcome and leaves right after rank 0 looked for the outcome and before it looked
     for the dead: its word counts (seen under load as a spurious 'rank 1 is gone (left)')."""
     from weightsync.control.rendezvous import KeyValue
-    from weightsync.pg.recorder import FlightRecorder
-    from weightsync.transport import ranks
+    from weightsync.membership import ranks
+    from weightsync.recorder.recorder import FlightRecorder
 
     table = KeyValue()
     rec = FlightRecorder().scope("t", "publisher")

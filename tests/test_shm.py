@@ -25,7 +25,7 @@ from tests.conftest import Procs
 from tests.statedicts import digests, mixed_state_dict
 from weightsync import _wire
 from weightsync.control.framing import HEADER
-from weightsync.transport import shm
+from weightsync.planes import shm
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.skipif(not shm.available(), reason="needs Linux memfds and /proc")]
 
@@ -227,7 +227,7 @@ def test_a_reused_segment_is_never_read_as_the_announced_version() -> None:
     does one whose snapshot failed. A segment whose token is not the announced one, or a range
     past its end, is refused."""
     from weightsync._errors import Cancelled, ProtocolError
-    from weightsync.transport.dataplane import Transfer
+    from weightsync.planes.dataplane import Transfer
 
     def at(ref: _wire.ShmRef) -> SimpleNamespace:  # the Announce's fields the plane reads
         return SimpleNamespace(segment=ref, generation=0, seq=0)

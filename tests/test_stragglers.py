@@ -27,7 +27,7 @@ import weightsync as ws
 from tests.conftest import REPO, Procs
 from tests.statedicts import digests
 from weightsync.pg.reaper import drain_retired
-from weightsync.pg.recorder import FlightRecorder
+from weightsync.recorder.recorder import FlightRecorder
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(240)]
 

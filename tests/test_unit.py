@@ -17,9 +17,9 @@ import torch.distributed as dist
 import weightsync as ws
 from tests.statedicts import digests, mixed_state_dict
 from weightsync import _wire
-from weightsync.transport import layout
-from weightsync.transport.checksum import STRIPES, checksum
-from weightsync.transport.options import ChannelOptions, parse_address
+from weightsync.format import layout
+from weightsync.format.checksum import STRIPES, checksum
+from weightsync.options import ChannelOptions, parse_address
 from weightsync.transport.staging import Job, Staging
 
 

@@ -18,7 +18,7 @@ import torch
 
 import weightsync as ws
 from tests.statedicts import digests
-from weightsync.pg.recorder import process_recorder
+from weightsync.recorder.recorder import process_recorder
 from weightsync.testing import Faults, inject, set_default_transport
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from weightsync.transport.encoding import EncodingSpec, WirePlan
+from weightsync.planes.encoding import EncodingSpec, WirePlan
 
 KEY = 0x5A
 

@@ -27,12 +27,12 @@ from weightsync.errors import (
 
 if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers
     from weightsync.blocking import BlockingPublisher, BlockingSubscriber
+    from weightsync.membership.membership import MemberInfo, StragglerPolicy
+    from weightsync.options import connect_store
     from weightsync.orchestrator import LocalProcessOrchestrator, Orchestrator
-    from weightsync.pg.membership import MemberInfo, StragglerPolicy
-    from weightsync.pg.recorder import FlightRecorder
+    from weightsync.recorder.recorder import FlightRecorder
     from weightsync.statistics import MemberStatistics, PublisherStatistics, SubscriberStatistics
     from weightsync.transport.handles import DeliveryReport, PutHandle, Weights, WeightStream
-    from weightsync.transport.options import connect_store
     from weightsync.transport.publisher import Publisher
     from weightsync.transport.subscriber import Subscriber
 
@@ -43,20 +43,20 @@ _LAZY = {
     "BlockingPublisher": "weightsync.blocking",
     "BlockingSubscriber": "weightsync.blocking",
     "DeliveryReport": "weightsync.transport.handles",
-    "FlightRecorder": "weightsync.pg.recorder",
+    "FlightRecorder": "weightsync.recorder.recorder",
     "LocalProcessOrchestrator": "weightsync.orchestrator",
-    "MemberInfo": "weightsync.pg.membership",
+    "MemberInfo": "weightsync.membership.membership",
     "MemberStatistics": "weightsync.statistics",
     "Orchestrator": "weightsync.orchestrator",
     "Publisher": "weightsync.transport.publisher",
     "PublisherStatistics": "weightsync.statistics",
     "PutHandle": "weightsync.transport.handles",
-    "StragglerPolicy": "weightsync.pg.membership",
+    "StragglerPolicy": "weightsync.membership.membership",
     "Subscriber": "weightsync.transport.subscriber",
     "SubscriberStatistics": "weightsync.statistics",
     "WeightStream": "weightsync.transport.handles",
     "Weights": "weightsync.transport.handles",
-    "connect_store": "weightsync.transport.options",
+    "connect_store": "weightsync.options",
 }
 
 

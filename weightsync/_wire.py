@@ -72,7 +72,7 @@ class Frame(msgspec.Struct, frozen=True, array_like=True):
 
 
 class ShmOffer(msgspec.Struct, frozen=True):
-    """Where a same-host member finds the publisher's shared memory (``transport.shm``)."""
+    """Where a same-host member finds the publisher's shared memory (``planes.shm``)."""
 
     pid: int
     fd: int  # the door: a one-page segment holding ``token``
@@ -94,7 +94,7 @@ class ShmRef(msgspec.Struct, frozen=True):
 
 
 class Piece(msgspec.Struct, frozen=True, array_like=True):
-    """Where one tensor of a lane goes in the full layout (``transport.sharding``)."""
+    """Where one tensor of a lane goes in the full layout (``format.sharding``)."""
 
     tensor: int  # index into the full manifest
     blocks: tuple[tuple[int, int, int, int], ...]  # (offset, run, count, stride) bytes in the full layout
@@ -151,7 +151,7 @@ class Wake(msgspec.Struct, frozen=True, tag="wake"):
 class ChannelSettings(msgspec.Struct, frozen=True):
     """What the publisher tells every member at admission: the one source of these values.
 
-    A subscriber derives every data-plane deadline from these (see ``transport.options.Deadlines``)
+    A subscriber derives every data-plane deadline from these (see ``options.Deadlines``)
     and hard-codes none of them, so a publisher with 1 GiB buckets and its members agree.
     """
 
@@ -202,12 +202,12 @@ class Announce(msgspec.Struct, frozen=True, tag="announce"):
     segment: ShmRef | None = None  # same-host members copy the version from here
     assembly: Assembly | None = None  # a sharded version: where this lane's bytes go in the full one
     direct: bool = False  # the buckets come point to point from rank 0, each member's own (Join.want) or whole
-    encoding: str = "full"  # how the buckets are encoded on the wire (weightsync.transport.encoding)
+    encoding: str = "full"  # how the buckets are encoded on the wire (weightsync.planes.encoding)
     wire: tuple[int, ...] = ()  # each bucket's bytes on the wire; empty: the layout's (as staged)
 
 
 class Seal(msgspec.Struct, frozen=True, tag="seal"):
-    """Per-bucket digests (``transport.checksum``) of version `version`, sent once its buckets left.
+    """Per-bucket digests (``format.checksum``) of version `version`, sent once its buckets left.
 
     To a sliced member: the digests of what it was sent of each bucket (0 where nothing)."""
 

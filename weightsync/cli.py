@@ -27,8 +27,8 @@ import time
 def _doctor() -> int:
     import torch
 
-    from weightsync.pg import _torch_compat as compat
-    from weightsync.transport import shm
+    from weightsync import _torch_compat as compat
+    from weightsync.planes import shm
 
     rows = [
         ("torch", torch.__version__),
@@ -48,7 +48,7 @@ def _doctor() -> int:
 
 
 def _fr_list() -> int:
-    from weightsync.pg.recorder import dump_folders, dump_root
+    from weightsync.recorder.recorder import dump_folders, dump_root
 
     folders = dump_folders()
     if not folders:
@@ -64,7 +64,7 @@ def _fr_list() -> int:
 def _fr(args: argparse.Namespace) -> int:
     import msgspec
 
-    from weightsync.pg.analyze import analyze, load_dir, render
+    from weightsync.recorder.analyze import analyze, load_dir, render
 
     if args.fr_command == "list":
         return _fr_list()
@@ -76,7 +76,7 @@ def _fr(args: argparse.Namespace) -> int:
         return 2
     analysis = analyze(dumps, names=[f"{d.label}-{d.pid}" for d in dumps])
     if args.fr_command == "timeline":
-        from weightsync.pg.timeline import draw
+        from weightsync.recorder.timeline import draw
 
         try:
             path = draw(dumps, analysis, args.output)

@@ -28,9 +28,9 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from weightsync.pg.membership import MemberInfo, StragglerPolicy
+from weightsync.membership.membership import MemberInfo, StragglerPolicy
 from weightsync.pg.reaper import TEARDOWN
-from weightsync.pg.recorder import FlightRecorder
+from weightsync.recorder.recorder import FlightRecorder
 
 log = logging.getLogger("weightsync.orchestrator")
 

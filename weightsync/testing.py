@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Faults", "Hooks", "default_transport", "inject", "set_default_transport"]
+__all__ = ["Faults", "Hooks", "default_transport", "digest", "inject", "set_default_transport"]
 
 _default_transport = "auto"
 
@@ -80,3 +80,11 @@ def inject(subscriber: Any, hooks: Hooks) -> None:
     if getattr(subscriber, "_started", True):
         raise RuntimeError("inject() faults before the Subscriber starts")
     subscriber._hooks = hooks
+
+
+def digest(tensor: torch.Tensor) -> int:
+    """The per-bucket digest a publisher seals (and a member checks) for ``tensor``'s bytes: for tests
+    and drills that compare bytes the way weightsync does."""
+    from weightsync.format.checksum import checksum  # noqa: PLC0415 - only when asked
+
+    return checksum(tensor)

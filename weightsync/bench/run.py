@@ -44,7 +44,7 @@ import torch.distributed as dist
 
 import weightsync as ws
 from weightsync.bench.model import make_state_dict, nbytes, packed_chunks
-from weightsync.transport.checksum import _host_view
+from weightsync.format.checksum import _host_view
 
 MODES = ("naive", "packed", "put", "put_nocopy")
 WS_MODES = ("put", "put_nocopy")

@@ -19,8 +19,8 @@ import os
 
 import torch
 
+from weightsync import _torch_compat as compat
 from weightsync._wire import PROTOCOL_VERSION, Deny, Fingerprint, Join, Want, encode
-from weightsync.pg import _torch_compat as compat
 
 # NCCL variables that change the wire protocol or transport choice and so must agree.
 NCCL_VARS_THAT_MUST_MATCH = ("NCCL_PROTO", "NCCL_ALGO", "NCCL_IB_DISABLE", "NCCL_P2P_DISABLE",

@@ -43,8 +43,8 @@ from weightsync.control.framing import (
     open_refusal,
 )
 from weightsync.errors import AdmissionDenied, HandshakeMismatch, TransportUnavailable
-from weightsync.pg.recorder import RecorderScope
-from weightsync.transport import shm
+from weightsync.planes import shm
+from weightsync.recorder.recorder import RecorderScope
 
 READ_SLICE = 0.5  # the reader wakes this often to show it is alive (``tick``)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 
-from weightsync.pg.recorder import RecorderScope
+from weightsync.recorder.recorder import RecorderScope
 
 WINDOW = 10.0  # seconds over which refused connections of one source and reason are counted, not listed
 MAX_KEYS = 256  # distinct (source, reason) pairs counted at once; the rest count as "other"

@@ -48,7 +48,7 @@ MAX_KEY = 512  # bytes of a key's name (gloo's are under 100)
 MAX_MEMBER_KEYS = 64  # keys one member may own at once (it sets one per generation)
 MAX_MEMBER_WAITS = 64  # waits one connection may have outstanding
 MAX_WAITS = 4096  # outstanding waits in all
-RANKS_PREFIX = "@ranks/"  # the trainer ranks' own keys (``transport.ranks``)
+RANKS_PREFIX = "@ranks/"  # the trainer ranks' own keys (``membership.ranks``)
 PROBE_KEY = "ws/__probe__"  # what a store clone checks first (``_torch_compat.clone_store``)
 WRITES = ("set", "add", "compare_set", "delete")
 
@@ -180,7 +180,7 @@ class KeyValue:
             if member and key not in self._data and \
                     sum(1 for m in self._owner.values() if m == member) >= MAX_MEMBER_KEYS:
                 raise ValueError(f"{member} owns {MAX_MEMBER_KEYS} rendezvous keys already")
-            # the trainer ranks' keys (``transport.ranks``) outlive generations; they delete their own
+            # the trainer ranks' keys (``membership.ranks``) outlive generations; they delete their own
             self._data[key] = (bytes(value), PERSISTENT if key.startswith(RANKS_PREFIX) else self._generation)
             if member:
                 self._owner.setdefault(key, member)

@@ -57,7 +57,7 @@ from weightsync.control.framing import (
 )
 from weightsync.control.refusals import Refusals
 from weightsync.control.rendezvous import KeyValue, Scope, store_problem
-from weightsync.pg.recorder import RecorderScope
+from weightsync.recorder.recorder import RecorderScope
 
 MAX_PENDING = 64
 MAX_PENDING_PER_SOURCE = 16  # one address cannot take every handshake place: others can still join

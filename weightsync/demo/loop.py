@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 import weightsync as ws
-from weightsync.pg.recorder import process_recorder
+from weightsync.recorder.recorder import process_recorder
 
 # torch's typed store errors: an empty queue (a subclass of DistStoreError, the store's timeout)
 _QUEUE_EMPTY: Any = getattr(dist, "QueueEmptyError", ())
@@ -214,7 +214,7 @@ def dump_recorder(out: Path, reason: str) -> Path:
 
 def analyze_summary(fr_dir: Path) -> str:
     """One line from ``weightsync fr analyze`` over the run's dumps."""
-    from weightsync.pg.analyze import analyze, load_dir
+    from weightsync.recorder.analyze import analyze, load_dir
 
     try:
         dumps = load_dir(fr_dir)

@@ -23,7 +23,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from weightsync.pg.membership import MemberInfo
+from weightsync.membership.membership import MemberInfo
 
 log = logging.getLogger("weightsync.orchestrator")
 

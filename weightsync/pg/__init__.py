@@ -1,3 +1,2 @@
-"""What speaks torch.distributed: membership and generations, the dedicated-group data plane,
-the flight recorder and torch compatibility. Private: public names are re-exported by
-:mod:`weightsync`."""
+"""What speaks torch.distributed process groups: the dedicated-group data plane (both ends) and the
+reaper of retired backends. Private: public names are re-exported by :mod:`weightsync`."""

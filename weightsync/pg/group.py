@@ -6,7 +6,7 @@ store is the publisher's in-memory rendezvous table, see :mod:`weightsync.contro
 live in one process. Exactly one backend object per group, hence one communicator.
 
 :class:`GroupPlane` is what the Sender and Receiver drive (see
-:mod:`weightsync.transport.dataplane`); it owns, per end:
+:mod:`weightsync.planes.dataplane`); it owns, per end:
 
 - one :class:`DedicatedGroup` per generation, built in ``enter`` (the rendezvous runs in the
   calling thread, bounded) and aborted in ``leave``; an aborted group is never used again;
@@ -30,11 +30,11 @@ from typing import Any
 
 import torch
 
+from weightsync import _torch_compat as compat
 from weightsync._errors import Cancelled, InternalError, LocalFailure, PeerFailure
-from weightsync.pg import _torch_compat as compat
 from weightsync.pg.reaper import PUBLISHER_GRACE, retire
-from weightsync.pg.recorder import FlightRecorder
-from weightsync.transport.dataplane import GenerationSpec, Transfer
+from weightsync.planes.dataplane import GenerationSpec, Transfer
+from weightsync.recorder.recorder import FlightRecorder
 
 log = logging.getLogger("weightsync.planes")
 

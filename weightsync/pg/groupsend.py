@@ -15,11 +15,10 @@ from typing import Any
 import torch
 
 from weightsync import _wire
-from weightsync.control.rendezvous import RemoteStore
+from weightsync.format import slicing
+from weightsync.format.checksum import checksum
 from weightsync.pg.group import GroupPlane
-from weightsync.transport import slicing
-from weightsync.transport.checksum import checksum
-from weightsync.transport.dataplane import MemberContext, Outgoing, PlaneSpec, PublisherContext, Transfer
+from weightsync.planes.dataplane import MemberContext, Outgoing, PlaneSpec, PublisherContext, Transfer
 
 
 class GroupSend:
@@ -89,8 +88,7 @@ class GroupSend:
 
 
 def member_plane(ctx: MemberContext) -> GroupPlane:
-    store = RemoteStore(ctx.client, ctx.rendezvous_timeout)
-    return GroupPlane(store, channel=ctx.channel, member=ctx.member, backend=ctx.backend, device=ctx.device,
+    return GroupPlane(ctx.store(), channel=ctx.channel, member=ctx.member, backend=ctx.backend, device=ctx.device,
                       recorder=ctx.recorder, in_place=ctx.admit.settings.in_place, slot=ctx.admit.slot,
                       timeout=ctx.rendezvous_timeout, host=ctx.client.local_host)
 

@@ -15,7 +15,7 @@ import threading
 import time
 from typing import Any
 
-from weightsync.pg import _torch_compat as compat
+from weightsync import _torch_compat as compat
 
 PUBLISHER_GRACE = 3.0  # seconds rank 0 keeps a retired group before tearing it down (see retire)
 

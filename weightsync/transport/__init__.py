@@ -1,3 +1,3 @@
-"""The asyncio API (Publisher, Subscriber, handles) and the composed Sender and Receiver that
-drive a data plane through one interface (:mod:`weightsync.transport.dataplane`). Private:
-public names are re-exported by :mod:`weightsync`."""
+"""The asyncio API users call (Publisher, Subscriber, handles) and the two ends' threads behind it
+(Sender, Receiver, snapshots, trainer ranks, staging, slots). Private: public names are
+re-exported by :mod:`weightsync`."""

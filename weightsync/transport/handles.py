@@ -17,7 +17,7 @@ import torch
 
 from weightsync._wire import Manifest
 from weightsync.errors import NotDelivered, SyncTimeout
-from weightsync.transport import layout
+from weightsync.format import layout
 from weightsync.transport.lifecycle import call_soon
 
 T = TypeVar("T")

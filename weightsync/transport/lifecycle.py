@@ -22,7 +22,7 @@ from typing import Any
 
 from weightsync.errors import WeightSyncError
 from weightsync.pg.reaper import drain_retired
-from weightsync.pg.recorder import FlightRecorder
+from weightsync.recorder.recorder import FlightRecorder
 
 
 class EndState(enum.Enum):

@@ -36,17 +36,10 @@ from weightsync.control.framing import MAX_FRAME
 from weightsync.control.rendezvous import KeyValue, LocalStore
 from weightsync.control.server import ControlServer, Link
 from weightsync.errors import Closed, SyncTimeout, WeightSyncError
-from weightsync.orchestrator import Orchestrator, Replacements
-from weightsync.pg.group import GroupPlane, reconfigure_enabled, resolve_backend
-from weightsync.pg.membership import MemberInfo, Membership, StragglerPolicy
-from weightsync.pg.recorder import FlightRecorder, process_recorder
-from weightsync.statistics import MemberStatistics, PublisherStatistics, PublisherTally
-from weightsync.transport import layout, lifecycle, ranks, shm
-from weightsync.transport.dataplane import registered_planes
-from weightsync.transport.encoding import FULL, known
-from weightsync.transport.handles import PutHandle, check_timeout
-from weightsync.transport.lifecycle import EndState, call_soon
-from weightsync.transport.options import (
+from weightsync.format import layout
+from weightsync.membership import ranks
+from weightsync.membership.membership import MemberInfo, Membership, StragglerPolicy
+from weightsync.options import (
     ChannelOptions,
     Deadlines,
     MiB,
@@ -55,6 +48,16 @@ from weightsync.transport.options import (
     resolve_device,
     warn_open_channel,
 )
+from weightsync.orchestrator import Orchestrator, Replacements
+from weightsync.pg.group import GroupPlane, reconfigure_enabled, resolve_backend
+from weightsync.planes import shm
+from weightsync.planes.dataplane import registered_planes
+from weightsync.planes.encoding import FULL, known
+from weightsync.recorder.recorder import FlightRecorder, process_recorder
+from weightsync.statistics import MemberStatistics, PublisherStatistics, PublisherTally
+from weightsync.transport import lifecycle
+from weightsync.transport.handles import PutHandle, check_timeout
+from weightsync.transport.lifecycle import EndState, call_soon
 from weightsync.transport.sender import Abort, Drain, Evict, Join, Leave, MemberDied, PutCommitted, Sender, SenderState
 from weightsync.transport.snapshots import Snapshots, default_pipeline
 from weightsync.transport.staging import (
@@ -109,7 +112,7 @@ class Publisher:
             default) is the single-process publisher.
         group: instead of rank and world_size: a ProcessGroup of the trainer ranks; rank 0's
             address travels to the others over it (a tensor broadcast, no pickle).
-        encoding: how versions go on the group's wire (``weightsync.transport.encoding``):
+        encoding: how versions go on the group's wire (``weightsync.planes.encoding``):
             ``"full"`` (the staged bytes, the default) or one registered on both ends; members
             decode before they check the digests, which are always the staged bytes'.
     """

@@ -57,6 +57,7 @@ from weightsync._errors import (
 )
 from weightsync.control import auth
 from weightsync.control.client import READ_SLICE, ControlClient
+from weightsync.control.rendezvous import RemoteStore
 from weightsync.errors import (
     AdmissionDenied,
     Closed,
@@ -67,14 +68,15 @@ from weightsync.errors import (
     SyncTimeout,
     WeightSyncError,
 )
-from weightsync.pg.recorder import FlightRecorder
+from weightsync.format import layout, sharding, slicing
+from weightsync.format.checksum import checksum
+from weightsync.options import UNBOUNDED, Deadlines
+from weightsync.planes import encoding
+from weightsync.planes.dataplane import DataPlane, GenerationSpec, MemberContext, Transfer, plane_spec
+from weightsync.recorder.recorder import FlightRecorder
 from weightsync.statistics import SubscriberTally
 from weightsync.testing import Hooks
-from weightsync.transport import encoding, layout, sharding, slicing
-from weightsync.transport.checksum import checksum
-from weightsync.transport.dataplane import DataPlane, GenerationSpec, MemberContext, Transfer, plane_spec
 from weightsync.transport.lifecycle import Latch
-from weightsync.transport.options import UNBOUNDED, Deadlines
 from weightsync.transport.slots import SlotPair
 
 #: what a receive may fail with and still be acknowledged (as failed): the wire, not a bug
@@ -252,7 +254,8 @@ class Receiver:
         # the plane serving the transport this connection joined with
         self._plane = plane_spec(self._client.transport).member_plane(MemberContext(
             self.channel, self.member_id, backend=self.backend, device=self._slots.device, recorder=self._recorder,
-            scope=self._rec, client=self._client, admit=reply, rendezvous_timeout=self.deadlines.rendezvous()))
+            scope=self._rec, client=self._client, admit=reply, rendezvous_timeout=self.deadlines.rendezvous(),
+            store=lambda: RemoteStore(self._client, self.deadlines.rendezvous() if self.deadlines else 30.0)))
         entry.complete()
         return reply.generation, reply.members
 

@@ -43,17 +43,17 @@ import torch
 from weightsync import _wire
 from weightsync._errors import Cancelled, ControlFailure, LocalFailure, PeerFailure
 from weightsync.errors import WeightSyncError
-from weightsync.pg.generations import Control, Generations, Rendezvous, relay_suspects
-from weightsync.pg.membership import MAX_STRIKES, MemberInfo, Membership, StragglerPolicy
-from weightsync.pg.recorder import FlightRecorder
+from weightsync.format import layout, sharding
+from weightsync.format.checksum import checksum
+from weightsync.membership.generations import Control, Generations, Rendezvous, relay_suspects
+from weightsync.membership.membership import MAX_STRIKES, MemberInfo, Membership, StragglerPolicy
+from weightsync.options import Deadlines
+from weightsync.planes.dataplane import DataPlane, Outgoing, PublisherContext
+from weightsync.planes.sendside import SendSide
+from weightsync.recorder.recorder import FlightRecorder
 from weightsync.statistics import PublisherTally
-from weightsync.transport import layout, sharding
-from weightsync.transport.checksum import checksum
-from weightsync.transport.dataplane import DataPlane, Outgoing, PublisherContext
 from weightsync.transport.handles import DeliveryReport
 from weightsync.transport.lifecycle import Latch
-from weightsync.transport.options import Deadlines
-from weightsync.transport.sendside import SendSide
 from weightsync.transport.staging import BucketBuffers, Job, Staging, bucket_slices
 
 PROBE_FROM = 256 << 10  # versions smaller than this are not worth timing links for
@@ -135,7 +135,7 @@ class Sender:
         slot_device: where bucket buffers for ``copy=False`` puts live.
         on_change: called after every generation change (wakes ``wait_subscribers``).
         on_evicted: called for every member dropped (the orchestrator may replace it).
-        planes: the transports served (each a plane's publisher part, :mod:`~weightsync.transport.sendside`).
+        planes: the transports served (each a plane's publisher part, :mod:`~weightsync.planes.sendside`).
         plane_objects: what those parts are built with beyond the Sender's own (the shared-memory
             segments); ``allocate``/``drop`` there, if given, hold the ``copy=False`` bucket buffers.
     """

@@ -22,8 +22,9 @@ import torch
 
 from weightsync import _wire
 from weightsync.errors import WeightSyncError
+from weightsync.format import layout
+from weightsync.planes import shm
 from weightsync.statistics import PublisherTally
-from weightsync.transport import layout, shm
 from weightsync.transport.staging import Job, Progress, Staging, cuda_snapshot, pack_progressively, superseded_report
 
 PIPELINE_CPUS = 4  # usable CPUs from which a host snapshot is sent while it is taken

@@ -31,7 +31,7 @@ import torch
 
 from weightsync._errors import LocalFailure
 from weightsync._wire import Manifest
-from weightsync.transport import layout
+from weightsync.format import layout
 from weightsync.transport.handles import DeliveryReport, PutHandle
 
 

@@ -33,15 +33,16 @@ import torch
 from weightsync import _wire, testing
 from weightsync.control import auth
 from weightsync.errors import Closed, SyncTimeout, TransportUnavailable, WeightSyncError
+from weightsync.format import layout, sharding, slicing
+from weightsync.options import Deadlines, parse_address, resolve_device
 from weightsync.pg.group import resolve_backend
-from weightsync.pg.recorder import FlightRecorder, process_recorder
+from weightsync.planes.dataplane import registered_planes
+from weightsync.recorder.recorder import FlightRecorder, process_recorder
 from weightsync.statistics import SubscriberStatistics, SubscriberTally
 from weightsync.testing import Hooks
-from weightsync.transport import layout, lifecycle, sharding, slicing
-from weightsync.transport.dataplane import registered_planes
+from weightsync.transport import lifecycle
 from weightsync.transport.handles import Weights, WeightStream, check_timeout
 from weightsync.transport.lifecycle import EndState, call_soon
-from weightsync.transport.options import Deadlines, parse_address, resolve_device
 from weightsync.transport.receiver import Receiver, ReceiverState
 from weightsync.transport.slots import Slot, SlotPair
 
@@ -77,7 +78,7 @@ class Subscriber:
             this host and stages in host memory, else the group; ``"group"``: always the process
             group; ``"shm"``: shared memory, or :class:`TransportUnavailable` at ``start``;
             ``"cuda_ipc"`` is not built yet and raises :class:`TransportUnavailable`; the name of
-            a plane registered with ``weightsync.transport.dataplane.register_plane``: that plane.
+            a plane registered with ``weightsync.planes.dataplane.register_plane``: that plane.
         want: a tensor-parallel engine's own tensors (names to ``DTensor`` shards on its mesh,
             or plain tensors): receive only those, each DTensor only its local shard's box,
             point to point from every trainer rank (docs/sharding.md, "Sliced receive").

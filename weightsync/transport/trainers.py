@@ -6,7 +6,7 @@ threads it borrows: meeting them at start (rank 0 hosts the meeting point, every
 connects to it and registers its lane), holding subscribers' joins on rank 0 until every lane is
 known, agreeing on each put before anything is sent, settling each put's handle once every rank
 said what became of its part, and closing (the other ranks' word on pending puts, within the
-close's deadline). The wire protocol of those steps is :mod:`weightsync.transport.ranks`.
+close's deadline). The wire protocol of those steps is :mod:`weightsync.membership.ranks`.
 
 Threads: none of its own. Rank 0's control thread calls :meth:`TrainerRanks.on_rank_link`,
 :meth:`TrainerRanks.hold` and :meth:`TrainerRanks.lost`; the rest runs on the event loop, with
@@ -29,10 +29,11 @@ from weightsync.control import auth
 from weightsync.control.rendezvous import KeyValue
 from weightsync.control.server import ControlServer, Link
 from weightsync.errors import Closed, WeightSyncError
-from weightsync.pg.recorder import FlightRecorder, RecorderScope
-from weightsync.transport import ranks, sharding
+from weightsync.format import sharding
+from weightsync.membership import ranks
+from weightsync.options import ChannelOptions, Deadlines, parse_address
+from weightsync.recorder.recorder import FlightRecorder, RecorderScope
 from weightsync.transport.handles import DeliveryReport, PutHandle
-from weightsync.transport.options import ChannelOptions, Deadlines, parse_address
 
 
 class TrainerRanks:

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from weightsync import _wire
-from weightsync.transport import layout
+from weightsync.format import layout
 
 LARGE_PIECE_FRACTION = 8  # a piece of at least bucket_bytes / this many bytes gets buckets of its own
 

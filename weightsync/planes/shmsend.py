@@ -1,5 +1,5 @@
 """The ``"shm"`` plane's ends: the publisher's part (same-host members read its shared memory) and
-how a member builds its :class:`~weightsync.transport.shm.ShmPlane`.
+how a member builds its :class:`~weightsync.planes.shm.ShmPlane`.
 
 The publisher's part moves nothing itself (``drives`` is False): a same-host member copies the
 version out of the segment its Announce names while the group is sent, or, with nobody in the
@@ -18,8 +18,8 @@ import msgspec
 
 from weightsync import _wire
 from weightsync._errors import LocalFailure, PeerFailure
-from weightsync.transport.dataplane import MemberContext, Outgoing, PlaneSpec, PublisherContext
-from weightsync.transport.shm import SegmentPool, ShmPlane
+from weightsync.planes.dataplane import MemberContext, Outgoing, PlaneSpec, PublisherContext
+from weightsync.planes.shm import SegmentPool, ShmPlane
 
 
 class ShmSend:

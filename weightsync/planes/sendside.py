@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from weightsync._errors import InternalError, LocalFailure
-from weightsync.transport.dataplane import Outgoing, PublisherContext, SendPart, plane_spec
+from weightsync.planes.dataplane import Outgoing, PublisherContext, SendPart, plane_spec
 
 
 def own_step(fn: Callable[[int], None], i: int) -> None:

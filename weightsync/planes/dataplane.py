@@ -23,7 +23,7 @@ never branch on which plane it is, only on what it says of itself (``in_group``,
 5. ``close()``: for good. ``leave`` and ``close`` are idempotent and never raise.
 
 **The publisher's end** (:class:`SendPart`), driven by the Sender's thread through
-:class:`weightsync.transport.sendside.SendSide`, which holds one part per plane and picks each
+:class:`weightsync.planes.sendside.SendSide`, which holds one part per plane and picks each
 member's part at admission from the transport in its Join. Per version, the Sender builds an
 :class:`Outgoing` and asks every part with members in it to ``prepare`` it (the fields the
 Announce carries for them: a segment to read, whether the version goes point to point; a part
@@ -42,7 +42,7 @@ The planes (docs/architecture.md has the picture and how new ones plug in):
 - ``"group"`` (:mod:`weightsync.pg.group`, :mod:`weightsync.pg.groupsend`): gloo/NCCL broadcast
   of each bucket from rank 0, or, in a generation with sliced members, rank 0 sending each
   member its own share point to point over the same communicator;
-- ``"shm"`` (:mod:`weightsync.transport.shm`, :mod:`weightsync.transport.shmsend`): the
+- ``"shm"`` (:mod:`weightsync.planes.shm`, :mod:`weightsync.planes.shmsend`): the
   publisher's snapshot lives in shared memory; a same-host member's ``move`` copies each
   bucket out of the segment its Announce names and joins no group;
 - sharded trainers ("lanes"): a member holds one receiver (and one plane) per trainer rank,
@@ -63,8 +63,8 @@ from typing import Any, Protocol
 
 import torch
 
-from weightsync.transport import encoding
-from weightsync.transport.encoding import WirePlan
+from weightsync.planes import encoding
+from weightsync.planes.encoding import WirePlan
 
 
 @dataclass(frozen=True)
@@ -221,6 +221,7 @@ class MemberContext:
     client: Any  # its ControlClient (a plane that answers the publisher sends through it)
     admit: Any  # the publisher's Admit
     rendezvous_timeout: float
+    store: Callable[[], Any]  # a new view of the publisher's rendezvous table (a c10d Store) through the client
 
 
 @dataclass(frozen=True)
@@ -247,7 +248,7 @@ class PlaneSpec:
 
 
 #: the built-in planes, imported when first used (nothing is imported or registered at import)
-_BUILTIN = {"group": "weightsync.pg.groupsend", "shm": "weightsync.transport.shmsend"}
+_BUILTIN = {"group": "weightsync.pg.groupsend", "shm": "weightsync.planes.shmsend"}
 _registered: dict[str, PlaneSpec] = {}
 _lock = threading.Lock()
 

@@ -196,7 +196,7 @@ class FlightRecorder:
         """
         import torch  # noqa: PLC0415 - only needed when a dump is written
 
-        from weightsync.pg import _torch_compat as compat  # noqa: PLC0415 - avoid an import cycle
+        from weightsync import _torch_compat as compat  # noqa: PLC0415 - it imports torch: only for a dump
 
         label = (self.label or "process").replace("/", "_")
         target = Path(path) if path is not None else self.directory / f"{label}-{os.getpid()}{DUMP_SUFFIX}"

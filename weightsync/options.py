@@ -216,7 +216,7 @@ def connect_store(address: str, timeout: float = 30.0) -> object:
     timeout. A publisher's own address is not a store: weightsync's control connection
     admits members only.
     """
-    from weightsync.pg import _torch_compat as compat
+    from weightsync import _torch_compat as compat
 
     host, port = parse_address(address)
     if port == 0:

@@ -48,8 +48,8 @@ import torch
 
 from weightsync import _wire
 from weightsync._errors import Cancelled, LocalFailure, PeerFailure, ProtocolError
-from weightsync.pg.recorder import RecorderScope
-from weightsync.transport.dataplane import GenerationSpec, Transfer
+from weightsync.planes.dataplane import GenerationSpec, Transfer
+from weightsync.recorder.recorder import RecorderScope
 
 HEADER = 4096  # a segment's first page: magic, token, data bytes; the data starts page-aligned
 MAGIC = b"WSSHM001"

@@ -18,8 +18,8 @@ import io
 from pathlib import Path
 from typing import Any
 
-from weightsync.pg.analyze import PUBLISHER, Analysis, render
-from weightsync.pg.recorder import ABORTED, COMPLETED, STARTED, Dump, Entry
+from weightsync.recorder.analyze import PUBLISHER, Analysis, render
+from weightsync.recorder.recorder import ABORTED, COMPLETED, STARTED, Dump, Entry
 
 COLORS = {"bucket_send": "#4C72B0", "bucket_recv": "#55A868", "put": "#8172B2", "announce": "#CCB974",
           "ack": "#64B5CD", "receive": "#A1D99B", "publish": "#2CA02C", "rebuild": "#937860"}

@@ -32,8 +32,8 @@ from weightsync._errors import ControlFailure, KeyTimeout
 from weightsync.control.client import ControlClient
 from weightsync.control.rendezvous import KeyValue, LocalStore, RemoteStore
 from weightsync.errors import PublisherGone, RankMismatch, SyncTimeout, WeightSyncError
-from weightsync.pg.recorder import RecorderScope
-from weightsync.transport.options import is_loopback, parse_address
+from weightsync.options import is_loopback, parse_address
+from weightsync.recorder.recorder import RecorderScope
 
 PREFIX = "@ranks/"
 SLICE = 0.5  # seconds: a wait for other ranks looks for dead ranks this often

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import msgspec
 
-from weightsync.pg.recorder import COMPLETED, DUMP_SUFFIX, STARTED, Dump, Entry, load_dump
+from weightsync.recorder.recorder import COMPLETED, DUMP_SUFFIX, STARTED, Dump, Entry, load_dump
 
 PUBLISHER = "publisher"
 

@@ -22,7 +22,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from weightsync.pg.recorder import FlightRecorder
+from weightsync.recorder.recorder import FlightRecorder
 
 MAX_STRIKES = 2
 

@@ -21,8 +21,8 @@ from typing import Any
 import torch
 
 from weightsync import _wire
-from weightsync.transport import layout
-from weightsync.transport.sharding import blocks_of, global_manifest, is_dtensor
+from weightsync.format import layout
+from weightsync.format.sharding import blocks_of, global_manifest, is_dtensor
 
 Run = tuple[int, int, int]  # (offset in the bucket, offset in the member's slot, bytes)
 

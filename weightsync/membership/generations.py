@@ -28,10 +28,10 @@ from weightsync import _wire
 from weightsync._errors import PeerFailure
 from weightsync.control.rendezvous import Scope
 from weightsync.errors import WeightSyncError
-from weightsync.pg.membership import MemberInfo, Membership, Plan
-from weightsync.pg.recorder import FlightRecorder
-from weightsync.transport.dataplane import DataPlane, GenerationSpec
-from weightsync.transport.options import Deadlines
+from weightsync.membership.membership import MemberInfo, Membership, Plan
+from weightsync.options import Deadlines
+from weightsync.planes.dataplane import DataPlane, GenerationSpec
+from weightsync.recorder.recorder import FlightRecorder
 
 log = logging.getLogger("weightsync.membership")
 

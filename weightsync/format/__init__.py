@@ -1,0 +1,1 @@
+"""The byte format: the packed layout, per-bucket digests, sharded pieces, sliced runs (private)."""

@@ -1,0 +1,1 @@
+"""The membership protocol: who is in, generations, the trainer ranks' protocol (private)."""

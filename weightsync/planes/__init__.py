@@ -1,0 +1,1 @@
+"""The data planes: the interface, the send side, the encoding seam, the same-host plane (private)."""

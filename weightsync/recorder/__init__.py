@@ -1,0 +1,1 @@
+"""The flight recorder, its analyzer and timeline (private)."""
