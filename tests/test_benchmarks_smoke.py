@@ -120,3 +120,13 @@ def test_sharded_bench_runs_every_mode_and_measures_every_rank(tmp_path: Path) -
         else:
             assert got == [model, model], point
     assert (tmp_path / "sharded.png").stat().st_size > 10_000
+
+
+def test_revisions_compares_a_benchmarks_ratios_at_two_revisions(tmp_path: Path) -> None:
+    out = run("-m", "benchmarks.revisions", "--base", "HEAD", "--rounds", "1", "--out", str(tmp_path), "same_host",
+              "--sizes", "8", "--subscribers", "1", "--reps", "1")
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = msgspec.json.decode((tmp_path / "revisions-same_host.json").read_bytes())
+    assert report["head_over_base"] and all(v > 0 for v in report["head_over_base"].values())
+    assert set(report["base_ratios"]) == set(report["head_ratios"])
+    assert (tmp_path / "revisions-same_host.png").stat().st_size > 10_000

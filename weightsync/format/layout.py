@@ -17,6 +17,7 @@ from typing import Union
 
 import torch
 
+from weightsync import _wire
 from weightsync._wire import Manifest, TensorSpec
 from weightsync.errors import ManifestMismatch
 
@@ -300,3 +301,17 @@ def check_destination(manifest: Manifest, dest: Mapping[str, torch.Tensor]) -> N
         raise ManifestMismatch("; ".join(problems[:8]))
 
 
+
+
+def untied_manifest(items: list[tuple[str, torch.Tensor]],
+                    wire: Mapping[str, torch.dtype] | None = None) -> tuple[list[tuple[str, torch.Tensor]], Manifest]:
+    """A version's items with tied tensors (one tensor under two names) sent once, and its manifest."""
+    untied, ties = untie(items)
+    return untied, build_manifest(untied, ties, wire)
+
+
+def check_encoded_size(manifest: Manifest, assembly: object, limit: int) -> None:
+    """ValueError when the Announce's manifest (and a lane's assembly) would not fit a control frame."""
+    if len(_wire.encode(manifest)) + len(_wire.encode(assembly)) > limit:
+        raise ValueError(f"the manifest of {len(manifest.tensors)} tensors is over {limit} bytes encoded: "
+                         "shorter names, or fewer tensors per channel")

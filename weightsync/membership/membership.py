@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from weightsync.recorder.recorder import FlightRecorder
+from weightsync.statistics import MemberStatistics
 
 MAX_STRIKES = 2
 
@@ -255,6 +256,12 @@ class Membership:
         with self._lock:
             return {m: (self._versions.get(m), self.receive_seconds[m][-1] if self.receive_seconds.get(m) else None)
                     for m in self.members}
+
+    def member_statistics(self, newest: int | None, transport_of: Callable[[str], str]) -> list[MemberStatistics]:
+        """Per current member, what ``Publisher.statistics()`` reports of it (lag behind ``newest``)."""
+        return [MemberStatistics(member_id=m, transport=transport_of(m), last_version=v,
+                                 lag=None if v is None or newest is None else max(newest - v, 0),
+                                 last_receive_seconds=s) for m, (v, s) in self.last_versions().items()]
 
     def lacking(self, version: int) -> bool:
         """True when some current member does not have ``version`` yet."""

@@ -63,10 +63,13 @@ class GroupSend:
         transfer = Transfer(out.version, self._wire, out.deadline, before=out.before, after=out.after,
                             cancelled=out.cancelled)
         fanout = self._fanout
-        if fanout is None:
-            self.plane.move(transfer)
-        else:
-            self.plane.send_each(transfer, lambda i: fanout.sends(i, out.buckets[i]))
+        try:
+            if fanout is None:
+                self.plane.move(transfer)
+            else:
+                self.plane.send_each(transfer, lambda i: fanout.sends(i, out.buckets[i]))
+        finally:
+            self._wire = ()  # the staged bytes are not held past the version (their segment unmaps with them)
 
     def digests(self) -> Mapping[str, Sequence[int]]:
         return {} if self._fanout is None else self._fanout.digests

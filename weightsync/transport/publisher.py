@@ -33,8 +33,8 @@ from weightsync import _wire
 from weightsync._errors import ControlFailure
 from weightsync.control import auth
 from weightsync.control.framing import MAX_FRAME
-from weightsync.control.rendezvous import KeyValue, LocalStore
-from weightsync.control.server import ControlServer, Link
+from weightsync.control.rendezvous import KeyValue
+from weightsync.control.server import ControlServer
 from weightsync.errors import Closed, SyncTimeout, WeightSyncError
 from weightsync.format import layout
 from weightsync.membership import ranks
@@ -49,20 +49,19 @@ from weightsync.options import (
     warn_open_channel,
 )
 from weightsync.orchestrator import Orchestrator, Replacements
-from weightsync.pg.group import GroupPlane, reconfigure_enabled, resolve_backend
-from weightsync.planes import shm
-from weightsync.planes.dataplane import registered_planes
+from weightsync.pg.group import reconfigure_enabled, resolve_backend
 from weightsync.planes.encoding import FULL, known
 from weightsync.recorder.recorder import FlightRecorder, process_recorder
-from weightsync.statistics import MemberStatistics, PublisherStatistics, PublisherTally
+from weightsync.statistics import PublisherStatistics, PublisherTally
 from weightsync.transport import lifecycle
+from weightsync.transport.door import Door
 from weightsync.transport.handles import PutHandle, check_timeout
 from weightsync.transport.lifecycle import EndState, call_soon
-from weightsync.transport.sender import Abort, Drain, Evict, Join, Leave, MemberDied, PutCommitted, Sender, SenderState
+from weightsync.transport.planeset import PlaneSet
+from weightsync.transport.sender import Abort, Drain, Evict, PutCommitted, Sender, SenderState
 from weightsync.transport.snapshots import Snapshots, default_pipeline
 from weightsync.transport.staging import (
     Job,
-    Staging,
 )
 from weightsync.transport.trainers import TrainerRanks
 
@@ -150,22 +149,21 @@ class Publisher:
         self.settings = self.options.settings(checksum=checksum, in_place=reconfigure_enabled(self.backend))
         pipelined = pipeline if pipeline is not None else default_pipeline()
         deadlines = Deadlines(self.settings)
-        # on a CPU publisher staging lives in shared memory: same-host members copy from it
-        self._segments = shm.SegmentPool(name) if self._slot_device.type == "cpu" and shm.available() else None
-        self._staging = (Staging(max_snapshots, allocate=self._segments.allocate, drop=self._segments.drop,
-                                 reuse=self._segments.reuse)
-                         if self._segments is not None else Staging(max_snapshots))
         self._state = EndState.NEW
         self._stop = threading.Event()  # everything stops (after the sender drained, or at once)
         self._table = KeyValue()
+        self._door = Door(rec=self._rec, recorder=self._recorder, running=lambda: self._state is EndState.RUNNING)
+        self._planes = PlaneSet(name, backend=self.backend, slot_device=self._slot_device, settings=self.settings,
+                                table=self._table, recorder=self._recorder, bind_host=self._bind[0],
+                                max_snapshots=max_snapshots)
+        self._staging = self._planes.staging
         self._control = ControlServer(
             name, host=self._bind[0], port=self._bind[1], secret=self._secret,
             mine=auth.fingerprint(self.backend, self.device), table=self._table, recorder=self._rec,
             heartbeat_interval=self.options.heartbeat_interval, dead_after=deadlines.member_silence(),
             handshake_timeout=self.options.timeout, closing=lambda: self._state is not EndState.RUNNING,
-            on_join=self._on_join, on_leave=self._on_leave,
-            on_dead=self._on_dead, shm_offer=self._segments.offer if self._segments is not None else lambda: None,
-            planes=registered_planes(),
+            on_join=self._door.joined, on_leave=self._door.left,
+            on_dead=self._door.died, shm_offer=self._planes.offer, planes=self._planes.registered,
             rank_links=self.world_size > 1 and self.rank == 0, wait_bound=2 * deadlines.rendezvous())
         self.membership = Membership(name, self._recorder, self.options.heartbeat_interval,
                                      dead_after=deadlines.member_silence(), heard=self._control.heard,
@@ -173,14 +171,15 @@ class Publisher:
         self._tally = PublisherTally(name)
         self._replacements = Replacements(name, recorder=self._recorder, policy=lambda: self.policy,
                                           orchestrator=lambda: self.orchestrator, stopped=self._stop.is_set)
-        self._snapshots = Snapshots(name, staging=self._staging, segments=self._segments, slot_device=self._slot_device,
+        self._snapshots = Snapshots(name, staging=self._staging, segments=self._planes.segments,
+                                    slot_device=self._slot_device,
                                     pipeline=pipelined, committed=lambda v: self._sender.submit(PutCommitted(v)),
                                     tally=self._tally)
         self._sender = Sender(name, settings=self.settings, staging=self._staging, membership=self.membership,
                               recorder=self._recorder, policy=self.policy, control=self._control, table=self._table,
-                              make_plane=self._make_plane, slot_device=self._slot_device,
+                              make_plane=self._planes.make_group_plane, slot_device=self._slot_device,
                               on_change=self._notify_members, on_evicted=self._replacements.member_dropped,
-                              planes=("group", "shm", *registered_planes()), plane_objects={"segments": self._segments},
+                              planes=self._planes.names, plane_objects=self._planes.objects,
                               tally=self._tally, encoding=encoding)
         self._last_version: int | None = None
         self._put_lock: asyncio.Lock | None = None
@@ -192,47 +191,8 @@ class Publisher:
             name, self.rank, self.world_size, rank0=rank0, group=group, table=self._table,
             control=self._control, options=self.options, settings=self.settings, secret=self._secret,
             fingerprint=auth.fingerprint(self.backend, self.device), recorder=self._recorder, rec=self._rec,
-            admit=self._admit, set_lanes=self._sender.set_lanes)
-
-    def _make_plane(self) -> GroupPlane:
-        """The sender thread's data plane (rank 0 of every generation), on the in-memory rendezvous."""
-        timeout = Deadlines(self.settings).rendezvous()
-        return GroupPlane(LocalStore(self._table, timeout), channel=self.name, member="publisher",
-                          backend=self.backend, device=self._slot_device, recorder=self._recorder,
-                          in_place=self.settings.in_place, slot=0, timeout=timeout, host=self._gloo_host())
-
-    def _gloo_host(self) -> str | None:
-        """gloo binds the address the control server listens on (None: every interface, gloo's pick)."""
-        host = self._bind[0]
-        return None if host in ("0.0.0.0", "::", "") else host
-
-    def _on_join(self, link: Link) -> None:
-        """Control thread: a connection passed the door; the Sender decides the rest."""
-        if link.transport == "rank":  # another trainer rank: admitted there, never a member
-            assert self._trainers is not None
-            self._trainers.on_rank_link(link)
-        elif self._trainers is None or not self._trainers.hold(link):  # rank 0 holds joins until every lane is known
-            self._admit(link)
-
-    def _admit(self, link: Link) -> None:
-        self._sender.submit(Join(link.member_id, link.incarnation, host=link.host, pid=link.pid,
-                                 transport=link.transport, want=link.want))
-
-    def _on_leave(self, link: Link) -> None:
-        if link.transport == "rank":
-            assert self._trainers is not None
-            self._trainers.rank_left(link.member_id)
-        else:
-            self._sender.submit(Leave(link.member_id))
-
-    def _on_dead(self, member_id: str, reason: str) -> None:
-        """Control thread: a member's connection closed, or it fell silent."""
-        if self._trainers is not None and self._trainers.lost(member_id, reason):
-            return  # a trainer rank: every wait for it ends now
-        if self._state is EndState.RUNNING:  # members going while the channel closes are not trouble
-            self._rec.record("heartbeat", peers=(member_id,)).fail(reason)
-            self._recorder.dump_on_trouble(f"{member_id}: {reason}")
-        self._sender.submit(MemberDied((member_id,)))
+            admit=self._door.admit, set_lanes=self._sender.set_lanes)
+        self._door.sender, self._door.trainers = self._sender, self._trainers
 
     # lifecycle ----------------------------------------------------------------------------
     async def __aenter__(self) -> Publisher:
@@ -253,8 +213,7 @@ class Publisher:
         executor = self._snapshots.open()
         host, listening = self._bind[0], False
         try:
-            if self._segments is not None:
-                self._segments.open()
+            self._planes.open()
             try:
                 port = await self._loop.run_in_executor(executor, self._control.start, self.options.timeout)
             except (OSError, ControlFailure) as err:
@@ -270,8 +229,7 @@ class Publisher:
         except BaseException:
             if listening:
                 await self._loop.run_in_executor(None, self._control.stop, self.options.timeout)
-            if self._segments is not None:
-                self._segments.close()
+            self._planes.close()
             executor.shutdown(wait=False)
             self._state = EndState.CLOSED
             raise
@@ -311,8 +269,7 @@ class Publisher:
             job.handle.resolve_threadsafe(error=Closed("publisher closed before sending", channel=self.name,
                                                        version=job.version))
         self._staging.clear()  # the snapshots' memory goes now, not when this object is collected
-        if self._segments is not None:  # members that still map a segment keep it until they unmap
-            self._segments.close()
+        self._planes.close()
         await self._replacements.finish(self.options.timeout)
         await lifecycle.finish_close(self._loop, self._snapshots.executor, self._recorder,
                                      Deadlines.teardown(self.options.timeout))
@@ -407,12 +364,9 @@ class Publisher:
 
     def statistics(self) -> PublisherStatistics:
         """A frozen snapshot of this publisher's counters, distributions and members (any time)."""
-        newest = self._tally.newest_put
-        members = [MemberStatistics(member_id=m, transport=self._sender.transport_of(m), last_version=v,
-                                    lag=None if v is None or newest is None else max(newest - v, 0),
-                                    last_receive_seconds=s)
-                   for m, (v, s) in self.membership.last_versions().items()]
-        return self._tally.snapshot(generation=self.membership.generation, members=members)
+        return self._tally.snapshot(generation=self.membership.generation,
+                                    members=self.membership.member_statistics(self._tally.newest_put,
+                                                                              self._sender.transport_of))
 
     async def put(self, tensors: layout.TensorsLike, *, version: int | None = None, copy: bool = True,
                   owners: Mapping[str, int] | None = None, dtype: layout.CastLike = None) -> PutHandle:
@@ -455,11 +409,8 @@ class Publisher:
             if self._trainers is not None:
                 items, manifest, assembly = await self._trainers.agree(items, version, owners, wire)
             else:  # tied weights (one tensor under two names) are sent once
-                items, ties = layout.untie(items)
-                manifest = layout.build_manifest(items, ties, wire)
-            if len(_wire.encode(manifest)) + len(_wire.encode(assembly)) > MAX_FRAME // 2:
-                raise ValueError(f"the manifest of {len(items)} tensors is over {MAX_FRAME // 2} bytes encoded: "
-                                 "shorter names, or fewer tensors per channel")
+                items, manifest = layout.untied_manifest(items, wire)
+            layout.check_encoded_size(manifest, assembly, MAX_FRAME // 2)
             handle = PutHandle(self.name, version, self._loop)
             entry = self._rec.record("put", version=version,
                                           nbytes=manifest.total_bytes).start()
