@@ -53,11 +53,15 @@ def ratios(name: str, report: dict[str, Any]) -> dict[str, float]:
                 out[key] = p["to_all_ms"] / group["to_all_ms"]
         out["memcpy GB/s (ceiling)"] = report["memcpy_gbps"]
     elif name == "push_vs_broadcast":
+        naive = {(r["mib"], r["subscribers"]): r for r in report["rows"] if r["mode"] == "naive"}
         for r in report["rows"]:
             if r["mode"] != "packed" and r["stall_vs_packed"] > 0:
                 where = f"{r['mode']}, {r['mib']:.0f} MiB x {r['subscribers']}"
                 out[f"stall/packed {where}"] = r["stall_vs_packed"]
                 out[f"to-all/packed {where}"] = r["to_all_vs_packed"]
+                base = naive.get((r["mib"], r["subscribers"]))
+                if r["mode"] != "naive" and base and base["to_all_ms"] > 0:  # the other baseline, same run
+                    out[f"to-all/naive {where}"] = r["to_all_ms"] / base["to_all_ms"]
     else:
         raise SystemExit(f"no ratios known for benchmark {name!r}")
     return out

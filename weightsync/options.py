@@ -83,6 +83,10 @@ class Deadlines:
         """Forming a generation's group (gloo/NCCL rendezvous, or an in-place re-form)."""
         return self.settings.timeout + self.bucket(self.settings.bucket_bytes)
 
+    def rendezvous_wait(self) -> float:
+        """The longest a member's wait on a rendezvous key may last (its rendezvous, once more if late)."""
+        return 2 * self.rendezvous()
+
     def acknowledgements(self) -> float:
         """From the last bucket (or the Seal) to every member's Ack."""
         return self.settings.timeout

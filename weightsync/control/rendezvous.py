@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 from weightsync import _wire
 from weightsync._errors import ControlFailure, KeyTimeout, StoreError
+from weightsync.options import UNBOUNDED
 
 MAX_KEYS = 4096
 MAX_VALUE = 1 << 20
@@ -268,7 +269,7 @@ class KeyValue:
             callback(False)
 
     def serve(self, op: _wire.StoreOp, reply: Callable[[_wire.StoreResult], None], *, member: str = "",
-              owner: str = "", bound: float = 3600.0) -> bool:
+              owner: str = "", bound: float = UNBOUNDED) -> bool:
         """Answer a StoreOp (the control server's thread); never blocks. ``member`` sets keys in its
         name, ``owner`` (its connection) holds the waits, each at most ``bound`` seconds. False when
         it was refused (over a bound, a malformed op): the server counts those."""

@@ -57,6 +57,7 @@ from weightsync.control.framing import (
 )
 from weightsync.control.refusals import Refusals
 from weightsync.control.rendezvous import KeyValue, Scope, store_problem
+from weightsync.options import UNBOUNDED
 from weightsync.recorder.recorder import RecorderScope
 
 MAX_PENDING = 64
@@ -104,7 +105,7 @@ class ControlServer:
                  on_leave: Callable[[Link], None], on_dead: Callable[[str, str], None],
                  shm_offer: Callable[[], _wire.ShmOffer | None] = lambda: None, planes: tuple[str, ...] = (),
                  rank_links: bool = False,
-                 wait_bound: float = 3600.0) -> None:
+                 wait_bound: float = UNBOUNDED) -> None:
         self.channel, self._host, self._port = channel, host, port
         self._secret, self._mine, self._table, self._rec = secret, mine, table, recorder
         self._interval, self._dead_after, self._handshake_timeout = heartbeat_interval, dead_after, handshake_timeout
@@ -429,7 +430,7 @@ class ControlServer:
         if problem is None:
             rank = link.transport == "rank"  # the trainer ranks wait for each other for minutes
             if self._table.serve(op, functools.partial(self._reply, link), member="" if rank else link.member_id,
-                                 owner=link.incarnation, bound=3600.0 if rank else self._wait_bound):
+                                 owner=link.incarnation, bound=UNBOUNDED if rank else self._wait_bound):
                 return
             problem = "over the table's bounds"  # answered already: counted like any refusal
         link.refusals += 1

@@ -164,7 +164,7 @@ class Publisher:
             handshake_timeout=self.options.timeout, closing=lambda: self._state is not EndState.RUNNING,
             on_join=self._door.joined, on_leave=self._door.left,
             on_dead=self._door.died, shm_offer=self._planes.offer, planes=self._planes.registered,
-            rank_links=self.world_size > 1 and self.rank == 0, wait_bound=2 * deadlines.rendezvous())
+            rank_links=self.world_size > 1 and self.rank == 0, wait_bound=deadlines.rendezvous_wait())
         self.membership = Membership(name, self._recorder, self.options.heartbeat_interval,
                                      dead_after=deadlines.member_silence(), heard=self._control.heard,
                                      stale=self._control.stale)

@@ -38,6 +38,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from weightsync.errors import SyncTimeout, WeightSyncError
+from weightsync.options import Deadlines
 from weightsync.transport.loopthread import LoopThread
 from weightsync.transport.subscriber import Subscriber
 
@@ -158,7 +159,8 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
                          timeout=self._timeout, member_id=member, backend=init_info.backend, device=device,
                          transport=init_info.transport)
         try:
-            self._bridge.run(sub.start(), 2 * self._timeout + GRACE, f"joining channel {init_info.channel!r}")
+            self._bridge.run(sub.start(), Deadlines.joining(self._timeout) + GRACE,
+                             f"joining channel {init_info.channel!r}")
         except BaseException:
             self._bridge.close()
             self._bridge = None
