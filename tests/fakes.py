@@ -106,3 +106,27 @@ class FakePlane:
 
     def close(self) -> None:
         self.calls.append(("close", None))
+
+
+class GrouplessPlane:
+    """What a member plane that joins no group answers to everything but ``move`` (subclasses move)."""
+
+    in_group = False
+
+    def offer(self) -> str:
+        return ""
+
+    def rendezvous_prefixes(self, spec: GenerationSpec) -> tuple[str, ...]:
+        return ()
+
+    def broadcast_parent(self, rank: int) -> int | None:
+        return None
+
+    def enter(self, spec: GenerationSpec) -> None:
+        return None
+
+    def leave(self, reason: str, *, failed: bool = False) -> None:
+        return None
+
+    def close(self) -> None:
+        return None

@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
+from tests.fakes import GrouplessPlane
 from weightsync._errors import Cancelled, LocalFailure, PeerFailure
 from weightsync.planes.dataplane import (
-    GenerationSpec,
     MemberContext,
     Outgoing,
     PlaneSpec,
@@ -82,23 +82,11 @@ class MailboxSend:
                 del BOX.buckets[key]
 
 
-class MailboxPlane:
-    in_group, moves_alone = False, True
+class MailboxPlane(GrouplessPlane):
+    moves_alone = True
 
     def __init__(self, context: MemberContext) -> None:
         self.channel = context.channel
-
-    def offer(self) -> str:
-        return ""
-
-    def rendezvous_prefixes(self, spec: GenerationSpec) -> tuple[str, ...]:
-        return ()
-
-    def broadcast_parent(self, rank: int) -> int | None:
-        return None
-
-    def enter(self, spec: GenerationSpec) -> None:
-        return None
 
     def move(self, transfer: Transfer) -> None:
         announce = transfer.announce
@@ -119,12 +107,6 @@ class MailboxPlane:
                     transfer.after(i)
                 except Exception as err:  # noqa: BLE001 - this end's own failure, as the DataPlane says
                     raise LocalFailure(f"after bucket {i}: {err}") from err
-
-    def leave(self, reason: str, *, failed: bool = False) -> None:
-        return None
-
-    def close(self) -> None:
-        return None
 
 
 SPEC = PlaneSpec(NAME, send_part=MailboxSend, member_plane=MailboxPlane)

@@ -22,12 +22,13 @@ import pytest
 import torch
 
 from tests import xor_encoding
+from tests.fakes import GrouplessPlane
 from weightsync import _wire
 from weightsync.format import layout, sharding, slicing
 from weightsync.format.checksum import checksum
 from weightsync.options import ChannelOptions
 from weightsync.planes import shm
-from weightsync.planes.dataplane import GenerationSpec, PlaneSpec, Transfer, register_plane, unregister_plane
+from weightsync.planes.dataplane import PlaneSpec, Transfer, register_plane, unregister_plane
 from weightsync.planes.encoding import register_encoding, unregister_encoding
 from weightsync.recorder.recorder import FlightRecorder
 from weightsync.testing import Hooks
@@ -69,25 +70,13 @@ class FakeClient:
                 return message
 
 
-class FeedPlane:
+class FeedPlane(GrouplessPlane):
     """A member plane that copies what the test fed it; it joins no group."""
 
-    in_group, moves_alone = False, False
+    moves_alone = False
 
     def __init__(self, context: Any) -> None:
         self.moves: list[int] = []
-
-    def offer(self) -> str:
-        return ""
-
-    def rendezvous_prefixes(self, spec: GenerationSpec) -> tuple[str, ...]:
-        return ()
-
-    def broadcast_parent(self, rank: int) -> int | None:
-        return None
-
-    def enter(self, spec: GenerationSpec) -> None:
-        return None
 
     def move(self, transfer: Transfer) -> None:
         self.moves.append(transfer.version)
@@ -97,12 +86,6 @@ class FeedPlane:
             bucket.copy_(sent)
             if transfer.after is not None:
                 transfer.after(i)
-
-    def leave(self, reason: str, *, failed: bool = False) -> None:
-        return None
-
-    def close(self) -> None:
-        return None
 
 
 @pytest.fixture(autouse=True)
