@@ -33,7 +33,7 @@ from weightsync.planes.dataplane import Transfer
 from weightsync.recorder.recorder import FlightRecorder
 from weightsync.transport.handles import DeliveryReport, PutHandle
 from weightsync.transport.sender import Abort, Join, PutCommitted, Sender
-from weightsync.transport.staging import Job, Staging
+from weightsync.transport.staging import BucketBuffers, Job, Staging
 
 SETTINGS = ChannelOptions(timeout=5.0, bucket_bytes=1 << 12, heartbeat_interval=0.2).settings(checksum=True,
                                                                                               in_place=False)
@@ -94,7 +94,9 @@ class Rig:
                              recorder=self.recorder, policy=StragglerPolicy(), control=self.control, table=FakeTable(),
                              make_plane=lambda: self.plane, slot_device=torch.device("cpu"),
                              on_change=lambda: None, on_evicted=lambda _m: None,
-                             planes=("group", "shm"), plane_objects={"segments": self.segments})
+                             planes=("group", "shm"), plane_objects={"segments": self.segments},
+                             buckets=BucketBuffers(torch.device("cpu"), allocate=self.segments.allocate,
+                                                   drop=self.segments.drop) if self.segments is not None else None)
         self.loop = asyncio.new_event_loop()
         self.members: dict[str, Member] = {}
         self.thread = threading.Thread(target=self.sender.main, name="unit-sender", daemon=True)

@@ -33,6 +33,8 @@ which turned a packing bug on the publisher into the eviction of healthy members
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 
 class InternalError(Exception):
     """Root of the errors weightsync raises and catches inside; never seen by callers."""
@@ -91,3 +93,17 @@ class KeyTimeout(StoreError):
 
 #: what a data-plane step may fail with without anyone's code being wrong
 DATA_PLANE_FAILURES = (PeerFailure, Cancelled, ProtocolError, ControlFailure)
+
+
+def own_hook(fn: Callable[[int], None] | None, i: int, what: str) -> None:
+    """Run this end's own per-bucket hook (packing, checking); whatever it raises is a local
+    failure, never a peer's, unless it is already classified (a same-host member late to free
+    its ring slot is a PeerFailure naming it)."""
+    if fn is None:
+        return
+    try:
+        fn(i)
+    except InternalError:
+        raise
+    except Exception as err:  # noqa: BLE001 - the caller's tensors (freed, resized), our own code
+        raise LocalFailure(f"{what} bucket {i} failed: {type(err).__name__}: {err}") from err

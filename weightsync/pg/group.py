@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from weightsync import _torch_compat as compat
-from weightsync._errors import Cancelled, InternalError, LocalFailure, PeerFailure
+from weightsync._errors import Cancelled, InternalError, LocalFailure, PeerFailure, own_hook
 from weightsync.pg.reaper import PUBLISHER_GRACE, retire
 from weightsync.planes.dataplane import GenerationSpec, Transfer
 from weightsync.recorder.recorder import FlightRecorder
@@ -173,7 +173,7 @@ class DedicatedGroup:
             for i, tensor in enumerate(transfer.buckets):
                 if len(pending) >= depth:
                     self._finish_oldest(pending, transfer)
-                _hook(transfer.before, i, "preparing")
+                own_hook(transfer.before, i, "preparing")
                 limit = transfer.deadline(tensor.numel() * max(fan, 1))
                 entry = self._rec.record(op, generation=self.generation, version=transfer.version, bucket=i,
                                          nbytes=tensor.numel()).start()
@@ -208,7 +208,7 @@ class DedicatedGroup:
             self._orphans.extend(works)
             raise
         entry.complete()
-        _hook(transfer.after, i, "checking")
+        own_hook(transfer.after, i, "checking")
 
     @staticmethod
     def _wait(work: Any, limit: float, cancelled: Callable[[], bool] | None) -> None:
@@ -240,19 +240,6 @@ class DedicatedGroup:
         handoff = [None if self._borrowed else self._pg, self._store, self._orphans]
         self._pg, self._store, self._orphans = None, None, []
         retire(handoff, entry, after=grace)
-
-
-def _hook(fn: Callable[[int], None] | None, i: int, what: str) -> None:
-    """Run this end's own per-bucket hook; its failure is ours, never a peer's (unless it says whose:
-    a same-host member late to free its ring slot is a PeerFailure naming it)."""
-    if fn is None:
-        return
-    try:
-        fn(i)
-    except InternalError:
-        raise
-    except Exception as err:  # noqa: BLE001 - whatever our own hook raises is a local failure
-        raise LocalFailure(f"{what} bucket {i} failed: {type(err).__name__}: {err}") from err
 
 
 class Reconfigurable:

@@ -48,7 +48,7 @@ The planes (docs/architecture.md has the picture and how new ones plug in):
 - sharded trainers ("lanes"): a member holds one receiver (and one plane) per trainer rank,
   each its own channel end with one communicator; a version is readable once every lane's
   ``move`` has returned and verified;
-- a plane registered from outside (:func:`register_plane`): tests/test_planes.py plugs one in
+- a plane registered from outside (:func:`register_plane`): tests/mailbox_plane.py is one
   that the Sender and Receiver serve unchanged; CUDA IPC and one-sided
   (``torch.distributed._transport``) planes would plug in the same way.
 """

@@ -12,19 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from weightsync._errors import InternalError, LocalFailure
+from weightsync._errors import InternalError, own_hook
 from weightsync.planes.dataplane import Outgoing, PublisherContext, SendPart, plane_spec
-
-
-def own_step(fn: Callable[[int], None], i: int) -> None:
-    """Run this end's hook for bucket ``i``: the caller's tensors failing is this put's failure, never
-    a peer's; a same-host member late to free its ring slot is (PeerFailure, as raised)."""
-    try:
-        fn(i)
-    except InternalError:
-        raise
-    except Exception as err:  # noqa: BLE001 - the caller's tensors (freed, resized): a local failure
-        raise LocalFailure(f"packing bucket {i} failed: {type(err).__name__}: {err}") from err
 
 
 class SendSide:
@@ -58,6 +47,11 @@ class SendSide:
         if part is not None:
             part.forget(member)
 
+    def retain(self, keep: Callable[[str], bool]) -> None:
+        """Forget every member ``keep`` says is gone, so the parts hold at most the channel's members."""
+        for member in [m for m in self._of if not keep(m)]:
+            self.forget(member)
+
     def part_of(self, member: str) -> SendPart:
         return self._of.get(member, self.group_part)
 
@@ -84,8 +78,7 @@ class SendSide:
                 part.move(out, by[part])
         if not drivers and (out.checksum or out.afters or out.hooked):
             for i in range(len(out.buckets)):  # nobody issues the buckets: walk them through the hooks here
-                if out.before is not None:
-                    own_step(out.before, i)
+                own_hook(out.before, i, "packing")
                 out.after(i)
 
     @staticmethod

@@ -18,7 +18,7 @@ from weightsync.pg.group import GroupPlane
 from weightsync.planes import shm
 from weightsync.planes.dataplane import registered_planes
 from weightsync.recorder.recorder import FlightRecorder
-from weightsync.transport.staging import Staging
+from weightsync.transport.staging import BucketBuffers, Staging
 
 
 class PlaneSet:
@@ -33,6 +33,9 @@ class PlaneSet:
         seg = self.segments
         self.staging = (Staging(max_snapshots, allocate=seg.allocate, drop=seg.drop, reuse=seg.reuse)
                         if seg is not None else Staging(max_snapshots))
+        # copy=False's two bucket buffers: in one segment too, so same-host members read them (the ring)
+        self.buckets = (BucketBuffers(slot_device, allocate=seg.allocate, drop=seg.drop) if seg is not None
+                        else BucketBuffers(slot_device))
         self.registered = registered_planes()  # served beyond the group and shared memory (both ends register)
         self.names = ("group", "shm", *self.registered)
         self.objects = {"segments": seg}  # what the parts are built with beyond the Sender's own

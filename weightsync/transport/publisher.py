@@ -180,6 +180,7 @@ class Publisher:
                               make_plane=self._planes.make_group_plane, slot_device=self._slot_device,
                               on_change=self._notify_members, on_evicted=self._replacements.member_dropped,
                               planes=self._planes.names, plane_objects=self._planes.objects,
+                              buckets=self._planes.buckets,
                               tally=self._tally, encoding=encoding)
         self._last_version: int | None = None
         self._put_lock: asyncio.Lock | None = None

@@ -252,10 +252,11 @@ class Receiver:
         log.info("%s joined channel %r at %s (generation %d, transport %s)", self.member_id, self.channel,
                  self._where, reply.generation, self._client.transport)
         # the plane serving the transport this connection joined with
-        self._plane = plane_spec(self._client.transport).member_plane(MemberContext(
+        timeout, client = self.deadlines.rendezvous(), self._client
+        self._plane = plane_spec(client.transport).member_plane(MemberContext(
             self.channel, self.member_id, backend=self.backend, device=self._slots.device, recorder=self._recorder,
-            scope=self._rec, client=self._client, admit=reply, rendezvous_timeout=self.deadlines.rendezvous(),
-            store=lambda: RemoteStore(self._client, self.deadlines.rendezvous() if self.deadlines else 30.0)))
+            scope=self._rec, client=client, admit=reply, rendezvous_timeout=timeout,
+            store=lambda: RemoteStore(client, timeout)))
         entry.complete()
         return reply.generation, reply.members
 

@@ -137,7 +137,9 @@ class Sender:
         on_evicted: called for every member dropped (the orchestrator may replace it).
         planes: the transports served (each a plane's publisher part, :mod:`~weightsync.planes.sendside`).
         plane_objects: what those parts are built with beyond the Sender's own (the shared-memory
-            segments); ``allocate``/``drop`` there, if given, hold the ``copy=False`` bucket buffers.
+            segments).
+        buckets: the two ``copy=False`` bucket buffers (default: plain memory on ``slot_device``;
+            a CPU publisher's live in a shared-memory segment, ``PlaneSet.buckets``).
     """
 
     def __init__(self, channel: str, *, settings: _wire.ChannelSettings, staging: Staging, membership: Membership,
@@ -145,8 +147,8 @@ class Sender:
                  make_plane: Callable[[], DataPlane],
                  slot_device: torch.device, on_change: Callable[[], None],
                  on_evicted: Callable[[MemberInfo], None], planes: tuple[str, ...] = ("group",),
-                 plane_objects: dict[str, Any] | None = None, tally: PublisherTally | None = None,
-                 encoding: str = "full") -> None:
+                 plane_objects: dict[str, Any] | None = None, buckets: BucketBuffers | None = None,
+                 tally: PublisherTally | None = None, encoding: str = "full") -> None:
         self.channel = channel
         self.settings = settings
         self.checksum = settings.checksum  # per version: the publisher may turn it off and on
@@ -167,9 +169,7 @@ class Sender:
         self._on_evicted_cb = on_evicted
         self._events: queue.SimpleQueue[Event] = queue.SimpleQueue()
         self._planes, self._plane_objects = planes, dict(plane_objects or {})
-        segments = self._plane_objects.get("segments")
-        self._buckets = BucketBuffers(slot_device, allocate=segments.allocate if segments is not None else None,
-                                      drop=segments.drop if segments is not None else None)
+        self._buckets = buckets or BucketBuffers(slot_device)
         self.side: SendSide | None = None  # built on the sender thread
         self._evicted_lock = threading.Lock()
         self._evicted: list[MemberInfo] = []
@@ -177,7 +177,6 @@ class Sender:
         self.tally = tally or PublisherTally(channel)
         self._nobody_streak = False  # the last version reached nobody (its warning was logged)
         self._corrupting: dict[str, int] = {}  # relay -> versions it was found corrupting (acks do not reset)
-        self._admitted: set[str] = set()  # members the send side's parts know
 
     # any thread ---------------------------------------------------------------------------
     def submit(self, event: Event) -> None:
@@ -274,11 +273,8 @@ class Sender:
             # the part serving its transport; ids no longer in the channel are forgotten here, so
             # the parts hold at most the current members
             assert self.side is not None
-            for gone in [m for m in self._admitted if not self.membership.is_member_or_joining(m)]:
-                self.side.forget(gone)
-                self._admitted.discard(gone)
+            self.side.retain(self.membership.is_member_or_joining)
             self.side.admit(event.member_id, event.transport, event.want)
-            self._admitted.add(event.member_id)
             self._gens.register(event.member_id, event.incarnation, host=event.host, pid=event.pid,
                                 transport=event.transport)
         elif isinstance(event, Leave):
