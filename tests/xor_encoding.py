@@ -39,7 +39,7 @@ class XorDecoder:
     def __init__(self, broken: bool = False) -> None:
         self.broken = broken
 
-    def plan(self, announce: Any, buckets: Sequence[torch.Tensor]) -> WirePlan:
+    def plan(self, announce: Any, buckets: Sequence[torch.Tensor], base: Any = None) -> WirePlan:
         wire = [torch.empty_like(b) for b in buckets]
 
         def decode(i: int) -> None:

@@ -26,10 +26,11 @@ from typing import Union
 
 import msgspec
 
-PROTOCOL_VERSION = 8  # 2: settings in Admit; CRC32C. 3: link probes. 4: same-host shm. 5: sharded (lanes).
+PROTOCOL_VERSION = 9  # 2: settings in Admit; CRC32C. 3: link probes. 4: same-host shm. 5: sharded (lanes).
 # 6: sliced members (Join.want, point-to-point buckets: Announce.direct)
 # 7: tied tensors sent once (Manifest.ties); Challenge.open
 # 8: each member's Announce names the version's encoding on the wire (Announce.encoding, .wire)
+# 9: deltas: Announce.base, .base_digest (the version a delta is against, and its digest)
 
 
 class TensorSpec(msgspec.Struct, frozen=True, array_like=True):
@@ -204,6 +205,8 @@ class Announce(msgspec.Struct, frozen=True, tag="announce"):
     direct: bool = False  # the buckets come point to point from rank 0, each member's own (Join.want) or whole
     encoding: str = "full"  # how the buckets are encoded on the wire (weightsync.planes.encoding)
     wire: tuple[int, ...] = ()  # each bucket's bytes on the wire; empty: the layout's (as staged)
+    base: int = -1  # a delta: the version it is against (the member's readable one), else -1
+    base_digest: bytes = b""  # ...and that version's digest (planes.encoding.base_digest)
 
 
 class Seal(msgspec.Struct, frozen=True, tag="seal"):

@@ -73,6 +73,9 @@ class PublisherStatistics(msgspec.Struct, frozen=True):
         put_stall: how long ``put`` held the caller (snapshot included).
         delivery: from the start of sending to the last acknowledgement, per version.
         members: the current members, in rank order.
+        bytes_on_wire: what was sent for each version, once per member reached: its encoded size
+            for a member sent a delta, else its payload bytes (compare with ``bytes_delivered``).
+        delta_fallbacks: versions re-sent full because a member could not apply their delta.
     """
 
     channel: str
@@ -90,6 +93,8 @@ class PublisherStatistics(msgspec.Struct, frozen=True):
     put_stall: Quantiles
     delivery: Quantiles
     members: tuple[MemberStatistics, ...]
+    bytes_on_wire: int = 0
+    delta_fallbacks: int = 0
 
 
 class SubscriberStatistics(msgspec.Struct, frozen=True):
@@ -169,11 +174,12 @@ class PublisherTally:
             self._stall.add(stall)
             self.newest_put = version
 
-    def delivered(self, nbytes: int, members: int, seconds: float) -> None:
+    def delivered(self, nbytes: int, members: int, seconds: float, wire: int | None = None) -> None:
         with self._lock:
             self._counts["versions_delivered" if members else "versions_to_nobody"] += 1
             self._counts["bytes_put"] += nbytes
             self._counts["bytes_delivered"] += nbytes * members
+            self._counts["bytes_on_wire"] += nbytes * members if wire is None else wire
             self._delivery.add(seconds)
 
     def evicted(self, reason: str) -> None:
@@ -189,7 +195,7 @@ class PublisherTally:
                 versions_failed=c["versions_failed"], bytes_put=c["bytes_put"], bytes_delivered=c["bytes_delivered"],
                 resends=c["resends"], evictions=dict(self._evictions), generations=c["generations"],
                 generation=generation, put_stall=self._stall.quantiles(), delivery=self._delivery.quantiles(),
-                members=tuple(members))
+                members=tuple(members), bytes_on_wire=c["bytes_on_wire"], delta_fallbacks=c["delta_fallbacks"])
 
 
 class SubscriberTally:

@@ -176,7 +176,8 @@ class DedicatedGroup:
                 own_hook(transfer.before, i, "preparing")
                 limit = transfer.deadline(tensor.numel() * max(fan, 1))
                 entry = self._rec.record(op, generation=self.generation, version=transfer.version, bucket=i,
-                                         nbytes=tensor.numel()).start()
+                                         nbytes=tensor.numel(), encoding=transfer.encoding,
+                                         base=transfer.base).start()
                 pending.append((i, [], entry, time.monotonic() + limit))
                 try:
                     works = issue(i, tensor, limit)

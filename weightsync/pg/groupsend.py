@@ -34,6 +34,7 @@ class GroupSend:
         self._gathers = slicing.GatherBuffers()  # per sliced member: two buffers its runs are gathered into
         self._fanout: slicing.Fanout | None = None
         self._wire: Sequence[torch.Tensor] = ()
+        self._form: tuple[str, int] = ("full", -1)  # the version's encoding and base, for the recorder
 
     def admit(self, member: str, want: Any) -> None:
         if want is None:
@@ -48,11 +49,12 @@ class GroupSend:
         plans = {m: self._plan(m, out) for m in members if m in self.wants}
         self._fanout = None
         if not (plans or out.point_to_point):  # one broadcast, in the version's encoding
-            wire = out.encoded()
-            self._wire = wire.wire
-            return {"direct": False, "encoding": out.encoding, "wire": wire.sizes}
+            wire = out.encoded(members)
+            self._wire, self._form = wire.wire, (wire.encoding, wire.base)
+            return {"direct": False, "encoding": wire.encoding, "wire": wire.sizes, "base": wire.base,
+                    "base_digest": wire.base_digest}
         # point to point: each member is sent its gathered share of the staged bytes ("full")
-        self._wire = out.buckets
+        self._wire, self._form = out.buckets, ("full", -1)
         device = out.buckets[0].device if out.buckets else self._ctx.buckets.device
         fanout = slicing.Fanout(members, plans, self._gathers.for_plans(plans, device), checksum)
         self._fanout = fanout
@@ -61,7 +63,7 @@ class GroupSend:
 
     def move(self, out: Outgoing, members: tuple[str, ...]) -> None:
         transfer = Transfer(out.version, self._wire, out.deadline, before=out.before, after=out.after,
-                            cancelled=out.cancelled)
+                            cancelled=out.cancelled, encoding=self._form[0], base=self._form[1])
         fanout = self._fanout
         try:
             if fanout is None:

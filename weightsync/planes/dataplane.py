@@ -64,7 +64,7 @@ from typing import Any, Protocol
 import torch
 
 from weightsync.planes import encoding
-from weightsync.planes.encoding import WirePlan
+from weightsync.planes.encoding import Base, WirePlan
 
 
 @dataclass(frozen=True)
@@ -90,6 +90,8 @@ class Transfer:
     before: Callable[[int], None] | None = None  # runs before bucket i is issued (packing)
     after: Callable[[int], None] | None = None  # runs once bucket i completed (checksums)
     cancelled: Callable[[], bool] | None = None  # polled while waiting: True gives up (Cancelled)
+    encoding: str = "full"  # how the buckets are encoded, and against which base (-1: none): recorded
+    base: int = -1
     #: the version's Announce as sent: a plane reads its own fields there (where a segment is, whether
     #: the version goes point to point); the Sender and Receiver never look at them for it
     announce: Any = None
@@ -151,6 +153,13 @@ class Outgoing:
     point_to_point: bool = False
     hooked: bool = False  # a part wrapped ``before``: the buckets must be walked even with nobody driving
     encoding: str = "full"  # the version's encoding on the wire, for parts that carry it (:meth:`encoded`)
+    base: Base | None = None  # what a delta may be relative to (the retained version), else None
+    # filled by the encoder's plan: whom it was planned for, why the version went full instead of
+    # in ``encoding`` ("" when it did not), its encode time, (elements changed, elements) compared
+    receivers: tuple[str, ...] = ()
+    full_reason: str = ""
+    encode_seconds: float = 0.0
+    changed: tuple[int, int] = (0, 0)
     _wire: WirePlan | None = None
 
     def wrap(self, outer: Callable[[Callable[[int], None]], Callable[[int], None]]) -> None:
@@ -162,11 +171,14 @@ class Outgoing:
         for hook in self.afters:
             hook(i)
 
-    def encoded(self) -> WirePlan:
-        """The version in its encoding (planned once, by the first part that carries it): the wire
-        buckets to move instead of ``buckets``; the encoder's hook runs once bucket i is staged."""
+    def encoded(self, receivers: tuple[str, ...]) -> WirePlan:
+        """The version in its encoding for ``receivers`` (planned once, by the first part that carries
+        it): the wire buckets to move instead of ``buckets``; the encoder's hook runs once bucket i
+        is staged. The plan's ``encoding`` is what the Announce names (an encoder may send full)."""
         if self._wire is None:
+            self.receivers = receivers
             plan = encoding.encoder(self.encoding).plan(self)
+            plan.encoding = plan.encoding or self.encoding
             if plan.hook is not None:
                 encode = plan.hook
 

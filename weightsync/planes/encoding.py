@@ -40,6 +40,9 @@ from typing import Any, Protocol
 import torch
 
 FULL = "full"
+DELTA = "delta"
+AUTO = "auto"
+_BUILT_IN_LATER = (DELTA, AUTO)  # weightsync.planes.delta, imported when first named
 
 
 @dataclass
@@ -49,6 +52,39 @@ class WirePlan:
     wire: Sequence[torch.Tensor]
     sizes: tuple[int, ...] = ()  # the wire buckets' lengths when they differ from the staged ones
     hook: Callable[[int], None] | None = None  # encode(i) on the publisher, decode(i) on a member
+    #: publisher: the encoding the Announce names (an encoder may choose ``"full"`` for a version);
+    #: empty: the one asked for
+    encoding: str = ""
+    base: int = -1  # publisher: the base version the wire form is relative to (-1: none)
+    base_digest: bytes = b""  # ...and that base's digest, which a member must hold exactly
+    #: member: runs once every bucket is in; raises ChecksumMismatch for a version that could not
+    #: be decoded (a decode hook never raises mid-transfer: the collective must complete)
+    check: Callable[[], None] | None = None
+
+
+@dataclass(frozen=True)
+class Base:
+    """A version both ends may hold, that a delta is relative to.
+
+    On the publisher: the retained version's staged bytes and the members known to hold it; on a
+    member: its readable slot. ``digest`` is over that version's per-bucket checksums
+    (:func:`base_digest`), so a base is named by its bytes, not only its number."""
+
+    version: int
+    flat: torch.Tensor
+    manifest: Any
+    digest: bytes
+    holders: frozenset[str] = frozenset()  # publisher: the members that acknowledged it whole
+
+
+def base_digest(version: int, checksums: Sequence[int]) -> bytes:
+    """What names a base version: its number and the digests of every bucket of it."""
+    import hashlib
+
+    h = hashlib.sha256(version.to_bytes(8, "little", signed=True))
+    for value in checksums:
+        h.update(int(value).to_bytes(8, "little"))
+    return h.digest()[:16]
 
 
 class Encoder(Protocol):
@@ -56,7 +92,7 @@ class Encoder(Protocol):
 
 
 class Decoder(Protocol):
-    def plan(self, announce: Any, buckets: Sequence[torch.Tensor]) -> WirePlan: ...
+    def plan(self, announce: Any, buckets: Sequence[torch.Tensor], base: Base | None = None) -> WirePlan: ...
 
 
 @dataclass(frozen=True)
@@ -76,7 +112,7 @@ class _FullEncoder:
 class _FullDecoder:
     """...straight into the member's slot."""
 
-    def plan(self, announce: Any, buckets: Sequence[torch.Tensor]) -> WirePlan:
+    def plan(self, announce: Any, buckets: Sequence[torch.Tensor], base: Base | None = None) -> WirePlan:
         return WirePlan(buckets)
 
 
@@ -84,31 +120,46 @@ _registered: dict[str, EncodingSpec] = {FULL: EncodingSpec(FULL, _FullEncoder(),
 _lock = threading.Lock()
 
 
+def _lookup(name: str) -> EncodingSpec:
+    """Under ``_lock``: the spec of ``name`` (KeyError when unknown); the delta encodings are built
+    in, loaded on first use."""
+    if name in _BUILT_IN_LATER and name not in _registered:
+        from weightsync.planes import delta
+
+        for spec in delta.SPECS:
+            _registered[spec.name] = spec
+    return _registered[name]
+
+
 def register_encoding(spec: EncodingSpec) -> None:
     """Make ``spec.name`` an encoding this process can send and receive (``Publisher(encoding=)``)."""
-    if spec.name == FULL:
+    if spec.name in (FULL, *_BUILT_IN_LATER):
         raise ValueError(f"encoding {FULL!r} is built in")
     with _lock:
         _registered[spec.name] = spec
 
 
 def unregister_encoding(name: str) -> None:
-    if name != FULL:
+    if name not in (FULL, *_BUILT_IN_LATER):
         with _lock:
             _registered.pop(name, None)
 
 
 def known(name: str) -> bool:
     with _lock:
-        return name in _registered
+        try:
+            _lookup(name)
+        except KeyError:
+            return False
+        return True
 
 
 def encoder(name: str) -> Encoder:
     with _lock:
-        return _registered[name].encoder
+        return _lookup(name).encoder
 
 
 def decoder(name: str) -> Decoder:
     """KeyError for an encoding this process does not have (the member refuses the version)."""
     with _lock:
-        return _registered[name].decoder
+        return _lookup(name).decoder

@@ -35,6 +35,10 @@ class DeliveryReport(msgspec.Struct, frozen=True):
         superseded: True when a newer put replaced it before it was sent.
         delivered_at: ``time.time()`` when the sender thread decided the outcome (0.0 for a
             superseded put); the handle may resolve later when the event loop is busy.
+        wire_bytes: what was sent for this version, counted once per member reached: a delta's
+            encoded size for a member that got the delta, ``nbytes`` for one that got it full.
+        encodings: per member reached, the encoding it got (``"delta"`` or ``"full"``).
+        base: the version the deltas were against (-1 when nobody got a delta).
     """
 
     version: int
@@ -43,6 +47,9 @@ class DeliveryReport(msgspec.Struct, frozen=True):
     seconds: float
     superseded: bool = False
     delivered_at: float = 0.0
+    wire_bytes: int = 0
+    encodings: dict[str, str] = {}
+    base: int = -1
 
     @property
     def nobody(self) -> bool:

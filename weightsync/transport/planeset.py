@@ -25,14 +25,17 @@ class PlaneSet:
     """Built with the Publisher; ``open`` at start, ``close`` once the sender thread stopped."""
 
     def __init__(self, channel: str, *, backend: str, slot_device: torch.device, settings: _wire.ChannelSettings,
-                 table: KeyValue, recorder: FlightRecorder, bind_host: str, max_snapshots: int) -> None:
+                 table: KeyValue, recorder: FlightRecorder, bind_host: str, max_snapshots: int,
+                 keep_base: bool = False) -> None:
         self.channel, self.backend, self.slot_device, self.settings = channel, backend, slot_device, settings
         self._table, self._recorder, self._bind_host = table, recorder, bind_host
         # on a CPU publisher staging lives in shared memory: same-host members copy from it
         self.segments = shm.SegmentPool(channel) if slot_device.type == "cpu" and shm.available() else None
         seg = self.segments
-        self.staging = (Staging(max_snapshots, allocate=seg.allocate, drop=seg.drop, reuse=seg.reuse)
-                        if seg is not None else Staging(max_snapshots))
+        # keep_base: deltas are made against the retained version, kept while the next one is in flight
+        self.staging = (Staging(max_snapshots, allocate=seg.allocate, drop=seg.drop, reuse=seg.reuse,
+                                keep_base=keep_base)
+                        if seg is not None else Staging(max_snapshots, keep_base=keep_base))
         # copy=False's two bucket buffers: in one segment too, so same-host members read them (the ring)
         self.buckets = (BucketBuffers(slot_device, allocate=seg.allocate, drop=seg.drop) if seg is not None
                         else BucketBuffers(slot_device))

@@ -50,7 +50,7 @@ from weightsync.options import (
 )
 from weightsync.orchestrator import Orchestrator, Replacements
 from weightsync.pg.group import reconfigure_enabled, resolve_backend
-from weightsync.planes.encoding import FULL, known
+from weightsync.planes.encoding import AUTO, FULL, known
 from weightsync.recorder.recorder import FlightRecorder, process_recorder
 from weightsync.statistics import PublisherStatistics, PublisherTally
 from weightsync.transport import lifecycle
@@ -112,8 +112,13 @@ class Publisher:
         group: instead of rank and world_size: a ProcessGroup of the trainer ranks; rank 0's
             address travels to the others over it (a tensor broadcast, no pickle).
         encoding: how versions go on the group's wire (``weightsync.planes.encoding``):
-            ``"full"`` (the staged bytes, the default) or one registered on both ends; members
-            decode before they check the digests, which are always the staged bytes'.
+            ``"auto"`` (the default: each version as a delta against the last one its members all
+            hold, where that is smaller, tensor by tensor; docs/deltas.md), ``"delta"`` (always a
+            delta where one can be made), ``"full"`` (the staged bytes), or one registered on both
+            ends. Members decode before they check the digests, which are always the staged
+            bytes': a delta is proven by what it rebuilds, and a member that cannot rebuild it gets
+            the version in full. With a delta encoding staging keeps one more snapshot (the base)
+            while a version is in flight: at most ``max_snapshots + 1``.
     """
 
     def __init__(self, name: str, *, address: str | None = None, backend: str = "auto",
@@ -123,7 +128,7 @@ class Publisher:
                  flight_recorder_dir: str | os.PathLike[str] | None = None, policy: StragglerPolicy | None = None,
                  orchestrator: Orchestrator | None = None, checksum: bool = True,
                  pipeline: bool | None = None, rank: int | None = None, world_size: int | None = None,
-                 group: Any = None, lane_address: str | None = None, encoding: str = FULL) -> None:
+                 group: Any = None, lane_address: str | None = None, encoding: str = AUTO) -> None:
         lifecycle.validate_name("channel name", name)
         if not known(encoding):
             raise ValueError(f"encoding {encoding!r} is neither built in nor registered")
@@ -155,7 +160,8 @@ class Publisher:
         self._door = Door(rec=self._rec, recorder=self._recorder, running=lambda: self._state is EndState.RUNNING)
         self._planes = PlaneSet(name, backend=self.backend, slot_device=self._slot_device, settings=self.settings,
                                 table=self._table, recorder=self._recorder, bind_host=self._bind[0],
-                                max_snapshots=max_snapshots)
+                                max_snapshots=max_snapshots, keep_base=encoding != FULL)
+        self.encoding = encoding
         self._staging = self._planes.staging
         self._control = ControlServer(
             name, host=self._bind[0], port=self._bind[1], secret=self._secret,
@@ -370,7 +376,8 @@ class Publisher:
                                                                               self._sender.transport_of))
 
     async def put(self, tensors: layout.TensorsLike, *, version: int | None = None, copy: bool = True,
-                  owners: Mapping[str, int] | None = None, dtype: layout.CastLike = None) -> PutHandle:
+                  owners: Mapping[str, int] | None = None, dtype: layout.CastLike = None,
+                  encoding: str | None = None) -> PutHandle:
         """Queue a new version; returns once the snapshot is taken.
 
         With ``copy=True`` the tensors are copied into staging (on CUDA: a stream-ordered
@@ -388,14 +395,28 @@ class Publisher:
         tensors in that dtype, as the engine serves them: the cast is done in the snapshot's copy
         (with ``copy=False``, bucket by bucket as each is sent), so the wire, the staging buffers
         and every member's slot hold the cast bytes. Integer and bool tensors keep their dtype.
+        Cast to what the engine serves, a delta saves what it should: most bf16 elements keep
+        their bits from one RL step to the next, where every fp32 one changes.
+
+        ``encoding`` overrides the publisher's for this version (``"full"``, ``"delta"``,
+        ``"auto"``; the delta ones need a publisher whose own encoding is not ``"full"``: only
+        such a publisher keeps the base they are made against).
         """
         began = time.perf_counter()
-        handle = await self._put(tensors, version=version, copy=copy, owners=owners, dtype=dtype)
+        if encoding is not None:
+            if not known(encoding):
+                raise ValueError(f"encoding {encoding!r} is neither built in nor registered")
+            if encoding != FULL and self.encoding == FULL:
+                raise ValueError(f"put(encoding={encoding!r}) on a publisher created with encoding='full', which "
+                                 "keeps no base version to encode against: create it with encoding='auto'")
+        handle = await self._put(tensors, version=version, copy=copy, owners=owners, dtype=dtype,
+                                 encoding=encoding)
         self._tally.put_returned(handle.version, time.perf_counter() - began)
         return handle
 
     async def _put(self, tensors: layout.TensorsLike, *, version: int | None = None, copy: bool = True,
-                   owners: Mapping[str, int] | None = None, dtype: layout.CastLike = None) -> PutHandle:
+                   owners: Mapping[str, int] | None = None, dtype: layout.CastLike = None,
+                   encoding: str | None = None) -> PutHandle:
         """The body of :meth:`put` (its stall is timed around this)."""
         self._check_running()
         assert self._put_lock is not None and self._loop is not None
@@ -415,7 +436,7 @@ class Publisher:
             handle = PutHandle(self.name, version, self._loop)
             entry = self._rec.record("put", version=version,
                                           nbytes=manifest.total_bytes).start()
-            job = Job(version=version, manifest=manifest, handle=handle, assembly=assembly)
+            job = Job(version=version, manifest=manifest, handle=handle, assembly=assembly, encoding=encoding or "")
             await self._snapshots.take(job, items, copy=copy, entry=entry)
             self._last_version = version
             return handle if self._trainers is None else self._trainers.whole(handle)

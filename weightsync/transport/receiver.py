@@ -137,6 +137,7 @@ class Receiver:
         self._rec = recorder.scope(channel, member_id if lane == 0 else f"{member_id}@rank{lane}")
         self._plane: DataPlane | None = None
         self._clean_shutdown = False
+        self._held: tuple[int, bytes] | None = None  # the readable version a delta may be against, and its digest
         self.tally = tally or SubscriberTally()
         # never admitted yet: a publisher that is not listening may still be starting (any start order)
         self._wait_for_publisher = wait_for_publisher
@@ -418,7 +419,7 @@ class Receiver:
             last = [time.monotonic()]
             verify = announce.checksum
             try:  # the wire form the plane receives; decoded into the slot's buckets before each digest
-                wire = encoding.decoder(announce.encoding).plan(announce, buckets)
+                wire = encoding.decoder(announce.encoding).plan(announce, buckets, self._base())
             except KeyError:
                 raise ProtocolError(f"version {announce.version} is in encoding {announce.encoding[:32]!r}, "
                                     "which this member does not have") from None
@@ -444,9 +445,12 @@ class Receiver:
             try:
                 self._plane.move(Transfer(announce.version, wire.wire, self.deadlines.bucket, after=after,
                                           cancelled=lambda: self.aborting.is_set()
-                                          or not self._client.commands.empty(), announce=announce))
+                                          or not self._client.commands.empty(), announce=announce,
+                                          encoding=announce.encoding, base=announce.base))
             finally:
                 in_move = time.monotonic() - moving
+            if wire.check is not None:  # a version the decoder could not rebuild is refused as corrupt
+                wire.check()
             if verify:  # the Seal comes when the whole broadcast is done: waiting for it is not ours
                 self._verify(announce, sums)
                 sealing = time.monotonic() - moving - in_move
@@ -458,6 +462,9 @@ class Receiver:
                     self._on_publish()
             elif self._slots.version is None or announce.version > self._slots.version:
                 self._slots.publish(announce.version)
+                # what a delta against this version must name: only a whole slot, proven by its digests
+                self._held = (announce.version, encoding.base_digest(announce.version, sums)) \
+                    if verify and self.want is None else None
                 self._rec.record("publish", generation=announce.generation, version=announce.version,
                                       nbytes=manifest.total_bytes).complete()
                 log.debug("%s: version %d readable (%d bytes)", self.member_id, announce.version,
@@ -482,6 +489,14 @@ class Receiver:
         if self._plane is not None and self._plane.moves_alone:  # no peer to wait on in move (a copy)
             own = max(seconds - sealing, 0.0)
         self._acknowledge(announce, ok=ok, error=error, seconds=seconds, own=own, corrupt=corrupt)
+
+    def _base(self) -> encoding.Base | None:
+        """The readable slot as a delta's base, when this member holds a whole version it verified.
+        Only this thread swaps the slots, so it stays put while a delta is decoded against it."""
+        slot = self._slots.readable
+        if self._held is None or slot.version != self._held[0] or slot.flat is None or slot.manifest is None:
+            return None
+        return encoding.Base(slot.version, slot.flat[: slot.manifest.total_bytes], slot.manifest, self._held[1])
 
     def _sliced_targets(self, announce: _wire.Announce,
                         ranges: list[tuple[int, int]]) -> tuple[slicing.SlicePlacer, list[torch.Tensor], int]:

@@ -49,6 +49,7 @@ from weightsync.membership.generations import Control, Generations, Rendezvous, 
 from weightsync.membership.membership import MAX_STRIKES, MemberInfo, Membership, StragglerPolicy
 from weightsync.options import Deadlines
 from weightsync.planes.dataplane import DataPlane, Outgoing, PublisherContext
+from weightsync.planes.encoding import Base, base_digest
 from weightsync.planes.sendside import SendSide
 from weightsync.recorder.recorder import FlightRecorder
 from weightsync.statistics import PublisherTally
@@ -177,6 +178,10 @@ class Sender:
         self.tally = tally or PublisherTally(channel)
         self._nobody_streak = False  # the last version reached nobody (its warning was logged)
         self._corrupting: dict[str, int] = {}  # relay -> versions it was found corrupting (acks do not reset)
+        # member -> the version it acknowledged whole last (a delta goes only to members holding its
+        # base); forgotten when a member joins again, and when a delta it was sent did not apply
+        self._holds: dict[str, int] = {}
+        self._sent_delta = False  # the last attempt sent some member a delta
 
     # any thread ---------------------------------------------------------------------------
     def submit(self, event: Event) -> None:
@@ -275,6 +280,7 @@ class Sender:
             assert self.side is not None
             self.side.retain(self.membership.is_member_or_joining)
             self.side.admit(event.member_id, event.transport, event.want)
+            self._holds.pop(event.member_id, None)  # a newcomer, a replacement, a rejoin: no base known
             self._gens.register(event.member_id, event.incarnation, host=event.host, pid=event.pid,
                                 transport=event.transport)
         elif isinstance(event, Leave):
@@ -302,10 +308,13 @@ class Sender:
     def _send(self, gens: Generations, job: Job) -> None:
         error: BaseException | None = None
         direct = False  # this attempt point to point: finding who corrupted the last one's bytes
+        full = False  # this attempt in full: the last one's delta did not apply for some members
         tree: tuple[tuple[str, ...], set[str]] | None = None  # the broadcast attempt's group and its corrupt
-        for _attempt in range(3):
+        attempts, _attempt = 3, 0
+        while _attempt < attempts:
+            _attempt += 1
             try:
-                failed = self._send_once(gens, job, direct=direct)
+                failed = self._send_once(gens, job, direct=direct, full=full)
             except _PutFailed as err:
                 # our side failed mid-version: the generation is in an unknown state, so it is
                 # rebuilt, with nobody to blame; the put fails with what went wrong
@@ -313,6 +322,19 @@ class Sender:
                 error = err.__cause__
                 break
             corrupt = set(gens.last_corrupt)
+            if failed and not full and self._sent_delta and failed <= corrupt:
+                # every failure is a member whose delta did not apply (no such base, a corrupted or
+                # forged delta, a wrong reconstruction): the same version again in full, in this same
+                # generation, costing nobody a strike; they hold no base until they acknowledge it
+                for member in failed:
+                    self._holds.pop(member, None)
+                full, attempts = True, attempts + 1
+                self.tally.count("delta_fallbacks")
+                self._rec.record("delta", version=job.version, peers=tuple(sorted(failed))).fail(
+                    "the delta did not apply: re-sent in full")
+                log.warning("channel %r: version %d's delta did not apply at %s; re-sending it in full",
+                            self.channel, job.version, sorted(failed))
+                continue
             relays: set[str] = set()
             if tree is not None:  # the point-to-point attempt tells a corrupting relay from a bad member
                 relays = relay_suspects(tree[0], tree[1], corrupt, gens.plane.broadcast_parent)
@@ -354,11 +376,12 @@ class Sender:
                 break  # copy=False tensors were released: nothing left to re-send from
         self._finish(job, time.monotonic(), error)
 
-    def _send_once(self, gens: Generations, job: Job, direct: bool = False) -> set[str] | None:
+    def _send_once(self, gens: Generations, job: Job, direct: bool = False, full: bool = False) -> set[str] | None:
         """Announce and move ``job`` once; None on success, else the members to blame.
 
         Every member is served by its plane's part of the send side (``direct``: asked to send each
-        member its bytes straight, finding a corrupting relay); every member checks the Seal.
+        member its bytes straight, finding a corrupting relay; ``full``: no delta); every member
+        checks the Seal.
         """
         self._wait_snapshot(job)
         assert self.side is not None
@@ -373,21 +396,25 @@ class Sender:
                           if members else ([], None))
         out = Outgoing(job.version, gen, seq, slices, ranges, job.manifest, job.assembly, job.flat, job.progress,
                        self.settings.bucket_bytes, verify, self.deadlines.bucket, self._generation_broken,
-                       before=before, point_to_point=direct, encoding=self.encoding)
+                       before=before, point_to_point=direct, encoding="full" if full else job.encoding or self.encoding,
+                       base=None if full else self._base(job))
         by = side.split(members)
         try:
             fields = side.prepare(out, by)
         except LocalFailure as err:
             self._rec.record("send", generation=gen, version=job.version).fail(err)
             raise _PutFailed(str(err)) from err
+        forms = self._forms(job, by, fields)
+        self._sent_delta = any(f[0] != "full" for f in forms.values())
         # one Announce per part: each names what its members read (a segment, point to point, the encoding)
         announce = _wire.Announce(generation=gen, seq=seq, version=job.version, manifest=job.manifest,
                                   bucket_bytes=self.settings.bucket_bytes, num_buckets=len(ranges),
                                   resend=job.resends > 0, checksum=verify, assembly=job.assembly)
         job.resends += 1
         job.started = job.started or time.monotonic()
-        entry = self._rec.record("announce", generation=gen,
-                                      version=job.version, nbytes=job.manifest.total_bytes, peers=members).start()
+        entry = self._rec.record("announce", generation=gen, version=job.version, nbytes=job.manifest.total_bytes,
+                                 peers=members, encoding="delta" if self._sent_delta else "full",
+                                 base=out.base.version if self._sent_delta and out.base else -1).start()
         try:
             for part, to in by.items():
                 gens.tell(to, msgspec.structs.replace(announce, **fields[part]) if fields[part] else announce)
@@ -415,12 +442,42 @@ class Sender:
         except (PeerFailure, Cancelled, ControlFailure) as err:
             return self._abandon(gens, job, gen, seq, members, err)
         job.members_done |= acked
+        if verify and job.assembly is None and job.flat is not None:
+            job.digests = tuple(sums)  # what names this version as the next one's base
+        sliced = side.digests(by)  # keyed by every sliced member in the version
+        for member in acked:
+            job.forms[member] = forms[member]
+            if member not in sliced:  # it holds exactly the staged bytes (a sliced member holds its share)
+                self._holds[member] = job.version
+        if self._sent_delta and out.base is not None:
+            job.base = out.base.version
         self._score(gens, acked, job.version, job.manifest.total_bytes)
         if failed:
             self._recorder.dump_on_trouble(f"version {job.version}: no acknowledgement from {sorted(failed)}")
             return failed
         self._finish(job, t0)
         return None
+
+    def _base(self, job: Job) -> Base | None:
+        """What ``job`` may go as a delta against: the retained version, kept while ``job`` is in
+        flight, named by its digests; with the members known to hold it."""
+        base = self.staging.base
+        if base is None or base.flat is None or not base.digests or job is base:
+            return None
+        holders = frozenset(m for m, v in self._holds.items() if v == base.version)
+        return Base(base.version, base.flat, base.manifest, base_digest(base.version, base.digests), holders)
+
+    def _forms(self, job: Job, by: dict[Any, tuple[str, ...]], fields: dict[Any, dict[str, Any]]
+               ) -> dict[str, tuple[str, int]]:
+        """Per member in this attempt: the encoding its part sends, and the bytes that puts on the wire."""
+        forms: dict[str, tuple[str, int]] = {}
+        for part, to in by.items():
+            got = fields[part]
+            name = got.get("encoding", "full")
+            size = sum(got["wire"]) if got.get("wire") else job.manifest.total_bytes
+            for member in to:
+                forms[member] = (name, size)
+        return forms
 
     def _generation_broken(self) -> bool:
         return self.aborting.is_set() or self.membership.has_dead_members()
@@ -457,13 +514,17 @@ class Sender:
                 f"version {job.version} could not be sent: {error}", channel=self.channel, version=job.version))
             return
         members = tuple(m for m in self.membership.members if m in job.members_done)
+        forms = {m: job.forms.get(m, ("full", job.manifest.total_bytes)) for m in members}
+        wire = sum(size for _name, size in forms.values())
         report = DeliveryReport(version=job.version, members=members, nbytes=job.manifest.total_bytes,
-                                seconds=time.monotonic() - (job.started or t0), delivered_at=time.time())
+                                seconds=time.monotonic() - (job.started or t0), delivered_at=time.time(),
+                                wire_bytes=wire, encodings={m: name for m, (name, _size) in forms.items()},
+                                base=job.base if any(name != "full" for name, _s in forms.values()) else -1)
         if not members:  # once per streak: a trainer that starts first puts to nobody for a while
             (log.debug if self._nobody_streak else log.warning)(
                 "version %d delivered to nobody: channel %r has no members", job.version, self.channel)
         self._nobody_streak = not members
-        self.tally.delivered(job.manifest.total_bytes, len(members), report.seconds)
+        self.tally.delivered(job.manifest.total_bytes, len(members), report.seconds, wire)
         log.debug("channel %r: version %d delivered to %d members in %.3fs", self.channel, job.version,
                   len(members), report.seconds)
         job.handle.resolve_threadsafe(report)

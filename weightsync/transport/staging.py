@@ -11,6 +11,10 @@ previous retained buffer, so at most two buffers exist however many puts come an
 slow the subscribers are. ``copy=False`` puts pin no buffer (they borrow the caller's
 tensors until released) and are not retained.
 
+With deltas (``keep_base``) the retained buffer is kept while the next version is in flight, as
+``base``: the version a delta is relative to. It is freed once that version is retained (or
+becomes retained again if it failed), so at most three buffers exist: pending, in flight, base.
+
 Thread-safety: every method takes the lock; the snapshot copy itself runs outside it, into a
 buffer the staging handed out and nobody else can see until :meth:`commit`.
 
@@ -104,6 +108,11 @@ class Job:
     resends: int = 0
     started: float = 0.0  # monotonic time of the first send attempt
     members_done: set[str] = field(default_factory=set)
+    encoding: str = ""  # put(encoding=): this version's, else the publisher's
+    digests: tuple[int, ...] = ()  # its staged buckets' checksums, once sent with them (a delta's base names them)
+    # per member reached: the encoding it got, and the bytes sent to it (the last attempt that reached it)
+    forms: dict[str, tuple[str, int]] = field(default_factory=dict)
+    base: int = -1  # the version its deltas were against
     # copy=False: set by the sender thread once the caller's tensors are packed for the last
     # time; the sender reads it (never the asyncio future) to decide whether it may re-send
     released: threading.Event = field(default_factory=threading.Event)
@@ -128,7 +137,7 @@ class Staging:
 
     def __init__(self, max_snapshots: int = 2, allocate: Allocate = _empty,
                  drop: Callable[[torch.Tensor], None] = lambda _b: None,
-                 reuse: Callable[[torch.Tensor], None] = lambda _b: None) -> None:
+                 reuse: Callable[[torch.Tensor], None] = lambda _b: None, keep_base: bool = False) -> None:
         if max_snapshots < 2:
             raise ValueError(f"max_snapshots must be >= 2 (one in flight, one pending), got {max_snapshots}")
         self.max_snapshots = max_snapshots
@@ -136,12 +145,14 @@ class Staging:
         self.pending: Job | None = None
         self.in_flight: Job | None = None
         self.retained: Job | None = None
+        self.keep_base = keep_base
+        self.base: Job | None = None  # keep_base: the retained version while the next one is in flight
         self._free: list[torch.Tensor] = []
         self.peak_buffers = 0
         self._allocate, self._drop, self._reuse = allocate, drop, reuse
 
     def buffers_in_use(self) -> int:
-        jobs = {id(j): j for j in (self.pending, self.in_flight, self.retained) if j is not None}
+        jobs = {id(j): j for j in (self.pending, self.in_flight, self.retained, self.base) if j is not None}
         return sum(1 for j in jobs.values() if j.flat is not None) + len(self._free)
 
     def acquire(self, nbytes: int, device: torch.device, pin: bool) -> tuple[torch.Tensor, Job | None]:
@@ -186,36 +197,49 @@ class Staging:
             if job is None:
                 return None
             self.in_flight = job
-            if self.retained is not None and self.retained.flat is not None:
-                self._free.append(self.retained.flat)
-                for other in self._free[:-1]:
-                    self._drop(other)
-                self._free = self._free[-1:]  # keep one spare: the next put reuses it
-            self.retained = None
+            old, self.retained = self.retained, None
+            if self.keep_base and old is not None and old.flat is not None:
+                earlier, self.base = self.base, old  # a delta of the job is against it: kept until the job is done
+                self._let_go(earlier)
+            else:
+                self._let_go(old)
             return job
+
+    def _let_go(self, job: Job | None) -> None:
+        """Under the lock: ``job``'s buffer becomes the one spare (the next put reuses it)."""
+        if job is not None and job.flat is not None and all(
+                job is not other for other in (self.pending, self.in_flight, self.retained)):
+            self._free.append(job.flat)
+            for other in self._free[:-1]:
+                self._drop(other)
+            self._free = self._free[-1:]
 
     def finish(self, job: Job, retain: bool = True) -> None:
         """Sender: the in-flight job is done; a snapshot stays retained for newcomers (unless it failed)."""
         with self.lock:
             if self.in_flight is job:
                 self.in_flight = None
+            if job is self.retained:
+                return  # the retained version sent again (to newcomers): it stays retained
+            base, self.base = self.base, None
             if job.flat is not None and retain:
                 self.retained = job
+                self._let_go(base)
             elif job.flat is not None:
-                self._free.append(job.flat)
-                for other in self._free[:-1]:
-                    self._drop(other)
-                self._free = self._free[-1:]
+                self.retained = base  # still what the members hold (None without keep_base): the next base
+                self._let_go(job)
+            else:  # copy=False: the members now hold bytes no buffer keeps
+                self._let_go(base)
 
     def clear(self) -> None:
         """Close: let go of every buffer (their memory, shared or not, goes with the last view)."""
         with self.lock:
-            for job in (self.pending, self.in_flight, self.retained):
+            for job in (self.pending, self.in_flight, self.retained, self.base):
                 if job is not None:
                     job.flat = None
             for buf in self._free:
                 self._drop(buf)
-            self.pending = self.in_flight = self.retained = None
+            self.pending = self.in_flight = self.retained = self.base = None
             self._free = []
 
     def drain(self) -> list[Job]:

@@ -1,0 +1,348 @@
+"""Delta versions (issue 23): only what changed goes on the wire, rebuilt bit-exact and proven.
+
+The trainer here is what RL post-training runs: fp32 master weights, an update the size of an
+RL step, pushed as bf16 (``put(dtype=torch.bfloat16)``) so most elements keep their bits. Every
+version must be bit-exact on every member; members without the base (a newcomer, one whose
+delta did not apply) get the version in full in the same version, by themselves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+import torch
+
+import weightsync as ws
+from tests.statedicts import digest
+from weightsync.format import delta, layout
+from weightsync.planes import shm
+
+pytestmark = [pytest.mark.timeout(120)]
+
+FAST = {"timeout": 5.0, "heartbeat_interval": 0.25, "bucket_bytes": 1 << 17}
+
+
+class Trainer:
+    """fp32 masters; each step moves every element by about ``lr`` of its size (bf16 rounds most
+    of those moves away: a few percent of elements change bits at lr 1e-3 here)."""
+
+    def __init__(self, lr: float, seed: int = 0) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.gen, self.lr = gen, lr
+        self.master = {"embed": torch.randn(512, 96, generator=gen), "layer0.q": torch.randn(96, 96, generator=gen),
+                       "layer0.mlp": torch.randn(96, 384, generator=gen), "norm": torch.ones(96),
+                       "steps": torch.zeros((), dtype=torch.int64)}
+
+    def step(self) -> None:
+        for value in self.master.values():
+            if value.is_floating_point():
+                value.add_(torch.randn(value.shape, generator=self.gen).sign() * value.abs() * self.lr)
+        self.master["steps"] += 1
+
+    def bf16(self) -> dict[str, torch.Tensor]:
+        return {k: v.to(torch.bfloat16) if v.is_floating_point() else v.clone() for k, v in self.master.items()}
+
+
+def same(weights: ws.Weights | dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> bool:
+    return {k: digest(v) for k, v in weights.items()} == {k: digest(v) for k, v in expected.items()}
+
+
+async def members(pub: ws.Publisher, transports: list[str]) -> list[ws.Subscriber]:
+    subs = [ws.Subscriber(pub.name, address=pub.address, member_id=f"m{i}", timeout=5.0, transport=t)
+            for i, t in enumerate(transports)]
+    await asyncio.gather(*(s.start() for s in subs))
+    return subs
+
+
+# the codec ---------------------------------------------------------------------------------
+
+def _flat(items: list[tuple[str, torch.Tensor]], manifest: Any | None = None) -> torch.Tensor:
+    manifest = manifest or layout.build_manifest(items)
+    flat = torch.zeros(manifest.total_bytes, dtype=torch.uint8)
+    for spec, (_name, t) in zip(manifest.tensors, items, strict=True):
+        flat[spec.offset:spec.offset + spec.nbytes].copy_(t.contiguous().reshape(-1).view(torch.uint8))
+    return flat
+
+
+def _codec_case() -> tuple[Any, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(7)
+    base_items = [("bf16", torch.randn(70_001, generator=gen).to(torch.bfloat16)),
+                  ("f32", torch.randn(33, 1000, generator=gen)),
+                  ("i64", torch.arange(1003, dtype=torch.int64)),
+                  ("odd", torch.randint(0, 255, (77,), dtype=torch.uint8, generator=gen)),
+                  ("f64", torch.randn(5000, dtype=torch.float64, generator=gen))]
+    manifest = layout.build_manifest(base_items)
+    base = _flat(base_items, manifest)
+    cur = base.clone()
+    # bit flips that float arithmetic would lose: -0.0 for 0.0, NaN payloads, the lowest mantissa bit
+    spec = manifest.tensors[0]
+    bf = cur[spec.offset:spec.offset + spec.nbytes].view(torch.int16)
+    bf[::37] ^= 1
+    bf[5] = torch.tensor([0x7FC1], dtype=torch.int16)  # a NaN with a payload
+    bf[6] = torch.tensor([-0x8000], dtype=torch.int16)  # -0.0
+    f32 = manifest.tensors[1]
+    cur[f32.offset:f32.offset + f32.nbytes].view(torch.int32)[::3] ^= 0x10  # a third of them: a dense segment
+    cur[-1] ^= 0x80  # the last byte of the layout
+    return manifest, base, cur
+
+
+@pytest.mark.parametrize("auto", [True, False])
+@pytest.mark.parametrize("bucket", [1 << 12, 1 << 16, 1 << 22])
+def test_the_codec_rebuilds_every_bit(auto: bool, bucket: int) -> None:
+    manifest, base, cur = _codec_case()
+    sent = 0
+    for lo, hi in layout.bucket_ranges(manifest.total_bytes, bucket):
+        segs = delta.segments(manifest, lo, hi)
+        assert segs[0].lo == 0 and segs[-1].hi == hi - lo  # the segments cover the bucket, gaps included
+        enc = delta.encode(cur[lo:hi], base[lo:hi], segs, auto=auto)
+        out = torch.full((hi - lo,), 0xAB, dtype=torch.uint8)
+        delta.decode(enc.wire, base[lo:hi], out, segs)
+        assert torch.equal(out, cur[lo:hi])
+        sent += enc.wire.numel()
+    assert sent < manifest.total_bytes  # and it was smaller
+
+
+def test_the_codec_refuses_what_is_not_a_delta_of_this_bucket() -> None:
+    manifest, base, cur = _codec_case()
+    lo, hi = 0, manifest.total_bytes
+    segs = delta.segments(manifest, lo, hi)
+    wire = delta.encode(cur, base, segs, auto=False).wire
+    out = torch.empty_like(cur)
+    forged = {
+        "truncated": wire[:-3].clone(),
+        "too long": torch.cat([wire, torch.zeros(5, dtype=torch.uint8)]),
+        "no table": wire[:11].clone(),
+        "bad magic": wire.clone().index_fill_(0, torch.tensor([0]), 0),
+    }
+    table = wire[: 8 * (2 + 4 * len(segs))].clone().view(torch.int64)
+    for name, edit in {"count past the segment": (3, 10**9), "negative length": (4, -1),
+                       "mode unknown": (2, 9)}.items():
+        bad = table.clone()
+        bad[edit[0]] = edit[1]
+        forged[name] = torch.cat([bad.view(torch.uint8), wire[bad.numel() * 8:]])
+    for name, bad_wire in forged.items():
+        with pytest.raises(delta.DeltaError):
+            delta.decode(bad_wire, base, out, segs)
+        assert name  # every forgery is refused, none writes past the bucket
+    # a delta for another layout does not fit this one
+    other = delta.segments(manifest, 0, manifest.total_bytes // 2)
+    with pytest.raises(delta.DeltaError):
+        delta.decode(wire, base[: manifest.total_bytes // 2], out[: manifest.total_bytes // 2], other)
+
+
+def test_a_sparse_payload_that_points_past_its_segment_is_refused() -> None:
+    items = [("w", torch.zeros(4096, dtype=torch.int16))]
+    manifest = layout.build_manifest(items)
+    base = _flat(items, manifest)
+    cur = base.clone()
+    cur.view(torch.int16)[4000] = 1
+    segs = delta.segments(manifest, 0, manifest.total_bytes)
+    enc = delta.encode(cur, base, segs, auto=False)
+    assert enc.modes[0] == delta.SPARSE and enc.changed == 1
+    # the same segment with a gap that lands past its end
+    gaps = delta._bytes(delta._planes(torch.tensor([5000], dtype=torch.int32)))
+    values = delta._bytes(delta._planes(torch.tensor([1], dtype=torch.int16)))
+    table = [delta.MAGIC, len(segs), delta.SPARSE, 1, gaps.numel(), values.numel()]
+    table += [v for s in segs[1:] for v in (delta.SAME, 0, 0, 0)]
+    wire = torch.cat([torch.tensor(table, dtype=torch.int64).view(torch.uint8), gaps, values])
+    with pytest.raises(delta.DeltaError, match="past"):
+        delta.decode(wire, base, torch.empty_like(cur), segs)
+
+
+# the channel --------------------------------------------------------------------------------
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(("lr", "encoding"), [(1e-3, "auto"), (1e-2, "delta")])
+async def test_many_versions_arrive_as_deltas_bit_exact_on_every_member(lr: float, encoding: str) -> None:
+    transports = ["group", "group"] + (["shm"] if shm.available() else [])
+    trainer = Trainer(lr)
+    async with ws.Publisher("delta", encoding=encoding, **FAST) as pub:  # "auto" is the default
+        subs = await members(pub, transports)
+        try:
+            await pub.wait_subscribers(len(subs), timeout=20)
+            ratios = []
+            for version in range(8):
+                report = await (await pub.put(trainer.master, version=version, dtype=torch.bfloat16))
+                expected = trainer.bf16()
+                assert set(report.members) == {s.member_id for s in subs}
+                for sub in subs:
+                    assert same(await sub.get(min_version=version, timeout=10), expected)
+                group = [s.member_id for s, t in zip(subs, transports, strict=True) if t == "group"]
+                if version == 0:  # nothing to be relative to yet
+                    assert set(report.encodings.values()) == {"full"} and report.base == -1
+                else:
+                    assert {report.encodings[m] for m in group} == {"delta"} and report.base == version - 1
+                    ratios.append(report.wire_bytes / (report.nbytes * len(report.members)))
+                for sub, t in zip(subs, transports, strict=True):
+                    if t == "shm":  # same-host members read the staged segment as it is
+                        assert report.encodings[sub.member_id] == "full"
+                trainer.step()
+            # a few percent of the bf16 elements change per step: far less than the version goes
+            assert max(ratios) < (0.5 if lr == 1e-3 else 0.8), ratios
+            stats = pub.statistics()
+            assert stats.bytes_on_wire < stats.bytes_delivered and stats.delta_fallbacks == 0
+        finally:
+            await asyncio.gather(*(s.aclose() for s in subs))
+
+
+@pytest.mark.asyncio
+async def test_auto_sends_full_where_everything_changed_and_delta_keeps_its_promise() -> None:
+    gen = torch.Generator().manual_seed(3)
+    fresh = lambda: {"a": torch.randn(64, 1024, generator=gen), "b": torch.randn(32, 1024, generator=gen)}  # noqa: E731
+    for encoding in ("auto", "delta"):
+        async with ws.Publisher(f"every-{encoding}", encoding=encoding, **FAST) as pub:
+            async with ws.Subscriber(pub.name, address=pub.address, member_id="m0", timeout=5.0,
+                                     transport="group") as sub:
+                await pub.wait_subscribers(1, timeout=20)
+                await (await pub.put(fresh(), version=0))
+                sd = fresh()  # every element new: a delta saves nothing
+                report = await (await pub.put(sd, version=1))
+                assert same(await sub.get(min_version=1, timeout=10), sd)
+                if encoding == "auto":
+                    assert report.encodings == {"m0": "full"} and report.wire_bytes == report.nbytes
+                else:  # asked for a delta: one it is, each segment in its smallest form (never above full)
+                    assert report.encodings == {"m0": "delta"} and report.wire_bytes <= report.nbytes * 1.01
+                # one tensor unchanged, one new: auto goes delta, the new one as it is, the other not at all
+                sd2 = {"a": sd["a"].clone(), "b": torch.randn(32, 1024, generator=gen)}
+                report = await (await pub.put(sd2, version=2))
+                assert same(await sub.get(min_version=2, timeout=10), sd2)
+                assert report.encodings == {"m0": "delta"}
+                assert report.wire_bytes < sd2["b"].numel() * 4 * 1.01  # "a" cost nothing
+
+
+@pytest.mark.asyncio
+async def test_a_newcomer_gets_the_version_in_full_then_deltas() -> None:
+    trainer = Trainer(1e-3, seed=1)
+    rec = ws.FlightRecorder()
+    async with ws.Publisher("newcomer", recorder=rec, **FAST) as pub:
+        first = ws.Subscriber(pub.name, address=pub.address, member_id="m0", timeout=5.0, transport="group",
+                              recorder=rec)
+        await first.start()
+        late: ws.Subscriber | None = None
+        try:
+            await pub.wait_subscribers(1, timeout=20)
+            for version in range(2):
+                report = await (await pub.put(trainer.master, version=version, dtype=torch.bfloat16))
+                held = trainer.bf16()
+                trainer.step()
+            assert report.encodings == {"m0": "delta"}
+            late = ws.Subscriber(pub.name, address=pub.address, member_id="m1", timeout=5.0, transport="group",
+                                 recorder=rec)
+            await late.start()
+            await pub.wait_subscribers(2, timeout=20)
+            # the newcomer holds no base: the retained version reaches it in full...
+            assert same(await late.get(min_version=1, timeout=10), held)
+            buckets = [e for e in rec.snapshot() if e.member == "m1" and e.version == 1 and e.bucket >= 0]
+            assert buckets and {(e.encoding, e.base) for e in buckets} == {("full", -1)}
+            # ...and from then on it is sent deltas with everyone else
+            for version in range(2, 5):
+                report = await (await pub.put(trainer.master, version=version, dtype=torch.bfloat16))
+                expected = trainer.bf16()
+                assert report.encodings == {"m0": "delta", "m1": "delta"} and report.base == version - 1
+                for sub in (first, late):
+                    assert same(await sub.get(min_version=version, timeout=10), expected)
+                trainer.step()
+            buckets = [e for e in rec.snapshot() if e.member == "m1" and e.version == 4 and e.bucket >= 0]
+            assert buckets and {(e.encoding, e.base) for e in buckets} == {("delta", 3)}
+        finally:
+            await first.aclose()
+            if late is not None:
+                await late.aclose()
+
+
+@pytest.mark.asyncio
+async def test_a_corrupted_delta_is_refused_and_the_member_gets_it_full() -> None:
+    trainer = Trainer(1e-3, seed=2)
+    async with ws.Publisher("corrupt-delta", **FAST) as pub:
+        honest = ws.Subscriber(pub.name, address=pub.address, member_id="m0", timeout=5.0, transport="group")
+        hit = ws.Subscriber(pub.name, address=pub.address, member_id="m1", timeout=5.0, transport="group")
+        ws.testing.inject(hit, ws.testing.Faults(corrupt=[2]))  # the first wire byte of version 2's delta
+        await asyncio.gather(honest.start(), hit.start())
+        try:
+            await pub.wait_subscribers(2, timeout=20)
+            for version in range(4):
+                report = await (await pub.put(trainer.master, version=version, dtype=torch.bfloat16))
+                expected = trainer.bf16()
+                assert set(report.members) == {"m0", "m1"}  # nobody was dropped for it
+                for sub in (honest, hit):
+                    assert same(await sub.get(min_version=version, timeout=10), expected)
+                if version == 2:  # the delta did not apply at m1: the same version again, in full
+                    assert report.encodings == {"m0": "full", "m1": "full"}
+                elif version == 3:  # both acknowledged version 2 whole: deltas again
+                    assert report.encodings == {"m0": "delta", "m1": "delta"}
+                trainer.step()
+            assert pub.statistics().delta_fallbacks == 1
+            assert hit.statistics().checksum_failures == 1 and honest.statistics().checksum_failures == 0
+            assert "m1" in pub.members and "m0" in pub.members
+        finally:
+            await asyncio.gather(honest.aclose(), hit.aclose())
+
+
+@pytest.mark.asyncio
+async def test_a_base_whose_bytes_changed_on_the_member_is_caught_by_the_digest() -> None:
+    """The member's copy of the base is altered (a stray write into its slot, a bit flip in memory):
+    the delta rebuilds wrong bytes, the digests over them say so, and the member gets it full."""
+    trainer = Trainer(1e-3, seed=4)
+    async with ws.Publisher("bad-base", **FAST) as pub:
+        async with ws.Subscriber(pub.name, address=pub.address, member_id="m0", timeout=5.0,
+                                 transport="group") as sub:
+            await pub.wait_subscribers(1, timeout=20)
+            await (await pub.put(trainer.master, version=0, dtype=torch.bfloat16))
+            await sub.get(min_version=0, timeout=10)
+            slot = sub._slots.readable  # noqa: SLF001 - the fault: memory under the readable version
+            assert slot.flat is not None
+            slot.flat[100] ^= 0x01
+            trainer.step()
+            report = await (await pub.put(trainer.master, version=1, dtype=torch.bfloat16))
+            assert report.encodings == {"m0": "full"}
+            assert same(await sub.get(min_version=1, timeout=10), trainer.bf16())
+            assert sub.statistics().checksum_failures == 1 and pub.statistics().delta_fallbacks == 1
+
+
+@pytest.mark.asyncio
+async def test_put_can_force_full_and_a_full_publisher_refuses_delta_puts() -> None:
+    trainer = Trainer(1e-3, seed=5)
+    async with ws.Publisher("per-put", **FAST) as pub:
+        async with ws.Subscriber(pub.name, address=pub.address, member_id="m0", timeout=5.0,
+                                 transport="group") as sub:
+            await pub.wait_subscribers(1, timeout=20)
+            await (await pub.put(trainer.master, version=0, dtype=torch.bfloat16))
+            trainer.step()
+            report = await (await pub.put(trainer.master, version=1, dtype=torch.bfloat16, encoding="full"))
+            assert report.encodings == {"m0": "full"}
+            trainer.step()
+            report = await (await pub.put(trainer.master, version=2, dtype=torch.bfloat16, encoding="delta"))
+            assert report.encodings == {"m0": "delta"} and report.base == 1
+            assert same(await sub.get(min_version=2, timeout=10), trainer.bf16())
+            with pytest.raises(ValueError, match="neither built in"):
+                await pub.put(trainer.master, encoding="gzip")
+    async with ws.Publisher("full-only", encoding="full", **FAST) as pub:
+        with pytest.raises(ValueError, match="keeps no base"):
+            await pub.put(trainer.master, encoding="delta")
+
+
+@pytest.mark.asyncio
+async def test_checksums_off_or_copy_false_send_full() -> None:
+    trainer = Trainer(1e-3, seed=6)
+    async with ws.Publisher("no-proof", checksum=False, **FAST) as pub:
+        async with ws.Subscriber(pub.name, address=pub.address, member_id="m0", timeout=5.0,
+                                 transport="group") as sub:
+            await pub.wait_subscribers(1, timeout=20)
+            for version in range(3):  # nothing would prove a reconstruction: every version full
+                report = await (await pub.put(trainer.master, version=version, dtype=torch.bfloat16))
+                assert report.encodings == {"m0": "full"}
+                assert same(await sub.get(min_version=version, timeout=10), trainer.bf16())
+                trainer.step()
+    async with ws.Publisher("borrowed", **FAST) as pub:
+        async with ws.Subscriber(pub.name, address=pub.address, member_id="m0", timeout=5.0,
+                                 transport="group") as sub:
+            await pub.wait_subscribers(1, timeout=20)
+            for version in range(3):
+                sd = trainer.bf16()
+                handle = await pub.put(sd, version=version, copy=False)
+                report = await handle
+                assert report.encodings == {"m0": "full"}
+                assert same(await sub.get(min_version=version, timeout=10), sd)
+                trainer.step()

@@ -1,0 +1,227 @@
+"""The delta codec: one bucket of a version against the same bucket of a base version, bitwise.
+
+A bucket is cut into *segments* where the manifest's tensors begin and end (the gaps between
+tensors are segments of single bytes), so each segment is compared in its own dtype's bits
+(``int16`` for bf16, ``int32`` for fp32: never float arithmetic, so ``-0.0``, NaNs and every
+rounding survive). Each segment is sent in one of four modes:
+
+- ``SAME``: no element changed; nothing on the wire.
+- ``SPARSE``: the changed elements' positions, as gaps between them (``int32``), and their
+  XOR with the base, each split into byte planes (all first bytes, then all second bytes...)
+  and compressed with zstd. At RL learning rates a changed bf16 element differs in its low
+  mantissa bits and gaps are short, so the high planes are nearly all zeros
+  (docs/benchmarks.md, "Delta formats": 1.3-1.5 bytes per changed element).
+- ``XOR``: the whole segment's XOR with the base, byte planes, zstd: where many elements
+  changed (half of them at lr 1e-4) this still carries about a third of the bytes.
+- ``RAW``: the segment's bytes as they are (where nothing above is smaller, or not worth the
+  time: ``auto`` never compresses a segment whose sampled change is dense).
+
+The wire form of a bucket is a table (``int64``: a magic number, the segment count, then per
+segment its mode, changed count and two payload lengths) followed by the payloads. Both ends
+cut the bucket into the same segments from the manifest, so the table need not name them; the
+decoder checks every length, count and position against them, so a forged or corrupted delta
+is refused (:class:`DeltaError`) rather than written out of bounds. A decoded bucket is proven
+by the member's digest over it, never by the wire's.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from weightsync._wire import Manifest
+from weightsync.format import layout
+
+SAME, SPARSE, XOR, RAW = 0, 1, 2, 3
+MAGIC = 0x5753_4454_0001  # "WSDT", format 1
+_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+SAMPLES = 4096  # elements sampled per segment to guess how much of it changed
+DENSE = 0.25  # sampled share above which a segment is dense: auto sends it as it is, delta XORs it
+SMALL = 1 << 14  # segments under this many bytes are compared outright, never sampled
+LEVEL = 1  # zstd level: measured in benchmarks.delta_formats (higher levels gain little, cost much)
+
+
+class DeltaError(ValueError):
+    """A delta that cannot be applied to this bucket (corrupted, forged, or for another layout)."""
+
+
+@dataclass(frozen=True)
+class Segment:
+    lo: int  # byte offsets within the bucket
+    hi: int
+    size: int  # element size in bytes: the unit compared
+
+
+@functools.lru_cache(maxsize=64)
+def _tensor_ranges(manifest: Manifest) -> tuple[tuple[int, int, int], ...]:
+    out = []
+    for spec in manifest.tensors:
+        if spec.nbytes:
+            size = layout.dtype_from_name(spec.dtype).itemsize
+            out.append((spec.offset, spec.offset + spec.nbytes, size if size in _VIEW else 1))
+    return tuple(sorted(out))
+
+
+@functools.lru_cache(maxsize=4096)
+def segments(manifest: Manifest, lo: int, hi: int) -> tuple[Segment, ...]:
+    """Bucket ``[lo, hi)`` of ``manifest``'s layout cut at tensor boundaries (offsets within it)."""
+    out: list[Segment] = []
+    at = lo
+    for start, end, size in _tensor_ranges(manifest):
+        if end <= lo or start >= hi:
+            continue
+        a, b = max(start, lo), min(end, hi)
+        if a > at:
+            out.append(Segment(at - lo, a - lo, 1))
+        whole = (a - start) % size == 0 and (b - a) % size == 0
+        out.append(Segment(a - lo, b - lo, size if whole else 1))
+        at = b
+    if at < hi:
+        out.append(Segment(at - lo, hi - lo, 1))
+    return tuple(out)
+
+
+def _zstd() -> Any:
+    import zstandard  # a declared dependency; imported when a delta is first made
+
+    return zstandard
+
+
+@functools.lru_cache(maxsize=1)
+def _compressor() -> Any:
+    return _zstd().ZstdCompressor(level=LEVEL)
+
+
+def _planes(values: torch.Tensor) -> bytes:
+    """``values`` (one element per row of bytes) as byte planes, compressed."""
+    size = values.element_size()
+    raw = values.contiguous().view(torch.uint8)
+    if size > 1:
+        raw = raw.view(-1, size).t().contiguous()
+    return _compressor().compress(raw.cpu().numpy().tobytes())
+
+
+def _unplanes(data: memoryview, count: int, dtype: torch.dtype) -> torch.Tensor:
+    size = torch.empty((), dtype=dtype).element_size()
+    try:
+        raw = _zstd().ZstdDecompressor().decompress(data, max_output_size=count * size)
+    except _zstd().ZstdError as err:
+        raise DeltaError(f"a payload does not decompress: {err}") from None
+    if len(raw) != count * size:
+        raise DeltaError(f"a payload holds {len(raw)} bytes, {count * size} expected")
+    planes = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+    if size > 1:
+        planes = planes.view(size, count).t().contiguous().reshape(-1)
+    return planes.view(dtype)
+
+
+def _sampled_share(cur: torch.Tensor, base: torch.Tensor) -> float:
+    stride = max(cur.numel() // SAMPLES, 1)
+    return float((cur[::stride] != base[::stride]).float().mean()) if cur.numel() else 0.0
+
+
+@dataclass
+class Encoded:
+    wire: torch.Tensor  # the bucket's wire bytes (uint8, on the host)
+    changed: int  # elements that differ from the base
+    elements: int
+    modes: tuple[int, ...]
+
+
+def encode(cur: torch.Tensor, base: torch.Tensor, segs: Sequence[Segment], *, auto: bool) -> Encoded:
+    """Bucket ``cur`` against ``base`` (both ``uint8``, same length). ``auto``: dense segments go as
+    they are, uncompressed (the time a compression takes is not worth its bytes there)."""
+    table: list[int] = [MAGIC, len(segs)]
+    payloads: list[torch.Tensor] = []
+    changed = elements = 0
+    modes: list[int] = []
+    for seg in segs:
+        dtype = _VIEW[seg.size]
+        c, b = cur[seg.lo:seg.hi].view(dtype), base[seg.lo:seg.hi].view(dtype)
+        n = c.numel()
+        elements += n
+        dense = seg.hi - seg.lo >= SMALL and _sampled_share(c, b) > DENSE
+        if dense and auto:
+            mode, k, parts = RAW, n, [cur[seg.lo:seg.hi]]
+        elif dense:
+            xor = torch.bitwise_xor(c, b)
+            k = int(torch.count_nonzero(xor))
+            parts = [_bytes(_planes(xor))]
+            mode = XOR
+            if parts[0].numel() >= seg.hi - seg.lo:
+                mode, parts = RAW, [cur[seg.lo:seg.hi]]
+        else:
+            idx = (c != b).nonzero().flatten()
+            k = idx.numel()
+            if k == 0:
+                mode, parts = SAME, []
+            else:
+                gaps = torch.diff(idx, prepend=idx.new_tensor([-1])) - 1
+                values = torch.bitwise_xor(c[idx], b[idx])
+                parts = [_bytes(_planes(gaps.to(torch.int32))), _bytes(_planes(values))]
+                mode = SPARSE
+                if sum(p.numel() for p in parts) >= seg.hi - seg.lo:
+                    mode, parts = RAW, [cur[seg.lo:seg.hi]]
+        changed += k
+        modes.append(mode)
+        lengths = [p.numel() for p in parts] + [0, 0]
+        table += [mode, k, lengths[0], lengths[1]]
+        payloads += parts
+    head = torch.tensor(table, dtype=torch.int64).view(torch.uint8)
+    wire = torch.cat([head] + [p.cpu().view(torch.uint8) for p in payloads])
+    return Encoded(wire, changed, elements, tuple(modes))
+
+
+def _bytes(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+
+
+def decode(wire: torch.Tensor, base: torch.Tensor, out: torch.Tensor, segs: Sequence[Segment]) -> None:
+    """Rebuild the bucket into ``out`` from ``base`` and its ``wire`` form; DeltaError if the wire
+    does not describe exactly these segments."""
+    n_head = 2 + 4 * len(segs)
+    if wire.numel() < 8 * n_head:
+        raise DeltaError(f"a delta bucket of {wire.numel()} bytes is shorter than its table")
+    table = wire[: 8 * n_head].cpu().clone().view(torch.int64).tolist()
+    if table[0] != MAGIC or table[1] != len(segs):
+        raise DeltaError(f"a delta bucket's table names {table[1]} segments (magic {table[0]:#x}), "
+                         f"the layout has {len(segs)}")
+    host = wire.cpu()
+    data = memoryview(host.numpy().data)
+    at = 8 * n_head
+    for j, seg in enumerate(segs):
+        mode, k, la, lb = table[2 + 4 * j: 6 + 4 * j]
+        nbytes = seg.hi - seg.lo
+        n = nbytes // seg.size
+        if min(k, la, lb) < 0 or k > n or at + la + lb > wire.numel():
+            raise DeltaError(f"segment {j}: lengths {la}+{lb} or count {k} do not fit")
+        dtype = _VIEW[seg.size]
+        o, b = out[seg.lo:seg.hi], base[seg.lo:seg.hi]
+        if mode == SAME and la == lb == 0 and k == 0:
+            o.copy_(b)
+        elif mode == RAW and la == nbytes and lb == 0:
+            o.copy_(host[at:at + la])
+        elif mode == XOR and lb == 0:
+            xor = _unplanes(data[at:at + la], n, dtype)
+            torch.bitwise_xor(b.view(dtype), xor.to(o.device), out=o.view(dtype))
+        elif mode == SPARSE and k > 0:
+            gaps = _unplanes(data[at:at + la], k, torch.int32).to(torch.int64)
+            values = _unplanes(data[at + la:at + la + lb], k, dtype)
+            if int(gaps.min()) < 0:
+                raise DeltaError(f"segment {j}: a negative gap")
+            idx = torch.cumsum(gaps + 1, 0) - 1
+            if int(idx[-1]) >= n:
+                raise DeltaError(f"segment {j}: a position past its {n} elements")
+            o.copy_(b)
+            ov = o.view(dtype)
+            idx = idx.to(o.device)
+            ov[idx] = torch.bitwise_xor(ov[idx], values.to(o.device))
+        else:
+            raise DeltaError(f"segment {j}: mode {mode} with lengths {la}, {lb} and count {k} is not a delta")
+        at += la + lb
+    if at != wire.numel():
+        raise DeltaError(f"a delta bucket of {wire.numel()} bytes holds {wire.numel() - at} bytes past its payloads")

@@ -1,0 +1,129 @@
+"""The built-in delta encodings, ``"delta"`` and ``"auto"``, on the encoding seam.
+
+A version goes as a delta against a *base*: the publisher's retained version (the newest one
+sent), which every member it goes to acknowledged whole. The Announce names the base's number
+and digest (:func:`weightsync.planes.encoding.base_digest`: over its per-bucket checksums), and a
+member decodes only on exactly that base, its readable slot; the digests it checks are the
+reconstructed bytes'. Each bucket is encoded by :mod:`weightsync.format.delta`.
+
+- ``"delta"``: every segment as its smallest delta form (sparse, XOR, or as it is);
+- ``"auto"``: sparse where it is small, as it is where a segment's sampled change is dense, and
+  the whole version as ``"full"`` where the delta would save less than a tenth of its bytes.
+
+Where the version goes ``"full"`` instead (the plan's ``encoding``), with no delta made:
+
+- no base yet, or a base in another layout (a new manifest);
+- a member in the version that is not known to hold the base (a newcomer, a replacement, a
+  member that rejoined or missed the base, or whose last delta failed);
+- checksums off (nothing would prove the reconstruction), ``copy=False`` (no snapshot to
+  compare, and none kept as the next base), a sharded rank's lane.
+
+A member that cannot decode (no such base, a corrupted or forged delta) still takes part in the
+whole transfer, then refuses the version as corrupt; the publisher re-sends it ``"full"`` in the
+same generation (see :class:`weightsync.transport.sender.Sender`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from weightsync._errors import ChecksumMismatch
+from weightsync.format import delta, layout
+from weightsync.planes.encoding import AUTO, DELTA, FULL, Base, EncodingSpec, WirePlan
+
+WORTH = 0.9  # auto: a version whose delta is more than this share of its bytes goes full
+
+
+def why_full(out: Any, base: Base | None, to: Sequence[str]) -> str:
+    """Why ``out`` cannot go as a delta to members ``to`` ("" when it can)."""
+    if base is None:
+        return "no base version"
+    if base.version >= out.version:
+        return f"the base {base.version} is not older"
+    if out.snapshot is None:
+        return "copy=False"
+    if out.assembly is not None:
+        return "a sharded lane"
+    if not out.checksum:
+        return "checksums are off"
+    if base.manifest != out.manifest:
+        return "the layout changed"
+    missing = [m for m in to if m not in base.holders]
+    if missing:
+        return f"{len(missing)} member(s) lack the base, e.g. {missing[0]}"
+    return ""
+
+
+class DeltaEncoder:
+    def __init__(self, auto: bool) -> None:
+        self.auto = auto
+
+    def plan(self, out: Any) -> WirePlan:
+        base: Base | None = out.base
+        out.full_reason = why_full(out, base, out.receivers)
+        if out.full_reason:
+            return WirePlan(out.buckets, encoding=FULL)
+        assert base is not None
+        total = out.manifest.total_bytes
+        if out.progress is not None:  # a pipelined snapshot: the whole version is compared before it goes
+            out.progress.wait(total, out.deadline(total))
+        began = time.monotonic()
+        wire: list[torch.Tensor] = []
+        changed = elements = 0
+        for i, (lo, hi) in enumerate(out.ranges):
+            enc = delta.encode(out.buckets[i], base.flat[lo:hi], delta.segments(out.manifest, lo, hi), auto=self.auto)
+            wire.append(enc.wire.to(out.buckets[i].device))
+            changed, elements = changed + enc.changed, elements + enc.elements
+        out.encode_seconds = time.monotonic() - began
+        out.changed = (changed, elements)
+        sizes = tuple(w.numel() for w in wire)
+        if self.auto and sum(sizes) > WORTH * total:
+            out.full_reason = f"the delta is {sum(sizes) / max(total, 1):.0%} of the version"
+            return WirePlan(out.buckets, encoding=FULL)
+        return WirePlan(wire, sizes, encoding=DELTA, base=base.version, base_digest=base.digest)
+
+
+class DeltaDecoder:
+    def plan(self, announce: Any, buckets: Sequence[torch.Tensor], base: Base | None = None) -> WirePlan:
+        manifest = announce.manifest
+        ranges = layout.bucket_ranges(manifest.total_bytes, announce.bucket_bytes)
+        if len(announce.wire) != len(buckets) or len(ranges) != len(buckets):
+            raise ChecksumMismatch(f"version {announce.version}: a delta of {len(announce.wire)} wire buckets "
+                                   f"for {len(buckets)} buckets")
+        refused = ""
+        if announce.assembly is not None:
+            refused = "a sharded lane is never sent a delta"
+        elif base is None:
+            refused = "this member holds no base version"
+        elif (base.version, base.digest) != (announce.base, announce.base_digest):
+            refused = f"this member holds version {base.version}, not the base {announce.base} (or not its bytes)"
+        elif base.manifest != manifest:
+            refused = "the base is in another layout"
+        device = buckets[0].device if buckets else torch.device("cpu")
+        wire = [torch.empty(n, dtype=torch.uint8, device=device) for n in announce.wire]
+        problems: list[str] = []
+
+        def decode(i: int) -> None:
+            if refused or problems:
+                return  # the rest is received and dropped: the collective completes
+            assert base is not None
+            lo, hi = ranges[i]
+            try:
+                delta.decode(wire[i], base.flat[lo:hi], buckets[i], delta.segments(manifest, lo, hi))
+            except delta.DeltaError as err:
+                problems.append(f"bucket {i}: {err}")
+
+        def check() -> None:
+            if refused or problems:
+                raise ChecksumMismatch(f"version {announce.version} is a delta against version {announce.base}; "
+                                       f"{refused or problems[0]}: not made readable (the publisher re-sends it full)")
+
+        return WirePlan(wire, hook=decode, check=check)
+
+
+SPECS = (EncodingSpec(DELTA, DeltaEncoder(auto=False), DeltaDecoder()),
+         EncodingSpec(AUTO, DeltaEncoder(auto=True), DeltaDecoder()))
