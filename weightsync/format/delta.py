@@ -124,6 +124,28 @@ def _sampled_share(cur: torch.Tensor, base: torch.Tensor) -> float:
     return float((cur[::stride] != base[::stride]).float().mean()) if cur.numel() else 0.0
 
 
+def changed_positions(cur: torch.Tensor, base: torch.Tensor, size: int) -> torch.Tensor:
+    """The positions (``int64``, ascending) of the ``size``-byte elements where ``cur`` and ``base``
+    (``uint8``, one segment) differ. Compared eight bytes at a time first: at RL learning rates most
+    words hold no change, so the element-wise compare runs on the few that do."""
+    dtype = _VIEW[size]
+    nbytes = cur.numel()
+    words = nbytes // 8
+    aligned = cur.storage_offset() % 8 == 0 and base.storage_offset() % 8 == 0
+    if size == 8 or words < 64 or not aligned:
+        return (cur.view(dtype) != base.view(dtype)).nonzero().flatten()
+    per = 8 // size
+    wc, wb = cur[: words * 8].view(torch.int64), base[: words * 8].view(torch.int64)
+    hit = (wc != wb).nonzero().flatten()
+    lanes = wc[hit].view(dtype).view(-1, per) != wb[hit].view(dtype).view(-1, per)
+    rows, lane = lanes.nonzero(as_tuple=True)
+    idx = hit[rows] * per + lane
+    if words * 8 < nbytes:  # the tail past the last whole word
+        tail = (cur[words * 8:].view(dtype) != base[words * 8:].view(dtype)).nonzero().flatten()
+        idx = torch.cat([idx, tail + words * per])
+    return idx
+
+
 @dataclass
 class Encoded:
     wire: torch.Tensor  # the bucket's wire bytes (uint8, on the host)
@@ -155,7 +177,7 @@ def encode(cur: torch.Tensor, base: torch.Tensor, segs: Sequence[Segment], *, au
             if parts[0].numel() >= seg.hi - seg.lo:
                 mode, parts = RAW, [cur[seg.lo:seg.hi]]
         else:
-            idx = (c != b).nonzero().flatten()
+            idx = changed_positions(cur[seg.lo:seg.hi], base[seg.lo:seg.hi], seg.size)
             k = idx.numel()
             if k == 0:
                 mode, parts = SAME, []

@@ -39,6 +39,7 @@ class DeliveryReport(msgspec.Struct, frozen=True):
             encoded size for a member that got the delta, ``nbytes`` for one that got it full.
         encodings: per member reached, the encoding it got (``"delta"`` or ``"full"``).
         base: the version the deltas were against (-1 when nobody got a delta).
+        encode_seconds: the sender thread's time making the delta (0.0 when none was made).
     """
 
     version: int
@@ -50,6 +51,7 @@ class DeliveryReport(msgspec.Struct, frozen=True):
     wire_bytes: int = 0
     encodings: dict[str, str] = {}
     base: int = -1
+    encode_seconds: float = 0.0
 
     @property
     def nobody(self) -> bool:

@@ -405,6 +405,7 @@ class Sender:
             self._rec.record("send", generation=gen, version=job.version).fail(err)
             raise _PutFailed(str(err)) from err
         forms = self._forms(job, by, fields)
+        job.encode_seconds += out.encode_seconds
         self._sent_delta = any(f[0] != "full" for f in forms.values())
         # one Announce per part: each names what its members read (a segment, point to point, the encoding)
         announce = _wire.Announce(generation=gen, seq=seq, version=job.version, manifest=job.manifest,
@@ -415,6 +416,7 @@ class Sender:
         entry = self._rec.record("announce", generation=gen, version=job.version, nbytes=job.manifest.total_bytes,
                                  peers=members, encoding="delta" if self._sent_delta else "full",
                                  base=out.base.version if self._sent_delta and out.base else -1).start()
+        sums: list[int] = []  # the staged buckets' digests (the Seal's, and what names this version as a base)
         try:
             for part, to in by.items():
                 gens.tell(to, msgspec.structs.replace(announce, **fields[part]) if fields[part] else announce)
@@ -423,7 +425,6 @@ class Sender:
                 # each bucket's digest is taken once it is on the wire, while the next one transfers;
                 # a member known dead (its connection closed, or silent past its bound) ends the wait
                 # for it now: the transfer is abandoned and re-sent to the rest, not left to time out
-                sums: list[int] = []
                 if verify:
                     out.afters.append(lambda i: sums.append(checksum(slices[i])))
                 side.move(out, by)
@@ -442,7 +443,7 @@ class Sender:
         except (PeerFailure, Cancelled, ControlFailure) as err:
             return self._abandon(gens, job, gen, seq, members, err)
         job.members_done |= acked
-        if verify and job.assembly is None and job.flat is not None:
+        if verify and job.assembly is None and job.flat is not None and len(sums) == len(ranges):
             job.digests = tuple(sums)  # what names this version as the next one's base
         sliced = side.digests(by)  # keyed by every sliced member in the version
         for member in acked:
@@ -519,7 +520,8 @@ class Sender:
         report = DeliveryReport(version=job.version, members=members, nbytes=job.manifest.total_bytes,
                                 seconds=time.monotonic() - (job.started or t0), delivered_at=time.time(),
                                 wire_bytes=wire, encodings={m: name for m, (name, _size) in forms.items()},
-                                base=job.base if any(name != "full" for name, _s in forms.values()) else -1)
+                                base=job.base if any(name != "full" for name, _s in forms.values()) else -1,
+                                encode_seconds=job.encode_seconds)
         if not members:  # once per streak: a trainer that starts first puts to nobody for a while
             (log.debug if self._nobody_streak else log.warning)(
                 "version %d delivered to nobody: channel %r has no members", job.version, self.channel)

@@ -113,6 +113,7 @@ class Job:
     # per member reached: the encoding it got, and the bytes sent to it (the last attempt that reached it)
     forms: dict[str, tuple[str, int]] = field(default_factory=dict)
     base: int = -1  # the version its deltas were against
+    encode_seconds: float = 0.0  # making them (every attempt)
     # copy=False: set by the sender thread once the caller's tensors are packed for the last
     # time; the sender reads it (never the asyncio future) to decide whether it may re-send
     released: threading.Event = field(default_factory=threading.Event)

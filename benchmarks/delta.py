@@ -1,0 +1,331 @@
+"""Delta versions against full ones, side by side in one run, on a trained Llama (issue 23).
+
+    python -m benchmarks.delta [--layers 8] [--hidden 2048] [--lrs 1e-6,3e-6,1e-4] [--steps 3]
+                               [--transports group,shm] [--out benchmarks/results]
+
+A Hugging Face Llama (random init, built here: no download; the defaults make about 1 GiB of
+bf16) with fp32 master weights is trained with AdamW on random tokens. After every step its
+parameters are put twice, as the engine serves them (``put(dtype=torch.bfloat16)``: the cast is
+the snapshot's copy): once with ``encoding="auto"`` (a delta against the previous step) and then
+with ``encoding="full"``, the same bytes, to 2 generator processes, over the group (gloo over
+loopback) and over shared memory. The last step of each learning rate puts a bf16 copy the
+caller made instead (the same bytes: ``dtype=`` against a copy the trainer pays for itself).
+
+Per version: the share of bf16 elements that changed (counted here, bit for bit), wire bytes
+against full, bytes per changed element, the sender's encode time, the trainer's stall (``put``
+until it returned), the time until both generators acknowledged (``put`` until its report), the
+generators' receive time (Announce to readable: decoding and checking included), and whether
+each generator's bytes are the trainer's (each reads the version and sends back its tensors'
+CRC32C digests; the bench waits for both before the next put, so no check overlaps a push).
+
+Targets on the 2-core development machine, on the group: at lr 1e-6, wire bytes at most 5 % of
+full, at most 2.5 bytes per changed element, time to both at most 0.25x full; at lr 1e-4,
+``auto`` at most 1.05x full; the stall with ``auto`` at most 1.2x with ``full``; every version
+bit-exact on every generator. Writes ``delta.json`` and ``delta.png``; exits 1 when a target is
+missed. Needs ``transformers`` (the vLLM environment has it: ``make bench-delta``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import torch
+
+import weightsync as ws
+from benchmarks.report import pyplot, verdict, write_json
+
+
+class Push(msgspec.Struct):
+    transport: str
+    lr: float
+    step: int
+    version: int
+    encoding: str  # what was asked: "auto" or "full"
+    got: str  # what the generators got ("delta" or "full")
+    caller_copy: bool  # the caller made the bf16 copy (else put(dtype=) cast it)
+    changed: float  # share of bf16 elements whose bits changed since the previous step
+    nbytes: int
+    wire_bytes: int  # for both generators
+    bytes_per_changed: float
+    encode_ms: float
+    stall_ms: float
+    to_both_ms: float
+    receive_ms: list[float]  # per generator: Announce to readable
+    exact: bool
+
+
+class Report(msgspec.Struct):
+    when: str
+    torch: str
+    cpu: str
+    cores: int
+    params: int
+    bf16_bytes: int
+    pushes: list[Push]
+    targets: dict[str, bool]
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
+def fingerprint(items: Any) -> str:
+    """What a generator sends back for a version: its tensors' digests, in name order."""
+    h = hashlib.sha256()
+    for name, tensor in sorted(items, key=lambda kv: kv[0]):
+        flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+        h.update(name.encode() + ws.testing.digest(flat).to_bytes(8, "little"))
+    return h.hexdigest()[:24]
+
+
+class Generator:
+    """A generator process: reads every version and answers with its fingerprint (one JSON line)."""
+
+    def __init__(self, channel: str, address: str, member: str, transport: str) -> None:
+        spec = {"channel": channel, "address": address, "member": member, "transport": transport}
+        self.proc = subprocess.Popen([sys.executable, "-m", "benchmarks.delta", "--generator",
+                                      msgspec.json.encode(spec).decode()],
+                                     stdout=subprocess.PIPE, env=dict(os.environ, TORCH_CPP_LOG_LEVEL="ERROR"))
+
+    async def answer(self, version: int, timeout: float = 600) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        while True:
+            line = await asyncio.wait_for(asyncio.to_thread(self.proc.stdout.readline), timeout)
+            if not line:
+                raise RuntimeError(f"a generator exited ({self.proc.poll()}) before version {version}")
+            got = msgspec.json.decode(line)
+            if got.get("error"):
+                raise RuntimeError(f"a generator failed: {got['error']}")
+            if got["version"] >= version:
+                return got
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+
+async def generator_main(spec: dict[str, Any]) -> None:
+    torch.set_num_threads(1)
+    out = sys.stdout
+    try:
+        async with ws.Subscriber(spec["channel"], address=spec["address"], member_id=spec["member"],
+                                 timeout=120, transport=spec["transport"]) as sub:
+            last, received = -1, 0.0
+            while True:
+                async with sub.stream(min_version=last + 1, timeout=3600) as weights:
+                    print_ = await asyncio.to_thread(fingerprint, list(weights))
+                    last = weights.version
+                total = sub.statistics().receive.total
+                out.write(msgspec.json.encode({"version": last, "fingerprint": print_,
+                                               "receive_ms": (total - received) * 1e3}).decode() + "\n")
+                out.flush()
+                received = total
+    except (ws.PublisherGone, ws.Closed, ws.Evicted):
+        return
+    except Exception as err:  # noqa: BLE001 - reported to the bench, which fails loudly
+        out.write(msgspec.json.encode({"version": -1, "error": f"{type(err).__name__}: {err}"}).decode() + "\n")
+        out.flush()
+
+
+def bf16_bits(model: Any) -> torch.Tensor:
+    return torch.cat([p.detach().to(torch.bfloat16).view(torch.int16).reshape(-1) for p in model.parameters()])
+
+
+async def run(transport: str, args: argparse.Namespace, config: Any, progress: Any) -> list[Push]:
+    from transformers import LlamaForCausalLM
+
+    pushes: list[Push] = []
+    channel = f"delta-{transport}"
+    async with ws.Publisher(channel, timeout=120, bucket_bytes=64 << 20) as pub:
+        gens = [Generator(channel, pub.address, f"gen{i}", transport) for i in range(2)]
+        try:
+            await pub.wait_subscribers(2, timeout=300)
+            version = 0
+            for lr in args.lrs:
+                torch.manual_seed(0)
+                model = LlamaForCausalLM(config)
+                opt = torch.optim.AdamW(model.parameters(), lr=lr, foreach=False)
+                prev = bf16_bits(model)
+                named = list(model.named_parameters())
+                await (await pub.put(named, version=version, dtype=torch.bfloat16))  # the first base
+                for sub in gens:
+                    await sub.answer(version)
+                version += 1
+                for step in range(1, args.steps + 1):
+                    tokens = torch.randint(0, config.vocab_size, (args.batch, args.seq))
+                    model(input_ids=tokens, labels=tokens).loss.backward()
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                    cur = bf16_bits(model)
+                    changed = int(torch.count_nonzero(cur != prev))
+                    prev = cur
+                    expected = fingerprint([(n, p.detach().to(torch.bfloat16)) for n, p in named])
+                    caller_copy = step == args.steps
+                    for encoding in ("auto", "full"):
+                        own = caller_copy and encoding == "auto"
+                        t0 = time.perf_counter()
+                        if own:  # the trainer makes the bf16 copy itself, then puts it
+                            handle = await pub.put([(n, p.detach().to(torch.bfloat16)) for n, p in named],
+                                                   version=version, encoding=encoding)
+                        else:
+                            handle = await pub.put(named, version=version, dtype=torch.bfloat16, encoding=encoding)
+                        stall = time.perf_counter() - t0
+                        report = await handle.delivered(timeout=600)
+                        to_both = time.perf_counter() - t0
+                        if len(report.members) != 2:
+                            raise RuntimeError(f"version {version} reached {report.members} only")
+                        answers = [await g.answer(version) for g in gens]
+                        got = sorted(set(report.encodings.values()))
+                        push = Push(transport, lr, step, version, encoding, "+".join(got), own,
+                                    changed / cur.numel(), report.nbytes, report.wire_bytes,
+                                    report.wire_bytes / 2 / max(changed, 1), report.encode_seconds * 1e3,
+                                    stall * 1e3, to_both * 1e3, [a["receive_ms"] for a in answers],
+                                    all(a["fingerprint"] == expected and a["version"] == version for a in answers))
+                        pushes.append(push)
+                        progress(push)
+                        version += 1
+                del model, opt, named, prev
+        finally:
+            for g in gens:
+                g.kill()
+    return pushes
+
+
+def check_targets(pushes: list[Push]) -> dict[str, bool]:
+    def pairs(transport: str, lr: float) -> list[tuple[Push, Push]]:
+        auto = [p for p in pushes if (p.transport, p.lr, p.encoding) == (transport, lr, "auto")]
+        full = {p.step: p for p in pushes if (p.transport, p.lr, p.encoding) == (transport, lr, "full")}
+        return [(a, full[a.step]) for a in auto if a.step in full]
+
+    targets: dict[str, bool] = {"every version bit-exact on every generator": all(p.exact for p in pushes)}
+    low = pairs("group", 1e-6)
+    if low:
+        targets["lr 1e-6: wire bytes <= 5% of full"] = all(a.wire_bytes <= 0.05 * f.wire_bytes for a, f in low)
+        targets["lr 1e-6: <= 2.5 bytes per changed element"] = \
+            statistics.mean(a.bytes_per_changed for a, _ in low) <= 2.5
+        targets["lr 1e-6: time to both <= 0.25x full"] = all(a.to_both_ms <= 0.25 * f.to_both_ms for a, f in low)
+    high = pairs("group", 1e-4)
+    if high:
+        targets["lr 1e-4: auto <= 1.05x full"] = \
+            statistics.median(a.to_both_ms / f.to_both_ms for a, f in high) <= 1.05
+    every = [pair for lr in {p.lr for p in pushes} for pair in pairs("group", lr) if not pair[0].caller_copy]
+    if every:
+        targets["stall with auto <= 1.2x with full"] = \
+            statistics.median(a.stall_ms / f.stall_ms for a, f in every) <= 1.2
+    return targets
+
+
+def table(pushes: list[Push]) -> str:
+    head = ("| plane | lr | step | asked | got | changed | wire / full | B per changed | encode ms | stall ms | "
+            "to both ms | receive ms | exact |\n" + "| --- " * 13 + "|")
+    rows = []
+    for p in pushes:
+        rows.append(f"| {p.transport} | {p.lr:g} | {p.step} | {p.encoding}{' (own copy)' if p.caller_copy else ''} "
+                    f"| {p.got} | {p.changed:.2%} | {p.wire_bytes / (2 * p.nbytes):.3f} | "
+                    f"{p.bytes_per_changed:.2f} | {p.encode_ms:.0f} | {p.stall_ms:.0f} | {p.to_both_ms:.0f} | "
+                    f"{max(p.receive_ms):.0f} | {'yes' if p.exact else 'NO'} |")
+    return "\n".join([head, *rows])
+
+
+def plot(report: Report, path: Path) -> None:
+    plt = pyplot()
+    if plt is None:
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for transport, marker in (("group", "o"), ("shm", "s")):
+        for lr in sorted({p.lr for p in report.pushes}):
+            auto = [p for p in report.pushes if (p.transport, p.lr, p.encoding) == (transport, lr, "auto")]
+            full = {p.step: p for p in report.pushes if (p.transport, p.lr, p.encoding) == (transport, lr, "full")}
+            if not auto:
+                continue
+            label = f"{transport}, lr {lr:g}"
+            axes[0].plot([a.step for a in auto], [a.wire_bytes / (2 * a.nbytes) for a in auto], marker, ls="-",
+                         label=label)
+            axes[1].plot([a.step for a in auto if a.step in full],
+                         [a.to_both_ms / full[a.step].to_both_ms for a in auto if a.step in full], marker, ls="-",
+                         label=label)
+    axes[0].set_yscale("log")
+    axes[0].set_ylabel("wire bytes / full")
+    axes[0].axhline(0.05, color="grey", ls="--", lw=0.8)
+    axes[1].set_ylabel("time to both generators: auto / full")
+    axes[1].axhline(1.0, color="grey", ls="--", lw=0.8)
+    axes[1].axhline(0.25, color="grey", ls=":", lw=0.8)
+    for ax in axes:
+        ax.set_xlabel("training step")
+        ax.legend(fontsize=7)
+    fig.suptitle(f"deltas, {report.params / 1e6:.0f}M-parameter Llama ({report.bf16_bytes / 2**30:.2f} GiB bf16), "
+                 f"2 generators, {report.cores} cores")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--generator"]:
+        import uvloop
+
+        uvloop.run(generator_main(msgspec.json.decode(argv[1])))
+        return 0
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--lrs", default="1e-6,3e-6,1e-4")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--transports", default="group,shm")
+    parser.add_argument("--out", default="benchmarks/results")
+    args = parser.parse_args(argv)
+    args.lrs = [float(x) for x in args.lrs.split(",")]
+    try:
+        from transformers import LlamaConfig
+    except ImportError as err:
+        raise SystemExit(f"benchmarks.delta needs transformers (make bench-delta): {err}") from None
+    config = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 11 // 4,
+                         num_hidden_layers=args.layers, num_attention_heads=16, num_key_value_heads=16,
+                         max_position_embeddings=512, tie_word_embeddings=False)
+    pushes: list[Push] = []
+    params = 0
+
+    def progress(p: Push) -> None:
+        print(f"{p.transport:5} lr {p.lr:g} step {p.step} {p.encoding:4}{'*' if p.caller_copy else ' '} -> "
+              f"{p.got:10} changed {p.changed:6.2%} wire/full {p.wire_bytes / (2 * p.nbytes):.4f} "
+              f"({p.bytes_per_changed:.2f} B/changed) encode {p.encode_ms:5.0f} ms stall {p.stall_ms:5.0f} ms "
+              f"to both {p.to_both_ms:6.0f} ms receive {max(p.receive_ms):5.0f} ms exact {p.exact}", flush=True)
+
+    for transport in args.transports.split(","):
+        if transport == "shm" and not ws.shm_available():
+            print("shared memory is not available here: the shm rows are skipped")
+            continue
+        pushes += asyncio.run(run(transport, args, config, progress))
+    if pushes:
+        params = pushes[0].nbytes // 2
+    report = Report(time.strftime("%Y-%m-%d %H:%M"), str(torch.__version__), cpu_name(), os.cpu_count() or 0,
+                    params, pushes[0].nbytes if pushes else 0, pushes, check_targets(pushes))
+    print(table(pushes))
+    path = write_json(args.out, "delta", report)
+    plot(report, Path(args.out) / "delta.png")
+    print(f"wrote {path}")
+    return verdict(report.targets)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
