@@ -299,8 +299,9 @@ async def test_pipelined_snapshot_is_bit_exact_and_a_cancelled_one_is_never_read
         packing(*args)  # type: ignore[arg-type]
 
     monkeypatch.setattr(snapshots, "pack_progressively", announced_first)
+    # encoding="full": a delta is made from the whole snapshot, before its Announce (docs/deltas.md)
     async with ws.Publisher("pipe", timeout=10, heartbeat_interval=0.25, bucket_bytes=1 << 20, recorder=rec,
-                            pipeline=True) as pub:
+                            pipeline=True, encoding="full") as pub:
         async with ws.Subscriber("pipe", address=pub.address, member_id="a", timeout=10, transport=transport,
                                  recorder=rec) as a:
             await pub.wait_subscribers(1, timeout=20)

@@ -119,8 +119,7 @@ class DeltaDecoder:
 
         def check() -> None:
             if refused or problems:
-                raise ChecksumMismatch(f"version {announce.version} is a delta against version {announce.base}; "
-                                       f"{refused or problems[0]}: not made readable (the publisher re-sends it full)")
+                raise ChecksumMismatch(refused or problems[0])
 
         return WirePlan(wire, hook=decode, check=check)
 

@@ -450,7 +450,14 @@ class Receiver:
             finally:
                 in_move = time.monotonic() - moving
             if wire.check is not None:  # a version the decoder could not rebuild is refused as corrupt
-                wire.check()
+                try:
+                    wire.check()
+                except ChecksumMismatch as err:
+                    self._rec.record("checksum", generation=announce.generation, version=announce.version).fail(err)
+                    log.warning("%s: version %d: its delta against version %d did not apply (%s); not made readable "
+                                "(the publisher re-sends it in full)", self.member_id, announce.version, announce.base,
+                                err)
+                    raise
             if verify:  # the Seal comes when the whole broadcast is done: waiting for it is not ours
                 self._verify(announce, sums)
                 sealing = time.monotonic() - moving - in_move
