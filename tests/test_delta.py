@@ -346,3 +346,19 @@ async def test_checksums_off_or_copy_false_send_full() -> None:
                 assert report.encodings == {"m0": "full"}
                 assert same(await sub.get(min_version=version, timeout=10), sd)
                 trainer.step()
+
+
+def test_auto_takes_whichever_reached_the_group_faster_and_looks_again() -> None:
+    from weightsync.planes.delta import COSTED_FROM, EXPLORE, Chooser
+
+    chooser = Chooser()
+    assert not chooser.prefer_full()  # nothing measured: a delta is tried
+    chooser.note(False, COSTED_FROM, 1.0)  # a full version: 1 s
+    chooser.note(True, COSTED_FROM // 2, 50.0)  # too small to say anything
+    assert not chooser.prefer_full()
+    chooser.note(True, COSTED_FROM, 3.0)  # deltas cost three times as much (a fast wire on one host)
+    choices = [chooser.prefer_full() for _ in range(2 * EXPLORE)]
+    assert choices.count(True) == 2 * EXPLORE - 2  # full, but for one delta in every EXPLORE choices
+    for _ in range(6):  # the link got slow: full versions now take ten times as long
+        chooser.note(False, COSTED_FROM, 10.0)
+    assert not chooser.prefer_full() and chooser.cost[False] > chooser.cost[True]

@@ -27,6 +27,7 @@ by the member's digest over it, never by the wire's.
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -91,9 +92,15 @@ def _zstd() -> Any:
     return zstandard
 
 
-@functools.lru_cache(maxsize=1)
+_local = threading.local()
+
+
 def _compressor() -> Any:
-    return _zstd().ZstdCompressor(level=LEVEL)
+    """This thread's compressor (a ZstdCompressor must not be used by two threads at once)."""
+    made = getattr(_local, "compressor", None)
+    if made is None:
+        made = _local.compressor = _zstd().ZstdCompressor(level=LEVEL)
+    return made
 
 
 def _planes(values: torch.Tensor) -> bytes:

@@ -154,12 +154,18 @@ class Outgoing:
     hooked: bool = False  # a part wrapped ``before``: the buckets must be walked even with nobody driving
     encoding: str = "full"  # the version's encoding on the wire, for parts that carry it (:meth:`encoded`)
     base: Base | None = None  # what a delta may be relative to (the retained version), else None
+    #: ``"auto"``: full versions reached this channel's group faster than deltas lately (the Sender's
+    #: measurement), so the encoder need not make one
+    prefer_full: bool = False
     # filled by the encoder's plan: whom it was planned for, why the version went full instead of
     # in ``encoding`` ("" when it did not), its encode time, (elements changed, elements) compared
     receivers: tuple[str, ...] = ()
     full_reason: str = ""
     encode_seconds: float = 0.0
     changed: tuple[int, int] = (0, 0)
+    #: the staged buckets' digests, when the encoder took them while it read the buckets (the Sender's
+    #: after-bucket checksum then reads them instead of the buckets again)
+    staged_digests: list[int] | None = None
     _wire: WirePlan | None = None
 
     def wrap(self, outer: Callable[[Callable[[int], None]], Callable[[int], None]]) -> None:

@@ -8,7 +8,8 @@ reconstructed bytes'. Each bucket is encoded by :mod:`weightsync.format.delta`.
 
 - ``"delta"``: every segment as its smallest delta form (sparse, XOR, or as it is);
 - ``"auto"``: sparse where it is small, as it is where a segment's sampled change is dense, and
-  the whole version as ``"full"`` where the delta would save less than a tenth of its bytes.
+  the whole version as ``"full"`` where the delta would not halve its bytes (decoding one costs
+  a copy of the base and the wire is fast enough on one host that a smaller saving lost time).
 
 Where the version goes ``"full"`` instead (the plan's ``encoding``), with no delta made:
 
@@ -25,17 +26,39 @@ same generation (see :class:`weightsync.transport.sender.Sender`).
 
 from __future__ import annotations
 
+import os
+import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 
 from weightsync._errors import ChecksumMismatch
 from weightsync.format import delta, layout
+from weightsync.format.checksum import checksum
 from weightsync.planes.encoding import AUTO, DELTA, FULL, Base, EncodingSpec, WirePlan
 
-WORTH = 0.9  # auto: a version whose delta is more than this share of its bytes goes full
+_POOL: ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def _cpus() -> int:
+    affinity = getattr(os, "sched_getaffinity", None)
+    return len(affinity(0)) if affinity is not None else os.cpu_count() or 1
+
+
+def _pool() -> ThreadPoolExecutor:
+    """The encoders' threads, one per CPU this process may use (at most 8), made on first use."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = ThreadPoolExecutor(max(1, min(8, _cpus())), thread_name_prefix="ws-delta")
+        return _POOL
+
+
+WORTH = 0.5  # auto: a version whose delta is more than this share of its bytes goes full
 
 
 def why_full(out: Any, base: Base | None, to: Sequence[str]) -> str:
@@ -58,6 +81,38 @@ def why_full(out: Any, base: Base | None, to: Sequence[str]) -> str:
     return ""
 
 
+COSTED_FROM = 1 << 20  # versions smaller than this do not say which encoding is faster
+EXPLORE = 16  # "auto" tries the encoding it found slower once every this many versions
+
+
+class Chooser:
+    """``"auto"``'s choice between full versions and deltas, by what each cost this channel lately.
+
+    A version's cost is the sender's time from the start of its send to its last acknowledgement
+    (making the delta, moving it, the members' decoding and checking), per staged byte, as a
+    moving average per kind. On one host a fast wire can beat what a delta costs the CPUs; over
+    slower links the delta wins; which one holds is measured, not assumed. Every ``EXPLORE``-th
+    choice tries the slower one again, so a change (a learning rate, a link, a load) is noticed.
+    Until both were measured it lets the delta be tried. Only the sender thread uses it.
+    """
+
+    def __init__(self) -> None:
+        self.cost: dict[bool, float] = {}  # delta? -> seconds per staged byte
+        self._chosen = 0
+
+    def note(self, delta: bool, nbytes: int, seconds: float) -> None:
+        if nbytes >= COSTED_FROM:
+            per, old = seconds / nbytes, self.cost.get(delta)
+            self.cost[delta] = per if old is None else 0.6 * old + 0.4 * per
+
+    def prefer_full(self) -> bool:
+        full, delta = self.cost.get(False), self.cost.get(True)
+        if full is None or delta is None:
+            return False
+        self._chosen += 1
+        return (full < delta) != (self._chosen % EXPLORE == 0)
+
+
 class DeltaEncoder:
     def __init__(self, auto: bool) -> None:
         self.auto = auto
@@ -65,6 +120,8 @@ class DeltaEncoder:
     def plan(self, out: Any) -> WirePlan:
         base: Base | None = out.base
         out.full_reason = why_full(out, base, out.receivers)
+        if not out.full_reason and self.auto and out.prefer_full:
+            out.full_reason = "full versions reached this group faster than deltas lately"
         if out.full_reason:
             return WirePlan(out.buckets, encoding=FULL)
         assert base is not None
@@ -72,12 +129,17 @@ class DeltaEncoder:
         if out.progress is not None:  # a pipelined snapshot: the whole version is compared before it goes
             out.progress.wait(total, out.deadline(total))
         began = time.monotonic()
-        wire: list[torch.Tensor] = []
-        changed = elements = 0
-        for i, (lo, hi) in enumerate(out.ranges):
-            enc = delta.encode(out.buckets[i], base.flat[lo:hi], delta.segments(out.manifest, lo, hi), auto=self.auto)
-            wire.append(enc.wire.to(out.buckets[i].device))
-            changed, elements = changed + enc.changed, elements + enc.elements
+
+        def one(i: int) -> tuple[delta.Encoded, int]:  # torch's ops, zstd and CRC32C let go of the GIL
+            lo, hi = out.ranges[i]
+            bucket = out.buckets[i]
+            enc = delta.encode(bucket, base.flat[lo:hi], delta.segments(out.manifest, lo, hi), auto=self.auto)
+            return enc, checksum(bucket) if out.checksum and bucket.numel() else 0
+
+        done = list(_pool().map(one, range(len(out.ranges))))
+        wire = [enc.wire.to(out.buckets[i].device) for i, (enc, _sum) in enumerate(done)]
+        changed, elements = sum(enc.changed for enc, _ in done), sum(enc.elements for enc, _ in done)
+        out.staged_digests = [digest for _enc, digest in done]
         out.encode_seconds = time.monotonic() - began
         out.changed = (changed, elements)
         sizes = tuple(w.numel() for w in wire)

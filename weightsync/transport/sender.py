@@ -49,6 +49,7 @@ from weightsync.membership.generations import Control, Generations, Rendezvous, 
 from weightsync.membership.membership import MAX_STRIKES, MemberInfo, Membership, StragglerPolicy
 from weightsync.options import Deadlines
 from weightsync.planes.dataplane import DataPlane, Outgoing, PublisherContext
+from weightsync.planes.delta import Chooser
 from weightsync.planes.encoding import Base, base_digest
 from weightsync.planes.sendside import SendSide
 from weightsync.recorder.recorder import FlightRecorder
@@ -182,6 +183,7 @@ class Sender:
         # base); forgotten when a member joins again, and when a delta it was sent did not apply
         self._holds: dict[str, int] = {}
         self._sent_delta = False  # the last attempt sent some member a delta
+        self._chooser = Chooser()  # "auto": full or delta, by what each cost this channel lately
 
     # any thread ---------------------------------------------------------------------------
     def submit(self, event: Event) -> None:
@@ -397,7 +399,7 @@ class Sender:
         out = Outgoing(job.version, gen, seq, slices, ranges, job.manifest, job.assembly, job.flat, job.progress,
                        self.settings.bucket_bytes, verify, self.deadlines.bucket, self._generation_broken,
                        before=before, point_to_point=direct, encoding="full" if full else job.encoding or self.encoding,
-                       base=None if full else self._base(job))
+                       base=None if full else self._base(job), prefer_full=self._chooser.prefer_full())
         by = side.split(members)
         try:
             fields = side.prepare(out, by)
@@ -426,7 +428,8 @@ class Sender:
                 # a member known dead (its connection closed, or silent past its bound) ends the wait
                 # for it now: the transfer is abandoned and re-sent to the rest, not left to time out
                 if verify:
-                    out.afters.append(lambda i: sums.append(checksum(slices[i])))
+                    staged = out.staged_digests  # an encoder that read every staged bucket took them already
+                    out.afters.append(lambda i: sums.append(staged[i] if staged else checksum(slices[i])))
                 side.move(out, by)
                 if verify:  # a sliced member checks exactly what it was sent; everyone else the buckets
                     own = side.digests(by)
@@ -452,6 +455,8 @@ class Sender:
                 self._holds[member] = job.version
         if self._sent_delta and out.base is not None:
             job.base = out.base.version
+        if acked and not failed:
+            self._chooser.note(self._sent_delta, job.manifest.total_bytes, time.monotonic() - t0)
         self._score(gens, acked, job.version, job.manifest.total_bytes)
         if failed:
             self._recorder.dump_on_trouble(f"version {job.version}: no acknowledgement from {sorted(failed)}")
