@@ -126,6 +126,21 @@ def _unplanes(data: memoryview, count: int, dtype: torch.dtype) -> torch.Tensor:
     return planes.view(dtype)
 
 
+def estimate(cur: torch.Tensor, base: torch.Tensor, segs: Sequence[Segment]) -> int:
+    """About how many bytes ``auto``'s delta of this bucket would be, from samples (no full compare):
+    dense segments as they are, sparse ones at about a byte and a half per changed element."""
+    total = 0
+    for seg in segs:
+        nbytes = seg.hi - seg.lo
+        if nbytes < SMALL:
+            total += nbytes // 4  # small tensors (norms, biases): too few to sample, too small to matter
+            continue
+        dtype = _VIEW[seg.size]
+        share = _sampled_share(cur[seg.lo:seg.hi].view(dtype), base[seg.lo:seg.hi].view(dtype))
+        total += nbytes if share > DENSE else int(share * (nbytes // seg.size) * 1.5)
+    return total
+
+
 def _sampled_share(cur: torch.Tensor, base: torch.Tensor) -> float:
     stride = max(cur.numel() // SAMPLES, 1)
     return float((cur[::stride] != base[::stride]).float().mean()) if cur.numel() else 0.0

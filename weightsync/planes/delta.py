@@ -129,6 +129,13 @@ class DeltaEncoder:
         if out.progress is not None:  # a pipelined snapshot: the whole version is compared before it goes
             out.progress.wait(total, out.deadline(total))
         began = time.monotonic()
+        if self.auto:  # from samples first: a version that changed through and through is not compared whole
+            guess = sum(delta.estimate(out.buckets[i], base.flat[lo:hi], delta.segments(out.manifest, lo, hi))
+                        for i, (lo, hi) in enumerate(out.ranges))
+            if guess > WORTH * total:
+                out.encode_seconds = time.monotonic() - began
+                out.full_reason = f"sampled, the delta would be about {guess / max(total, 1):.0%} of the version"
+                return WirePlan(out.buckets, encoding=FULL)
 
         def one(i: int) -> tuple[delta.Encoded, int]:  # torch's ops, zstd and CRC32C let go of the GIL
             lo, hi = out.ranges[i]
