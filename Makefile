@@ -15,7 +15,7 @@ STAMP := $(VENV)/.weightsync-torch-$(TORCH)
 VLLM_VENV  ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.weightsync-vllm
 
-.PHONY: demo test test-quick lint pytest bench clean test-vllm demo-vllm bench-vllm
+.PHONY: demo test test-quick lint pytest bench clean test-vllm demo-vllm bench-vllm bench-delta
 
 $(STAMP): pyproject.toml requirements/torch-$(TORCH).txt
 	test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
@@ -43,6 +43,10 @@ demo-vllm: $(VLLM_STAMP)
 
 bench-vllm: $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/python -m benchmarks.vllm_update
+
+# deltas against full versions on a trained Llama (transformers: the vLLM environment has it)
+bench-delta: $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/python -m benchmarks.delta
 
 demo: $(STAMP)
 	$(VENV)/bin/weightsync demo

@@ -26,7 +26,8 @@ element, time to both at most 0.25x full; at lr 1e-4, on every group plane, ``au
 1.05x full (median); the stall with ``auto`` at most 1.2x with ``full`` (median); every version
 bit-exact on every generator. On this host's loopback a full version is faster than a CPU delta
 (docs/deltas.md says why), and ``auto`` measures that and sends full. Writes ``delta.json`` and
-``delta.png``; exits 1 when a target is missed. Needs ``transformers`` (the vLLM environment has it: ``make bench-delta``).
+``delta.png``; exits 1 when a target is missed. Needs ``transformers`` (the vLLM environment has
+it: ``make bench-delta``).
 """
 
 from __future__ import annotations

@@ -356,9 +356,61 @@ def test_auto_takes_whichever_reached_the_group_faster_and_looks_again() -> None
     chooser.note(False, COSTED_FROM, 1.0)  # a full version: 1 s
     chooser.note(True, COSTED_FROM // 2, 50.0)  # too small to say anything
     assert not chooser.prefer_full()
+    chooser.note(True, COSTED_FROM, 30.0)  # the first delta started things up: not counted
+    assert not chooser.prefer_full()
     chooser.note(True, COSTED_FROM, 3.0)  # deltas cost three times as much (a fast wire on one host)
     choices = [chooser.prefer_full() for _ in range(2 * EXPLORE)]
     assert choices.count(True) == 2 * EXPLORE - 2  # full, but for one delta in every EXPLORE choices
     for _ in range(6):  # the link got slow: full versions now take ten times as long
         chooser.note(False, COSTED_FROM, 10.0)
     assert not chooser.prefer_full() and chooser.cost[False] > chooser.cost[True]
+
+
+@pytest.mark.asyncio
+async def test_an_engine_can_be_handed_only_what_changed_since_the_version_it_holds() -> None:
+    trainer = Trainer(1e-3, seed=8)
+    async with ws.Publisher("changes", **FAST) as pub:
+        async with ws.Subscriber(pub.name, address=pub.address, member_id="m0", timeout=5.0,
+                                 transport="group") as sub:
+            await pub.wait_subscribers(1, timeout=20)
+            await (await pub.put(trainer.master, version=0, dtype=torch.bfloat16))
+            engine = {k: v.clone() for k, v in (await sub.get(min_version=0, timeout=10)).items()}
+            trainer.step()
+            await (await pub.put(trainer.master, version=1, dtype=torch.bfloat16))
+            expected = trainer.bf16()
+            async with sub.stream(min_version=1, timeout=10, since=0) as weights:
+                assert weights.since == 0
+                changes = weights.changes()
+                # exactly the elements whose bits moved, with their new values; what did not move is absent
+                moved = {k for k in expected if not torch.equal(expected[k].view(-1).view(torch.uint8),
+                                                                 engine[k].view(-1).view(torch.uint8))}
+                assert {c.name for c in changes} == moved and "steps" in moved
+                for change in changes:
+                    flat = engine[change.name].view(-1)
+                    if change.indices is None:  # the int64 step counter: whole
+                        flat.copy_(change.values)
+                    else:
+                        assert 0 < change.indices.numel() < flat.numel()
+                        flat[change.indices] = change.values
+            assert same(engine, expected)
+            # load(since=) hands the loader only the changed tensors, whole
+            trainer.master["norm"].fill_(1.0)  # one tensor that does not move in this step
+            expected = trainer.bf16()
+            await (await pub.put(trainer.master, version=2, dtype=torch.bfloat16))
+            trainer.step()
+            trainer.master["norm"].fill_(1.0)
+            now = trainer.bf16()
+            await (await pub.put(trainer.master, version=3, dtype=torch.bfloat16))
+            handed: list[str] = []
+            assert await sub.load(lambda pairs: handed.extend(n for n, _ in pairs), min_version=3, since=2) == 3
+            moved = {k for k in now if not torch.equal(now[k].view(-1).view(torch.uint8),
+                                                       expected[k].view(-1).view(torch.uint8))}
+            assert set(handed) == moved and "norm" not in moved and "steps" in moved
+            # a version this subscriber no longer holds: every tensor, and changes() says it cannot
+            everything: list[str] = []
+            await sub.load(lambda pairs: everything.extend(n for n, _ in pairs), min_version=3, since=0)
+            assert sorted(everything) == sorted(now)
+            async with sub.stream(min_version=3, timeout=10, since=0) as weights:
+                assert weights.since is None
+                with pytest.raises(RuntimeError, match="since"):
+                    weights.changes()

@@ -93,15 +93,20 @@ class Chooser:
     moving average per kind. On one host a fast wire can beat what a delta costs the CPUs; over
     slower links the delta wins; which one holds is measured, not assumed. Every ``EXPLORE``-th
     choice tries the slower one again, so a change (a learning rate, a link, a load) is noticed.
-    Until both were measured it lets the delta be tried. Only the sender thread uses it.
+    The first delta pays for starting up (its threads, the members' new buffers) and is not
+    counted; until a second one was measured the delta is tried. Only the sender thread uses it.
     """
 
     def __init__(self) -> None:
         self.cost: dict[bool, float] = {}  # delta? -> seconds per staged byte
+        self.seen: dict[bool, int] = {False: 0, True: 0}
         self._chosen = 0
 
     def note(self, delta: bool, nbytes: int, seconds: float) -> None:
         if nbytes >= COSTED_FROM:
+            self.seen[delta] += 1
+            if delta and self.seen[delta] == 1:
+                return  # the first one started things up
             per, old = seconds / nbytes, self.cost.get(delta)
             self.cost[delta] = per if old is None else 0.6 * old + 0.4 * per
 

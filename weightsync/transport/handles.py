@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import Generator, Iterator, Mapping
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import msgspec
 import torch
@@ -178,6 +178,16 @@ class Weights(Mapping[str, torch.Tensor]):
         return f"Weights(version={self._version}, tensors={len(self)}, nbytes={self._nbytes})"
 
 
+class TensorChange(NamedTuple):
+    """One tensor of a version that differs from an earlier one (:meth:`WeightStream.changes`)."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    values: torch.Tensor  # the new values at ``indices``, or the whole flat tensor when indices is None
+    indices: torch.Tensor | None  # flat int64 positions of the changed elements; None: the whole tensor
+
+
 class WeightStream:
     """One complete version as ``(name, tensor)`` pairs in wire order, without a copy.
 
@@ -187,11 +197,50 @@ class WeightStream:
     Iterating after the block raises RuntimeError.
     """
 
-    def __init__(self, version: int, flat: torch.Tensor, manifest: Manifest) -> None:
+    def __init__(self, version: int, flat: torch.Tensor, manifest: Manifest,
+                 previous: tuple[int, torch.Tensor] | None = None) -> None:
         self.version = version
         self.nbytes = manifest.total_bytes
         self._flat: torch.Tensor | None = flat
         self._manifest = manifest
+        self._previous = previous
+        #: the version :meth:`changes` is against (``stream(since=)`` while it is still held), else None
+        self.since: int | None = None if previous is None else previous[0]
+
+    def changes(self) -> list[TensorChange]:
+        """The tensors whose bits differ from version :attr:`since`, with where (``stream(since=)``).
+
+        A floating-point tensor comes with the flat indices of its changed elements and their new
+        values (a sparse patch), unless a new value is NaN (sparse loaders take NaN for "unchanged"):
+        then, as for other dtypes, whole (``indices`` None, ``values`` the flat tensor). Compared in
+        each dtype's bits. RuntimeError without a ``since`` version, or after the block."""
+        if self._previous is None:
+            raise RuntimeError("changes() needs stream(since=v) while this subscriber still holds version v")
+        out: list[TensorChange] = []
+        for spec in self._manifest.tensors:
+            if self._flat is None:
+                raise RuntimeError("this WeightStream ended with its 'async with sub.stream()' block")
+            cur, old = layout.tensor_view(self._flat, spec), layout.tensor_view(self._previous[1], spec)
+            size = cur.element_size()
+            bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(size)
+            if bits is None or cur.numel() == 0:
+                if not torch.equal(cur.reshape(-1).view(torch.uint8), old.reshape(-1).view(torch.uint8)):
+                    out.append(TensorChange(spec.name, cur.dtype, tuple(cur.shape), cur.reshape(-1), None))
+                continue
+            where = (cur.reshape(-1).view(bits) != old.reshape(-1).view(bits)).nonzero().flatten()
+            if not where.numel():
+                continue
+            values = cur.reshape(-1)[where]
+            if cur.is_floating_point() and not bool(torch.isnan(values).any()):
+                out.append(TensorChange(spec.name, cur.dtype, tuple(cur.shape), values, where))
+            else:
+                out.append(TensorChange(spec.name, cur.dtype, tuple(cur.shape), cur.reshape(-1), None))
+        changed = {c.name for c in out}
+        for name, source in self._manifest.ties:  # a tied name changed with its source
+            if source in changed:
+                src = next(c for c in out if c.name == source)
+                out.append(TensorChange(name, src.dtype, src.shape, src.values, src.indices))
+        return out
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         for spec in self._manifest.tensors:
@@ -210,6 +259,7 @@ class WeightStream:
 
     def close(self) -> None:
         self._flat = None
+        self._previous = None
 
     def __repr__(self) -> str:
         return f"WeightStream(version={self.version}, tensors={len(self)}, nbytes={self.nbytes})"

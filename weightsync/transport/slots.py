@@ -104,6 +104,16 @@ class SlotPair:
             slot.readers += 1
             return slot
 
+    def pin_previous(self, version: int) -> Slot | None:
+        """The receiving slot, pinned, while it still holds ``version`` untouched (the version that was
+        readable before the current one), else None. The receiver waits for it as for any reader."""
+        with self.cond:
+            slot = self.receiving
+            if slot.version != version or slot.flat is None or slot.manifest is None:
+                return None
+            slot.readers += 1
+            return slot
+
     def unpin(self, slot: Slot) -> None:
         with self.cond:
             slot.readers -= 1

@@ -351,9 +351,13 @@ class Subscriber:
         return True
 
     @contextlib.asynccontextmanager
-    async def stream(self, *, min_version: int | None = None,
-                     timeout: float | None = None) -> AsyncIterator[WeightStream]:
+    async def stream(self, *, min_version: int | None = None, timeout: float | None = None,
+                     since: int | None = None) -> AsyncIterator[WeightStream]:
         """The latest version (>= ``min_version``) as ``(name, tensor)`` views, without a copy.
+
+        ``since``: the version the caller (an engine) holds. While this subscriber still holds that
+        one too (it is the version readable just before, untouched), it stays pinned with this one
+        and :meth:`WeightStream.changes` says which elements differ from it.
 
         For engines that load weights from an iterator (vLLM's ``model.load_weights``)::
 
@@ -370,31 +374,51 @@ class Subscriber:
             assert slot.flat is not None and slot.manifest is not None and slot.version is not None
             if slot.flat.is_cuda:
                 torch.cuda.current_stream(slot.flat.device).synchronize()
-            weights = WeightStream(slot.version, slot.flat, slot.manifest)
+            previous = None
+            if since is not None and since != slot.version:
+                previous = self._slots.pin_previous(since)
+                if previous is not None and previous.manifest != slot.manifest:
+                    self._slots.unpin(previous)
+                    previous = None
+            held = None
+            if previous is not None and since is not None and previous.flat is not None:
+                held = (since, previous.flat)
+            weights = WeightStream(slot.version, slot.flat, slot.manifest, previous=held)
             self._tally.count("reads")
             try:
                 yield weights
             finally:
                 weights.close()
+                if previous is not None:
+                    self._slots.unpin(previous)
         finally:
             self._slots.unpin(slot)
 
     async def load(self, into: Callable[[Iterable[tuple[str, torch.Tensor]]], Any], *,
-                   min_version: int | None = None, timeout: float | None = None) -> int:
+                   min_version: int | None = None, timeout: float | None = None, since: int | None = None) -> int:
         """Call ``into(pairs)`` with the latest version's ``(name, tensor)`` views; its version.
 
         ``into`` is an engine's weight loader (``model.load_weights``): it runs in a worker
         thread (an ``async def`` one on the loop), tensor by tensor in wire order, with no
         intermediate copy of the whole version.
+
+        ``since``: the version the engine holds; where this subscriber still holds it too, only
+        the tensors that changed since are handed to ``into`` (a tensor whole, as it is now);
+        otherwise every tensor.
         """
         if not callable(into):
             raise TypeError(f"into must be callable, e.g. model.load_weights; got {type(into).__name__}")
-        async with self.stream(min_version=min_version, timeout=timeout) as weights:
+        async with self.stream(min_version=min_version, timeout=timeout, since=since) as weights:
+            pairs: Iterable[tuple[str, torch.Tensor]] = weights
+            if since is not None and weights.since == since:
+                assert self._loop is not None
+                changed = {c.name for c in await self._loop.run_in_executor(None, weights.changes)}
+                pairs = [(name, t) for name, t in weights if name in changed]
             if inspect.iscoroutinefunction(into):
-                await into(weights)
+                await into(pairs)
             else:
                 assert self._loop is not None
-                await self._loop.run_in_executor(None, into, weights)
+                await self._loop.run_in_executor(None, into, pairs)
             return weights.version
 
     async def updates(self, *, timeout: float | None = None) -> AsyncIterator[Weights]:

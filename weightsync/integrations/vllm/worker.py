@@ -71,6 +71,9 @@ class WeightsyncInitInfo(WeightTransferInitInfo):
         transport: the Subscriber's ``transport``: ``"auto"`` (the trainer's shared memory when
             the worker is on its host and receives into host memory, else the group) or
             ``"group"`` (as a worker on another host receives).
+        patches: load an update as sparse patches of what changed since the version the engine
+            serves, through vLLM's own loader (``load_checkpoint_weight_patches``), where this
+            worker still holds that version; False: every update loads the whole version.
     """
 
     address: str
@@ -80,6 +83,7 @@ class WeightsyncInitInfo(WeightTransferInitInfo):
     member_id: str | None = None
     backend: str = "auto"
     transport: str = "auto"
+    patches: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.address, str) or ":" not in self.address:
@@ -113,8 +117,9 @@ class UpdateStats:
 
     version: int
     wait_s: float  # until a version >= min_version was pinned and the workers agreed
-    load_s: float  # model.load_weights plus finalizing the layerwise reload
+    load_s: float  # model.load_weights plus finalizing the layerwise reload (or the sparse patches)
     nbytes: int
+    patched: tuple[int, int] | None = None  # loaded as sparse patches: (tensors, elements); None: in full
 
 
 class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdateInfo]):
@@ -136,6 +141,9 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         self._wait_s = 0.0
         self._load_began = 0.0
         self._member: str | None = None
+        self.patches = True  # load what changed as sparse patches where the engine's version is still held
+        self._patched: tuple[int, int] | None = None  # the last update's (tensors, elements) patched, else None
+        self.patch_fallbacks = 0  # updates whose patches the model's loader refused (loaded in full)
 
     def __call__(self) -> dict[str, Any]:
         """This worker's state as plain data: what ``collective_rpc("weight_transfer_engine")``
@@ -143,7 +151,8 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         last = self.last
         return {"backend": "weightsync", "version": self.version, "member": self._member,
                 "wait_s": None if last is None else last.wait_s, "load_s": None if last is None else last.load_s,
-                "nbytes": None if last is None else last.nbytes}
+                "nbytes": None if last is None else last.nbytes,
+                "patched": None if last is None else last.patched, "patch_fallbacks": self.patch_fallbacks}
 
     # lifecycle ----------------------------------------------------------------------------
     def init_transfer_engine(self, init_info: WeightsyncInitInfo) -> None:
@@ -166,6 +175,7 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
             self._bridge = None
             raise
         self._sub, self._member = sub, member
+        self.patches = bool(init_info.patches)
         log.info("vLLM worker %s joined channel %r at %s", member, init_info.channel, init_info.address)
 
     def shutdown(self) -> None:
@@ -202,6 +212,9 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         self._wait_s = self._load_began - began
         assert self._pinned is not None
         weights = self._pinned[1]
+        self._patched = None
+        if weights.since is not None and self._patch(weights):
+            return
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
         try:
@@ -219,11 +232,42 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         weights = self._pinned[1]
         self._release()
         self.version = weights.version
-        self.last = UpdateStats(weights.version, self._wait_s, time.monotonic() - self._load_began, weights.nbytes)
+        self.last = UpdateStats(weights.version, self._wait_s, time.monotonic() - self._load_began, weights.nbytes,
+                                self._patched)
         log.info("vLLM worker %s now serves version %d (waited %.3fs, loaded %.3fs)", self._member, self.version,
                  self.last.wait_s, self.last.load_s)
 
     # helpers ------------------------------------------------------------------------------
+    def _patch(self, weights: WeightStream) -> bool:
+        """Load only what changed since the version the engine serves, as sparse patches through
+        vLLM's own loader (``load_checkpoint_weight_patches``: the model's ``load_weights`` maps,
+        slices and packs them, NaN marking the elements it keeps); True when that is done. False:
+        a full load is needed (a tensor changed in a way a sparse patch cannot say: NaN or a
+        non-floating dtype; or the model's loader does not take patches, after which the full load
+        rewrites whatever the patch had reached)."""
+        changes = weights.changes()
+        if any(c.indices is None for c in changes):
+            log.info("vLLM worker %s: version %d changes a tensor a sparse patch cannot carry: full load",
+                     self._member, weights.version)
+            return False
+        from vllm.model_executor.model_loader.checkpoint_weight_patch import (
+            CheckpointWeightPatch,
+            load_checkpoint_weight_patches,
+        )
+
+        patches = [CheckpointWeightPatch(c.name, c.shape, c.dtype, c.values, c.indices) for c in changes]
+        try:
+            if patches:
+                with _no_mtp_check():
+                    load_checkpoint_weight_patches(self.model, patches, validate_unique_indices=False)
+        except (NotImplementedError, ValueError, TypeError) as err:
+            self.patch_fallbacks += 1
+            log.warning("vLLM worker %s: the model's loader does not take sparse patches (%s): version %d "
+                        "is loaded in full", self._member, err, weights.version)
+            return False
+        self._patched = (len(patches), sum(c.values.numel() for c in changes))
+        return True
+
     def _pin_agreed(self, min_version: int, timeout: float) -> None:
         """Pin a version >= ``min_version`` that every worker of this replica pins too."""
         deadline = time.monotonic() + timeout
@@ -250,9 +294,10 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
     def _pin(self, min_version: int, timeout: float) -> None:
         assert self._sub is not None and self._bridge is not None
         sub = self._sub
+        since = self.version if self.patches else None  # the engine's version: what changed since loads as patches
 
         async def enter() -> tuple[contextlib.AbstractAsyncContextManager[WeightStream], WeightStream]:
-            manager = sub.stream(min_version=min_version, timeout=timeout)
+            manager = sub.stream(min_version=min_version, timeout=timeout, since=since)
             return manager, await manager.__aenter__()
 
         self._pinned = self._bridge.run(enter(), timeout + GRACE, f"waiting for version >= {min_version}")
