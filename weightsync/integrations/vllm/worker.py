@@ -73,7 +73,9 @@ class WeightsyncInitInfo(WeightTransferInitInfo):
             ``"group"`` (as a worker on another host receives).
         patches: load an update as sparse patches of what changed since the version the engine
             serves, through vLLM's own loader (``load_checkpoint_weight_patches``), where this
-            worker still holds that version; False: every update loads the whole version.
+            worker still holds that version; False: every update loads the whole version. Default:
+            on for workers on CUDA, off on CPU, where vLLM packs linear weights for its kernels and
+            a patch of the checkpoint-format parameter would not reach them (docs/vllm.md).
     """
 
     address: str
@@ -83,7 +85,7 @@ class WeightsyncInitInfo(WeightTransferInitInfo):
     member_id: str | None = None
     backend: str = "auto"
     transport: str = "auto"
-    patches: bool = True
+    patches: bool | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.address, str) or ":" not in self.address:
@@ -175,7 +177,9 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
             self._bridge = None
             raise
         self._sub, self._member = sub, member
-        self.patches = bool(init_info.patches)
+        # vLLM's CPU backend packs linear weights for its GEMM kernels (oneDNN, sgl): a patch written
+        # into a parameter in checkpoint format would not reach what the kernel reads
+        self.patches = self.device.type == "cuda" if init_info.patches is None else bool(init_info.patches)
         log.info("vLLM worker %s joined channel %r at %s", member, init_info.channel, init_info.address)
 
     def shutdown(self) -> None:
@@ -260,7 +264,7 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
             if patches:
                 with _no_mtp_check():
                     load_checkpoint_weight_patches(self.model, patches, validate_unique_indices=False)
-        except (NotImplementedError, ValueError, TypeError) as err:
+        except (NotImplementedError, ValueError, TypeError, AttributeError) as err:
             self.patch_fallbacks += 1
             log.warning("vLLM worker %s: the model's loader does not take sparse patches (%s): version %d "
                         "is loaded in full", self._member, err, weights.version)
