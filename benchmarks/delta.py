@@ -95,10 +95,12 @@ def cpu_name() -> str:
 
 def fingerprint(items: Any) -> str:
     """What a generator sends back for a version: its tensors' digests, in name order."""
+    sums = {}
+    for name, tensor in items:  # one at a time: a generator of casts holds one copy at once
+        sums[name] = digest(tensor.detach().contiguous().reshape(-1).view(torch.uint8))
     h = hashlib.sha256()
-    for name, tensor in sorted(items, key=lambda kv: kv[0]):
-        flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-        h.update(name.encode() + digest(flat).to_bytes(8, "little"))
+    for name in sorted(sums):
+        h.update(name.encode() + sums[name].to_bytes(8, "little"))
     return h.hexdigest()[:24]
 
 
@@ -154,8 +156,20 @@ async def generator_main(spec: dict[str, Any]) -> None:
         out.flush()
 
 
-def bf16_bits(model: Any) -> torch.Tensor:
-    return torch.cat([p.detach().to(torch.bfloat16).view(torch.int16).reshape(-1) for p in model.parameters()])
+def bf16_bits(model: Any) -> list[torch.Tensor]:
+    return [p.detach().to(torch.bfloat16).view(torch.int16).reshape(-1) for p in model.parameters()]
+
+
+def count_changed(model: Any, prev: list[torch.Tensor]) -> tuple[int, int]:
+    """Elements whose bf16 bits changed since ``prev`` (updated in place), and all elements: one
+    parameter at a time, so the bench holds one bf16 copy of the model, not two."""
+    changed = total = 0
+    for i, p in enumerate(model.parameters()):
+        cur = p.detach().to(torch.bfloat16).view(torch.int16).reshape(-1)
+        changed += int(torch.count_nonzero(cur != prev[i]))
+        total += cur.numel()
+        prev[i] = cur
+    return changed, total
 
 
 async def run(plane: str, args: argparse.Namespace, config: Any, progress: Any) -> list[Push]:
@@ -192,11 +206,10 @@ async def _pushes(plane: str, transport: str, channel: str, address: str | None,
                     model(input_ids=tokens, labels=tokens).loss.backward()
                     opt.step()
                     opt.zero_grad(set_to_none=True)
-                    cur = bf16_bits(model)
-                    changed = int(torch.count_nonzero(cur != prev))
-                    prev = cur
-                    expected = fingerprint([(n, p.detach().to(torch.bfloat16)) for n, p in named])
                     caller_copy = step == args.steps
+                    # both puts follow the same work (the training step, the one before's delivery);
+                    # what they are checked against is computed after both (the parameters stay put)
+                    done: list[tuple[str, bool, float, float, Any, list[dict[str, Any]]]] = []
                     for encoding in ("auto", "full"):
                         own = caller_copy and encoding == "auto"
                         t0 = time.perf_counter()
@@ -210,16 +223,20 @@ async def _pushes(plane: str, transport: str, channel: str, address: str | None,
                         to_both = time.perf_counter() - t0
                         if len(report.members) != 2:
                             raise RuntimeError(f"version {version} reached {report.members} only")
-                        answers = [await g.answer(version) for g in gens]
+                        done.append((encoding, own, stall, to_both, report, [await g.answer(version) for g in gens]))
+                        version += 1
+                    changed, total = count_changed(model, prev)
+                    expected = fingerprint((n, p.detach().to(torch.bfloat16)) for n, p in named)
+                    for encoding, own, stall, to_both, report, answers in done:
                         got = sorted(set(report.encodings.values()))
-                        push = Push(plane, lr, step, version, encoding, "+".join(got), own,
-                                    changed / cur.numel(), report.nbytes, report.wire_bytes,
-                                    report.wire_bytes / 2 / max(changed, 1), report.encode_seconds * 1e3,
-                                    stall * 1e3, to_both * 1e3, [a["receive_ms"] for a in answers],
-                                    all(a["fingerprint"] == expected and a["version"] == version for a in answers))
+                        push = Push(plane, lr, step, report.version, encoding, "+".join(got), own, changed / total,
+                                    report.nbytes, report.wire_bytes, report.wire_bytes / 2 / max(changed, 1),
+                                    report.encode_seconds * 1e3, stall * 1e3, to_both * 1e3,
+                                    [a["receive_ms"] for a in answers],
+                                    all(a["fingerprint"] == expected and a["version"] == report.version
+                                        for a in answers))
                         pushes.append(push)
                         progress(push)
-                        version += 1
                 del model, opt, named, prev
         finally:
             for g in gens:
