@@ -64,7 +64,7 @@ async def run(mib: int, n: int, reps: int, transport: str, tmp: Path) -> list[Ro
     rows = []
     workers = Workers(tmp)
     last_version = len(MODES) * (reps + 1) - 1
-    async with ws.Publisher("cast", timeout=120, bucket_bytes=64 << 20) as pub:
+    async with ws.Publisher("cast", timeout=120, bucket_bytes=64 << 20, encoding="full") as pub:
         for i in range(n):
             workers.spawn(role="subscriber", channel="cast", address=pub.address, member=f"gen{i}",
                           last_version=last_version, transport=transport)

@@ -119,7 +119,8 @@ async def measure(cluster: netns.Cluster, n: int, rates: list[float], seconds: f
     points = []
     env = {k: v for k, v in os.environ.items() if k != "GLOO_SOCKET_IFNAME"}
     env.update(PYTHONPATH=str(REPO), TORCH_CPP_LOG_LEVEL="ERROR")
-    async with ws.Publisher("model", address=f"{cluster.trainer_ip}:0", timeout=120, bucket_bytes=BUCKET) as pub:
+    async with ws.Publisher("model", address=f"{cluster.trainer_ip}:0", timeout=120, bucket_bytes=BUCKET,
+                            encoding="full") as pub:
         for i in range(n):
             spec = {"role": "follower", "channel": "model", "address": pub.address, "member": f"gen{i}",
                     "timeout": 120.0, "transport": "group", "result": str(tmp / f"n{n}-g{i}.json")}

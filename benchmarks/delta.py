@@ -197,10 +197,14 @@ async def _pushes(plane: str, transport: str, channel: str, address: str | None,
                 opt = torch.optim.AdamW(model.parameters(), lr=lr, foreach=False)
                 prev = bf16_bits(model)
                 named = list(model.named_parameters())
-                await (await pub.put(named, version=version, dtype=torch.bfloat16))  # the first base
-                for sub in gens:
-                    await sub.answer(version)
-                version += 1
+                # the first base; on a new channel three times, so every buffer a steady state uses has
+                # been written once (the generators' two slots, the publisher's pending, in-flight and
+                # base snapshots) and no timed push pays for first touching a buffer's pages
+                for _ in range(3 if version == 0 else 1):
+                    await (await pub.put(named, version=version, dtype=torch.bfloat16, encoding="full"))
+                    for sub in gens:
+                        await sub.answer(version)
+                    version += 1
                 for step in range(1, args.steps + 1):
                     tokens = torch.randint(0, config.vocab_size, (args.batch, args.seq))
                     model(input_ids=tokens, labels=tokens).loss.backward()
@@ -246,7 +250,9 @@ async def _pushes(plane: str, transport: str, channel: str, address: str | None,
 
 def check_targets(pushes: list[Push]) -> dict[str, bool]:
     def pairs(transport: str, lr: float) -> list[tuple[Push, Push]]:
-        auto = [p for p in pushes if (p.transport, p.lr, p.encoding) == (transport, lr, "auto")]
+        """auto against full of the same step; not the step whose auto put was of the caller's own
+        bf16 copy (its stall and time include making that copy: a comparison of its own)."""
+        auto = [p for p in pushes if (p.transport, p.lr, p.encoding) == (transport, lr, "auto") and not p.caller_copy]
         full = {p.step: p for p in pushes if (p.transport, p.lr, p.encoding) == (transport, lr, "full")}
         return [(a, full[a.step]) for a in auto if a.step in full]
 
@@ -266,8 +272,7 @@ def check_targets(pushes: list[Push]) -> dict[str, bool]:
         if high:
             targets[f"{plane}, lr 1e-4: auto <= 1.05x full"] = \
                 statistics.median(a.to_both_ms / f.to_both_ms for a, f in high) <= 1.05
-    every = [pair for plane in planes for lr in {p.lr for p in pushes} for pair in pairs(plane, lr)
-             if not pair[0].caller_copy]
+    every = [pair for plane in planes for lr in {p.lr for p in pushes} for pair in pairs(plane, lr)]
     if every:
         targets["stall with auto <= 1.2x with full"] = \
             statistics.median(a.stall_ms / f.stall_ms for a, f in every) <= 1.2
@@ -310,6 +315,7 @@ def plot(report: Report, path: Path) -> None:
     axes[1].axhline(1.0, color="grey", ls="--", lw=0.8)
     axes[1].axhline(0.25, color="grey", ls=":", lw=0.8)
     for ax in axes:
+        ax.set_xticks(sorted({p.step for p in report.pushes}))
         ax.set_xlabel("training step")
         ax.legend(fontsize=7)
     fig.suptitle(f"deltas, {report.params / 1e6:.0f}M-parameter Llama ({report.bf16_bytes / 2**30:.2f} GiB bf16), "

@@ -76,7 +76,7 @@ async def run(gb: float, reps: int) -> GpuResult:
     del flat
     stalls, done = [], []
     backend = "nccl" if torch.distributed.is_available() and torch.distributed.is_nccl_available() else "gloo"
-    async with ws.Publisher("gpu-bench", backend=backend, device="cuda", timeout=120) as pub:
+    async with ws.Publisher("gpu-bench", backend=backend, device="cuda", timeout=120, encoding="full") as pub:
         for version in range(reps + 1):
             torch.cuda.synchronize()
             t0 = time.perf_counter()

@@ -157,7 +157,7 @@ async def run_weightsync(sizes: list[int], n: int, reps: int, step_ms: float, tm
     rows = []
     workers = Workers(tmp)
     last_version = len(sizes) * len(WS_MODES) * (reps + 1) - 1
-    async with ws.Publisher("bench", timeout=120, bucket_bytes=64 << 20) as pub:
+    async with ws.Publisher("bench", timeout=120, bucket_bytes=64 << 20, encoding="full") as pub:
         for i in range(n):
             workers.spawn(role="subscriber", address=pub.address, member=f"gen{i}", last_version=last_version,
                           transport=transport)

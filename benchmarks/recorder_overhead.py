@@ -52,7 +52,7 @@ async def run(mib: int, reps: int) -> Result:
     times: dict[str, list[float]] = {"on": [], "off": []}
     entries = 0
     recs = {"on": ws.FlightRecorder(capacity=2000), "off": ws.FlightRecorder(capacity=0)}
-    pubs = {m: ws.Publisher(f"fr-{m}", timeout=60, recorder=recs[m]) for m in recs}
+    pubs = {m: ws.Publisher(f"fr-{m}", timeout=60, recorder=recs[m], encoding="full") for m in recs}
     procs = []
     for mode, pub in pubs.items():
         await pub.start()

@@ -76,7 +76,8 @@ async def run(transport: str, sizes: list[int], n: int, reps: int, tmp: Path, pr
     points = []
     workers = Workers(tmp)
     last_version = len(sizes) * 2 * (reps + 1) - 1
-    async with ws.Publisher(f"same-{transport}", timeout=120, bucket_bytes=64 << 20, pipeline=pipeline) as pub:
+    async with ws.Publisher(f"same-{transport}", timeout=120, bucket_bytes=64 << 20, pipeline=pipeline,
+                            encoding="full") as pub:
         for i in range(n):
             workers.spawn(role="subscriber", channel=f"same-{transport}", address=pub.address, member=f"gen{i}",
                           last_version=last_version, transport=transport)

@@ -96,7 +96,7 @@ async def measure(size: str, reps: int, rounds: int, tmp: Path) -> SizeResult:
     gen = torch.Generator().manual_seed(0)
     ws_t, ck_t = Timing([], []), Timing([], [])
     same = True
-    async with ws.Publisher("bench", address="127.0.0.1:0", timeout=60) as pub:
+    async with ws.Publisher("bench", address="127.0.0.1:0", timeout=60, encoding="full") as pub:
         llm = LLM(str(ckpt / "start"), gpu_memory_utilization=0.12, enforce_eager=True, skip_tokenizer_init=True,
                   dtype="float32", max_model_len=128, seed=0, weight_transfer_config={"backend": "weightsync"})
         llm.init_weight_transfer_engine({"init_info": {"address": pub.address, "channel": "bench", "timeout": 60}})

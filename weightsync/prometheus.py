@@ -57,11 +57,14 @@ def publisher_metrics(s: PublisherStatistics) -> Iterator[Metric]:
                        ("versions_superseded", "Puts replaced by a newer one before they were sent"),
                        ("versions_failed", "Versions that could not be sent"),
                        ("resends", "Versions sent again after a failed attempt"),
+                       ("delta_fallbacks", "Versions re-sent in full because a member could not apply their delta"),
                        ("generations", "Generations formed (joins, leaves, evictions)")):
         yield _counter(f"weightsync_{field}", doc, ch, getattr(s, field))
     yield _counter("weightsync_put_bytes", "Payload bytes of the versions sent", ch, s.bytes_put)
     yield _counter("weightsync_delivered_bytes", "Payload bytes times the members each version reached", ch,
                    s.bytes_delivered)
+    yield _counter("weightsync_wire_bytes", "What was sent, once per member reached (a delta's size where it "
+                   "went as one)", ch, s.bytes_on_wire)
     evictions = CounterMetricFamily("weightsync_evictions", "Members dropped, by reason", labels=["channel", "reason"])
     for reason in ("dead", "failed", "slow", "operator", *sorted(set(s.evictions) - {"dead", "failed", "slow",
                                                                                       "operator"})):

@@ -205,7 +205,7 @@ async def trainer_weightsync(n: int, sizes: list[int], reps: int, step_ms: float
     rows = []
     async with ws.Publisher(channel, address=listen, secret=token,
                             device=device if device.type == "cuda" else None, timeout=120,
-                            bucket_bytes=64 << 20) as pub:
+                            bucket_bytes=64 << 20, encoding="full") as pub:  # the transport, not a delta
         _bcast_text(f"{channel} {pub.address} {token}", ctrl)
         await pub.wait_subscribers(n, timeout=300)
         version = 0
