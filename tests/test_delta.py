@@ -9,6 +9,8 @@ delta did not apply) get the version in full in the same version, by themselves.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -54,6 +56,14 @@ async def members(pub: ws.Publisher, transports: list[str]) -> list[ws.Subscribe
             for i, t in enumerate(transports)]
     await asyncio.gather(*(s.start() for s in subs))
     return subs
+
+
+@contextlib.asynccontextmanager
+async def one_member(pub: ws.Publisher) -> AsyncIterator[ws.Subscriber]:
+    """One group member, "m0", admitted."""
+    async with ws.Subscriber(pub.name, address=pub.address, member_id="m0", timeout=5.0, transport="group") as sub:
+        await pub.wait_subscribers(1, timeout=20)
+        yield sub
 
 
 # the codec ---------------------------------------------------------------------------------
@@ -286,9 +296,7 @@ async def test_a_base_whose_bytes_changed_on_the_member_is_caught_by_the_digest(
     the delta rebuilds wrong bytes, the digests over them say so, and the member gets it full."""
     trainer = Trainer(1e-3, seed=4)
     async with ws.Publisher("bad-base", **FAST) as pub:
-        async with ws.Subscriber(pub.name, address=pub.address, member_id="m0", timeout=5.0,
-                                 transport="group") as sub:
-            await pub.wait_subscribers(1, timeout=20)
+        async with one_member(pub) as sub:
             await (await pub.put(trainer.master, version=0, dtype=torch.bfloat16))
             await sub.get(min_version=0, timeout=10)
             slot = sub._slots.readable  # noqa: SLF001 - the fault: memory under the readable version
@@ -305,9 +313,7 @@ async def test_a_base_whose_bytes_changed_on_the_member_is_caught_by_the_digest(
 async def test_put_can_force_full_and_a_full_publisher_refuses_delta_puts() -> None:
     trainer = Trainer(1e-3, seed=5)
     async with ws.Publisher("per-put", **FAST) as pub:
-        async with ws.Subscriber(pub.name, address=pub.address, member_id="m0", timeout=5.0,
-                                 transport="group") as sub:
-            await pub.wait_subscribers(1, timeout=20)
+        async with one_member(pub) as sub:
             await (await pub.put(trainer.master, version=0, dtype=torch.bfloat16))
             trainer.step()
             report = await (await pub.put(trainer.master, version=1, dtype=torch.bfloat16, encoding="full"))
@@ -327,18 +333,14 @@ async def test_put_can_force_full_and_a_full_publisher_refuses_delta_puts() -> N
 async def test_checksums_off_or_copy_false_send_full() -> None:
     trainer = Trainer(1e-3, seed=6)
     async with ws.Publisher("no-proof", checksum=False, **FAST) as pub:
-        async with ws.Subscriber(pub.name, address=pub.address, member_id="m0", timeout=5.0,
-                                 transport="group") as sub:
-            await pub.wait_subscribers(1, timeout=20)
+        async with one_member(pub) as sub:
             for version in range(3):  # nothing would prove a reconstruction: every version full
                 report = await (await pub.put(trainer.master, version=version, dtype=torch.bfloat16))
                 assert report.encodings == {"m0": "full"}
                 assert same(await sub.get(min_version=version, timeout=10), trainer.bf16())
                 trainer.step()
     async with ws.Publisher("borrowed", **FAST) as pub:
-        async with ws.Subscriber(pub.name, address=pub.address, member_id="m0", timeout=5.0,
-                                 transport="group") as sub:
-            await pub.wait_subscribers(1, timeout=20)
+        async with one_member(pub) as sub:
             for version in range(3):
                 sd = trainer.bf16()
                 handle = await pub.put(sd, version=version, copy=False)
@@ -370,9 +372,7 @@ def test_auto_takes_whichever_reached_the_group_faster_and_looks_again() -> None
 async def test_an_engine_can_be_handed_only_what_changed_since_the_version_it_holds() -> None:
     trainer = Trainer(1e-3, seed=8)
     async with ws.Publisher("changes", **FAST) as pub:
-        async with ws.Subscriber(pub.name, address=pub.address, member_id="m0", timeout=5.0,
-                                 transport="group") as sub:
-            await pub.wait_subscribers(1, timeout=20)
+        async with one_member(pub) as sub:
             await (await pub.put(trainer.master, version=0, dtype=torch.bfloat16))
             engine = {k: v.clone() for k, v in (await sub.get(min_version=0, timeout=10)).items()}
             trainer.step()
