@@ -39,7 +39,7 @@ from weightsync.format import layout
 
 SAME, SPARSE, XOR, RAW = 0, 1, 2, 3
 MAGIC = 0x5753_4454_0001  # "WSDT", format 1
-_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # element size -> the dtype its bits compare as
 SAMPLES = 4096  # elements sampled per segment to guess how much of it changed
 DENSE = 0.25  # sampled share above which a segment is dense: auto sends it as it is, delta XORs it
 SMALL = 1 << 14  # segments under this many bytes are compared outright, never sampled
@@ -63,7 +63,7 @@ def _tensor_ranges(manifest: Manifest) -> tuple[tuple[int, int, int], ...]:
     for spec in manifest.tensors:
         if spec.nbytes:
             size = layout.dtype_from_name(spec.dtype).itemsize
-            out.append((spec.offset, spec.offset + spec.nbytes, size if size in _VIEW else 1))
+            out.append((spec.offset, spec.offset + spec.nbytes, size if size in BITS else 1))
     return tuple(sorted(out))
 
 
@@ -135,7 +135,7 @@ def estimate(cur: torch.Tensor, base: torch.Tensor, segs: Sequence[Segment]) -> 
         if nbytes < SMALL:
             total += nbytes // 4  # small tensors (norms, biases): too few to sample, too small to matter
             continue
-        dtype = _VIEW[seg.size]
+        dtype = BITS[seg.size]
         share = _sampled_share(cur[seg.lo:seg.hi].view(dtype), base[seg.lo:seg.hi].view(dtype))
         total += nbytes if share > DENSE else int(share * (nbytes // seg.size) * 1.5)
     return total
@@ -150,7 +150,7 @@ def changed_positions(cur: torch.Tensor, base: torch.Tensor, size: int) -> torch
     """The positions (``int64``, ascending) of the ``size``-byte elements where ``cur`` and ``base``
     (``uint8``, one segment) differ. Compared eight bytes at a time first: at RL learning rates most
     words hold no change, so the element-wise compare runs on the few that do."""
-    dtype = _VIEW[size]
+    dtype = BITS[size]
     nbytes = cur.numel()
     words = nbytes // 8
     aligned = cur.storage_offset() % 8 == 0 and base.storage_offset() % 8 == 0
@@ -184,7 +184,7 @@ def encode(cur: torch.Tensor, base: torch.Tensor, segs: Sequence[Segment], *, au
     changed = elements = 0
     modes: list[int] = []
     for seg in segs:
-        dtype = _VIEW[seg.size]
+        dtype = BITS[seg.size]
         c, b = cur[seg.lo:seg.hi].view(dtype), base[seg.lo:seg.hi].view(dtype)
         n = c.numel()
         elements += n
@@ -243,7 +243,7 @@ def decode(wire: torch.Tensor, base: torch.Tensor, out: torch.Tensor, segs: Sequ
         n = nbytes // seg.size
         if min(k, la, lb) < 0 or k > n or at + la + lb > wire.numel():
             raise DeltaError(f"segment {j}: lengths {la}+{lb} or count {k} do not fit")
-        dtype = _VIEW[seg.size]
+        dtype = BITS[seg.size]
         o, b = out[seg.lo:seg.hi], base[seg.lo:seg.hi]
         if mode == SAME and la == lb == 0 and k == 0:
             o.copy_(b)

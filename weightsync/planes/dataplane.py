@@ -158,11 +158,10 @@ class Outgoing:
     #: measurement), so the encoder need not make one
     prefer_full: bool = False
     # filled by the encoder's plan: whom it was planned for, why the version went full instead of
-    # in ``encoding`` ("" when it did not), its encode time, (elements changed, elements) compared
+    # in ``encoding`` ("" when it did not: the Sender logs it), its encode time
     receivers: tuple[str, ...] = ()
     full_reason: str = ""
     encode_seconds: float = 0.0
-    changed: tuple[int, int] = (0, 0)
     #: the staged buckets' digests, when the encoder took them while it read the buckets (the Sender's
     #: after-bucket checksum then reads them instead of the buckets again)
     staged_digests: list[int] | None = None

@@ -150,10 +150,8 @@ class DeltaEncoder:
 
         done = list(_pool().map(one, range(len(out.ranges))))
         wire = [enc.wire.to(out.buckets[i].device) for i, (enc, _sum) in enumerate(done)]
-        changed, elements = sum(enc.changed for enc, _ in done), sum(enc.elements for enc, _ in done)
-        out.staged_digests = [digest for _enc, digest in done]
+        out.staged_digests = [digest for _enc, digest in done]  # the staged bytes': valid whatever goes
         out.encode_seconds = time.monotonic() - began
-        out.changed = (changed, elements)
         sizes = tuple(w.numel() for w in wire)
         if self.auto and sum(sizes) > WORTH * total:
             out.full_reason = f"the delta is {sum(sizes) / max(total, 1):.0%} of the version"

@@ -17,7 +17,7 @@ import torch
 
 from weightsync._wire import Manifest
 from weightsync.errors import NotDelivered, SyncTimeout
-from weightsync.format import layout
+from weightsync.format import delta, layout
 from weightsync.transport.lifecycle import call_soon
 
 T = TypeVar("T")
@@ -207,6 +207,20 @@ class WeightStream:
         #: the version :meth:`changes` is against (``stream(since=)`` while it is still held), else None
         self.since: int | None = None if previous is None else previous[0]
 
+    def changed_names(self) -> set[str]:
+        """The names of the tensors whose bytes differ from version :attr:`since` (no positions: one
+        compare per tensor). RuntimeError as :meth:`changes`."""
+        if self._previous is None:
+            raise RuntimeError("changed_names() needs stream(since=v) while this subscriber still holds version v")
+        names: set[str] = set()
+        for spec in self._manifest.tensors:
+            if self._flat is None:
+                raise RuntimeError("this WeightStream ended with its 'async with sub.stream()' block")
+            lo, hi = spec.offset, spec.offset + spec.nbytes
+            if not torch.equal(self._flat[lo:hi], self._previous[1][lo:hi]):
+                names.add(spec.name)
+        return names | {name for name, source in self._manifest.ties if source in names}
+
     def changes(self) -> list[TensorChange]:
         """The tensors whose bits differ from version :attr:`since`, with where (``stream(since=)``).
 
@@ -221,8 +235,7 @@ class WeightStream:
             if self._flat is None:
                 raise RuntimeError("this WeightStream ended with its 'async with sub.stream()' block")
             cur, old = layout.tensor_view(self._flat, spec), layout.tensor_view(self._previous[1], spec)
-            size = cur.element_size()
-            bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(size)
+            bits = delta.BITS.get(cur.element_size())
             if bits is None or cur.numel() == 0:
                 if not torch.equal(cur.reshape(-1).view(torch.uint8), old.reshape(-1).view(torch.uint8)):
                     out.append(TensorChange(spec.name, cur.dtype, tuple(cur.shape), cur.reshape(-1), None))

@@ -408,6 +408,9 @@ class Sender:
             raise _PutFailed(str(err)) from err
         forms = self._forms(job, by, fields)
         job.encode_seconds += out.encode_seconds
+        if out.full_reason:
+            log.debug("channel %r: version %d goes full, not %r: %s", self.channel, job.version, out.encoding,
+                      out.full_reason)
         self._sent_delta = any(f[0] != "full" for f in forms.values())
         # one Announce per part: each names what its members read (a segment, point to point, the encoding)
         announce = _wire.Announce(generation=gen, seq=seq, version=job.version, manifest=job.manifest,

@@ -412,7 +412,7 @@ class Subscriber:
             pairs: Iterable[tuple[str, torch.Tensor]] = weights
             if since is not None and weights.since == since:
                 assert self._loop is not None
-                changed = {c.name for c in await self._loop.run_in_executor(None, weights.changes)}
+                changed = await self._loop.run_in_executor(None, weights.changed_names)
                 pairs = [(name, t) for name, t in weights if name in changed]
             if inspect.iscoroutinefunction(into):
                 await into(pairs)
