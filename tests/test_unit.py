@@ -29,7 +29,7 @@ def test_public_names_are_pinned() -> None:
         "LocalProcessOrchestrator", "ManifestMismatch", "MemberInfo", "Orchestrator", "Publisher", "PublisherGone",
         "PutHandle", "RankMismatch", "StragglerPolicy", "Subscriber", "SyncTimeout", "TransportUnavailable",
         "BlockingPublisher", "BlockingSubscriber", "MemberStatistics", "NotDelivered", "PublisherStatistics",
-        "SubscriberStatistics",
+        "SubscriberStatistics", "Superseded",
         "WeightStream", "Weights", "WeightSyncError", "__version__", "connect_store"])
     for name in ws.__all__:
         assert hasattr(ws, name)

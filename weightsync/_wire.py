@@ -10,7 +10,7 @@ number and, once admitted, a MAC under the member's session key::
 
     server -> client   Challenge (first, unauthenticated: a fresh nonce)
     client -> server   Join      (answers it: member id, fingerprint, its own nonce, a proof)
-    server -> client   Admit | Deny, then Go, Announce, Seal, Reconfigure, Shutdown, Beat,
+    server -> client   Admit | Deny, then Go, Announce, Seal, Commit, Reconfigure, Shutdown, Beat,
                        StoreResult, Probe
     client -> server   Ready, Ack, Leave, Beat, StoreOp, ProbeReply
 
@@ -26,11 +26,12 @@ from typing import Union
 
 import msgspec
 
-PROTOCOL_VERSION = 9  # 2: settings in Admit; CRC32C. 3: link probes. 4: same-host shm. 5: sharded (lanes).
+PROTOCOL_VERSION = 10  # 2: settings in Admit; CRC32C. 3: link probes. 4: same-host shm. 5: sharded (lanes).
 # 6: sliced members (Join.want, point-to-point buckets: Announce.direct)
 # 7: tied tensors sent once (Manifest.ties); Challenge.open
 # 8: each member's Announce names the version's encoding on the wire (Announce.encoding, .wire)
 # 9: deltas: Announce.base, .base_digest (the version a delta is against, and its digest)
+# 10: fleet-wide activation: ChannelSettings.activation, Commit, Ack.exposed
 
 
 class TensorSpec(msgspec.Struct, frozen=True, array_like=True):
@@ -163,6 +164,9 @@ class ChannelSettings(msgspec.Struct, frozen=True):
     heartbeat_interval: float  # members beat this often; the publisher judges silence by it
     checksum: bool  # the publisher's default: versions are followed by a Seal (each Announce says)
     in_place: bool  # generations re-form one long-lived backend (Ready carries its handle)
+    # "each": a member exposes a version once it has verified it; "all": it stages the verified
+    # version, acknowledges it, and exposes it only on the publisher's Commit
+    activation: str = "each"
 
 
 class Admit(msgspec.Struct, frozen=True, tag="admit"):
@@ -221,6 +225,17 @@ class Seal(msgspec.Struct, frozen=True, tag="seal"):
     abandoned: bool = False  # the publisher gave up on this version: no checksums follow
 
 
+class Commit(msgspec.Struct, frozen=True, tag="commit"):
+    """Every member of the generation staged version `version` (seq `seq`): expose it now.
+
+    Sent only with ``activation="all"``, to every member that acknowledged the version staged,
+    once all of them had; a member answers with an ``Ack(exposed=True)``."""
+
+    generation: int
+    seq: int
+    version: int
+
+
 class Abandon(msgspec.Struct, frozen=True, tag="abandon"):
     """The publisher gave up on version `version` (seq `seq`): a receiver still in its buckets stops."""
 
@@ -259,6 +274,7 @@ class Ack(msgspec.Struct, frozen=True, tag="ack"):
     own_seconds: float = 0.0  # of `seconds`, the time not spent waiting on the collective
     error: str = ""
     corrupt: bool = False  # not ok because the bytes arrived but did not match the Seal
+    exposed: bool = False  # activation "all": the answer to a Commit (the version is now readable here)
 
 
 class Beat(msgspec.Struct, frozen=True, tag="beat"):
@@ -310,7 +326,7 @@ class Copied(msgspec.Struct, frozen=True, tag="copied"):
 
 ClientMessage = Union[Join, Ready, Ack, Leave, Beat, StoreOp, ProbeReply, Copied]
 ServerMessage = Union[Challenge, Admit, Deny, Go, Announce, Abandon, Seal, Reconfigure, Shutdown, Beat, StoreResult,
-                      Probe]
+                      Probe, Commit]
 
 
 _encoder = msgspec.msgpack.Encoder()

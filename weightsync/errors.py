@@ -14,7 +14,8 @@ the boundary with ``raise ... from err`` so callers never match on backend messa
      ├── HandshakeMismatch                 environment fingerprints disagree
      ├── TransportUnavailable              the transport asked for cannot work here
      ├── RankMismatch                      a sharded trainer's ranks disagree about a version
-     └── NotDelivered                      a put reached fewer members than the caller required
+     ├── NotDelivered                      a put reached fewer members than the caller required
+     └── Superseded                        get(exact=v): a newer version replaced v before it was read
 
 Each carries optional context (``channel``, ``generation``, ``member``, ``version``) that
 appears in its message and stays available as attributes.
@@ -31,6 +32,7 @@ __all__ = [
     "NotDelivered",
     "PublisherGone",
     "RankMismatch",
+    "Superseded",
     "SyncTimeout",
     "TransportUnavailable",
     "WeightSyncError",
@@ -113,3 +115,8 @@ class NotDelivered(WeightSyncError):
     def __init__(self, message: str, *, report: object = None, **ctx: object) -> None:
         super().__init__(message, **ctx)  # type: ignore[arg-type]
         self.report = report
+
+
+class Superseded(WeightSyncError):
+    """``get(exact=v)``: a newer version replaced ``v`` here before it was read (latest wins: a
+    member never keeps an older version for a reader that asked for it)."""

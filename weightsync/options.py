@@ -49,11 +49,14 @@ class ChannelOptions(msgspec.Struct, frozen=True, kw_only=True):
         if not 0 < self.heartbeat_interval <= self.timeout:
             raise ValueError(f"heartbeat_interval must be in (0, timeout], got {self.heartbeat_interval}")
 
-    def settings(self, *, checksum: bool, in_place: bool) -> ChannelSettings:
+    def settings(self, *, checksum: bool, in_place: bool, activation: str = "each") -> ChannelSettings:
         """What members are told at admission."""
         return ChannelSettings(protocol=PROTOCOL_VERSION, bucket_bytes=self.bucket_bytes, timeout=self.timeout,
                                min_bandwidth=self.min_bandwidth, heartbeat_interval=self.heartbeat_interval,
-                               checksum=checksum, in_place=in_place)
+                               checksum=checksum, in_place=in_place, activation=activation)
+
+
+ACTIVATIONS = ("each", "all")  # when a member exposes a version (Publisher(activation=))
 
 
 RANKS_START = 120.0  # seconds rank 0 waits, at least, for the other trainer ranks to register

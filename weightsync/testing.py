@@ -14,7 +14,10 @@ What each fault does, where a real failure would hit:
 - ``slow=F``: after each bucket, the receiver sleeps ``(F - 1)`` times as long as the bucket
   took (at least 20 ms each), as a member on a busy host would;
 - ``corrupt={V, ...}``: one byte of bucket 0 is flipped the first time version V arrives, as a
-  bad link would; the checksum must catch it, and the re-send must deliver V intact.
+  bad link would; the checksum must catch it, and the re-send must deliver V intact;
+- ``stop_after_stage=V`` / ``kill_after_stage=V`` (``activation="all"``): the member's own
+  process is frozen with SIGSTOP / killed with SIGKILL right after it staged version V, before
+  it acknowledges it: a real signal at a point a test cannot hit from outside.
 
 Without ``inject`` a Subscriber runs :class:`Hooks`, which does nothing.
 
@@ -25,6 +28,8 @@ timed and generations formed) sets the default that ``Subscriber(transport=None)
 
 from __future__ import annotations
 
+import signal
+import threading
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -55,15 +60,29 @@ class Hooks:
     def after_bucket(self, version: int, index: int, bucket: torch.Tensor, seconds: float) -> None:
         """Bucket ``index`` of ``version`` arrived (in ``bucket``) after ``seconds`` on the wire."""
 
+    def after_stage(self, version: int) -> None:
+        """With ``activation="all"``: ``version`` is verified and staged, not yet acknowledged."""
+
 
 class Faults(Hooks):
     """A fault plan (see the module docstring)."""
 
-    def __init__(self, *, slow: float = 1.0, corrupt: Iterable[int] = ()) -> None:
+    def __init__(self, *, slow: float = 1.0, corrupt: Iterable[int] = (), stop_after_stage: int | None = None,
+                 kill_after_stage: int | None = None) -> None:
         if slow < 1:
             raise ValueError(f"slow must be >= 1 (a factor of the wire's time), got {slow}")
         self.slow = float(slow)
         self.corrupt = set(corrupt)
+        self.stop_after_stage, self.kill_after_stage = stop_after_stage, kill_after_stage
+
+    def after_stage(self, version: int) -> None:
+        # to this very thread: it takes the signal on return from the call, so the whole process is
+        # stopped (or dead) before its next line; a process-wide kill() may let this thread run on a
+        # little, and acknowledge the version (seen here)
+        if version == self.kill_after_stage:
+            signal.pthread_kill(threading.get_ident(), signal.SIGKILL)
+        if version == self.stop_after_stage:
+            signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)  # until the test sends SIGCONT (or kills it)
 
     def after_bucket(self, version: int, index: int, bucket: torch.Tensor, seconds: float) -> None:
         if index == 0 and version in self.corrupt and bucket.numel():

@@ -126,6 +126,7 @@ class Generations:
         self._next_slot = itertools.count(1)  # 0 is the publisher's
         self._seq = itertools.count()
         self.last_timings: dict[str, tuple[float, float]] = {}  # member -> (seconds, own seconds)
+        self.last_arrivals: dict[str, float] = {}  # member -> when its ok ack arrived (monotonic)
         self.last_corrupt: set[str] = set()  # members whose bytes arrived corrupted (last collect_acks)
 
     def register(self, member_id: str, incarnation: str, host: str = "", pid: int = 0,
@@ -297,6 +298,7 @@ class Generations:
         acked: set[str] = set()
         nacked: dict[str, str] = {}
         self.last_timings = {}
+        self.last_arrivals = {}
         self.last_corrupt = set()
         entry = self._rec.record("ack", generation=gen,
                                       version=version, peers=members).start()
@@ -312,14 +314,16 @@ class Generations:
                 message = self._next_reply(deadline)
                 if message is None:
                     break
-            if not isinstance(message, _wire.Ack) or (message.generation, message.seq) != (gen, seq):
-                continue  # a stale ack or a wake-up
+            if not isinstance(message, _wire.Ack) or (message.generation, message.seq) != (gen, seq) \
+                    or message.exposed:
+                continue  # a stale ack, an answer to a Commit, or a wake-up
             if message.member_id not in silent:
                 continue
             silent.discard(message.member_id)
             if message.ok and message.version == version:
                 acked.add(message.member_id)
                 self.last_timings[message.member_id] = (message.seconds, message.own_seconds)
+                self.last_arrivals[message.member_id] = time.monotonic()
             else:
                 nacked[message.member_id] = message.error or f"acked version {message.version}"
                 if message.corrupt:
@@ -338,6 +342,28 @@ class Generations:
             # someone went silent: the members that failed were waiting on it (victims, no strike)
             return acked, silent
         return acked, set(nacked)
+
+    def collect_exposed(self, gen: int, seq: int, members: Iterable[str], timeout: float) -> dict[str, float]:
+        """After a Commit (activation "all"): when each of ``members`` said it exposed the version
+        (monotonic arrival times). Stops early once every silent one is known dead; a member that
+        never answers is not blamed here (its heartbeats decide whether it is alive)."""
+        arrived: dict[str, float] = {}
+        silent = set(members)
+        deadline = time.monotonic() + timeout
+        while silent:
+            self._pump()
+            message = self._next_reply(time.monotonic())
+            if message is None:
+                if all(not self.membership.is_alive(m) for m in silent):
+                    break
+                message = self._next_reply(deadline)
+                if message is None:
+                    break
+            if isinstance(message, _wire.Ack) and message.exposed and (message.generation, message.seq) == (gen, seq) \
+                    and message.member_id in silent:
+                silent.discard(message.member_id)
+                arrived[message.member_id] = time.monotonic()
+        return arrived
 
     def shutdown(self) -> None:
         self.tell(self.membership.members, _wire.Shutdown(reason="publisher closed"))

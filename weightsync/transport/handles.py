@@ -40,6 +40,11 @@ class DeliveryReport(msgspec.Struct, frozen=True):
         encodings: per member reached, the encoding it got (``"delta"`` or ``"full"``).
         base: the version the deltas were against (-1 when nobody got a delta).
         encode_seconds: the sender thread's time making the delta (0.0 when none was made).
+        committed_at: with ``activation="all"``, ``time.time()`` when the publisher committed the
+            version (every member had staged it); 0.0 with ``"each"``.
+        exposure_spread: seconds between the first and the last member's word, as it reached the
+            publisher, that the version is readable there: their acknowledgements with
+            ``"each"``, their answers to the Commit with ``"all"``.
     """
 
     version: int
@@ -52,6 +57,8 @@ class DeliveryReport(msgspec.Struct, frozen=True):
     encodings: dict[str, str] = {}
     base: int = -1
     encode_seconds: float = 0.0
+    committed_at: float = 0.0
+    exposure_spread: float = 0.0
 
     @property
     def nobody(self) -> bool:

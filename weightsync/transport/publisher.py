@@ -40,6 +40,7 @@ from weightsync.format import layout
 from weightsync.membership import ranks
 from weightsync.membership.membership import MemberInfo, Membership, StragglerPolicy
 from weightsync.options import (
+    ACTIVATIONS,
     ChannelOptions,
     Deadlines,
     MiB,
@@ -119,6 +120,14 @@ class Publisher:
             bytes': a delta is proven by what it rebuilds, and a member that cannot rebuild it gets
             the version in full. With a delta encoding staging keeps one more snapshot (the base)
             while a version is in flight: at most ``max_snapshots + 1``.
+        activation: when members expose a version to their readers (``get``, ``updates``,
+            ``get_into``, ``stream``, ``load``, engine updates). ``"each"`` (the default): each
+            member as soon as it has verified it. ``"all"``: members stage the verified version and
+            expose it only when this publisher commits it, once every member of the generation
+            has staged it (a member that cannot within its deadline is evicted first, and the rest
+            get it again and then commit): no member exposes a version another live member will
+            not. The DeliveryReport then says when it was committed and how far apart the members
+            exposed it. Not yet for sharded trainers (``world_size > 1``).
     """
 
     def __init__(self, name: str, *, address: str | None = None, backend: str = "auto",
@@ -128,11 +137,17 @@ class Publisher:
                  flight_recorder_dir: str | os.PathLike[str] | None = None, policy: StragglerPolicy | None = None,
                  orchestrator: Orchestrator | None = None, checksum: bool = True,
                  pipeline: bool | None = None, rank: int | None = None, world_size: int | None = None,
-                 group: Any = None, lane_address: str | None = None, encoding: str = AUTO) -> None:
+                 group: Any = None, lane_address: str | None = None, encoding: str = AUTO,
+                 activation: str = "each") -> None:
         lifecycle.validate_name("channel name", name)
         if not known(encoding):
             raise ValueError(f"encoding {encoding!r} is neither built in nor registered")
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
         self.rank, self.world_size = ranks.rank_and_world(rank, world_size, group)
+        if activation != "each" and self.world_size > 1:
+            raise ValueError(f"activation={activation!r} is not supported for sharded trainers yet (world_size "
+                             f"{self.world_size}): each lane's part would need its own commit; use 'each'")
         self._group = group
         if orchestrator is not None and not callable(getattr(orchestrator, "replace", None)):
             raise TypeError("orchestrator must have an async replace(member) method (see weightsync.Orchestrator)")
@@ -151,7 +166,8 @@ class Publisher:
         self._rec = self._recorder.scope(name, "publisher")
         self.policy = policy or StragglerPolicy()
         self.orchestrator = orchestrator
-        self.settings = self.options.settings(checksum=checksum, in_place=reconfigure_enabled(self.backend))
+        self.settings = self.options.settings(checksum=checksum, in_place=reconfigure_enabled(self.backend),
+                                              activation=activation)
         pipelined = pipeline if pipeline is not None else default_pipeline()
         deadlines = Deadlines(self.settings)
         self._state = EndState.NEW

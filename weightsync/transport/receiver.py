@@ -38,7 +38,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -85,6 +85,17 @@ PRE_ADMISSION_BEAT = 0.25  # seconds between beats until the publisher's interva
 CONNECT_BACKOFF = (0.05, 1.0)  # first and longest pause between tries to reach a publisher not up yet
 
 log = logging.getLogger("weightsync.subscriber")
+
+
+class _Staged(NamedTuple):
+    """A verified version in the receiving slot, with what exposing it records."""
+
+    generation: int
+    seq: int
+    version: int
+    nbytes: int
+    began: float  # monotonic: when its receive started
+    digest: bytes | None  # its base digest (what a delta against it names); None: not a base
 
 
 class ReceiverState(enum.Enum):
@@ -138,6 +149,8 @@ class Receiver:
         self._plane: DataPlane | None = None
         self._clean_shutdown = False
         self._held: tuple[int, bytes] | None = None  # the readable version a delta may be against, and its digest
+        # activation "all": the verified version waiting in the receiving slot for its Commit
+        self._staged: _Staged | None = None
         self.tally = tally or SubscriberTally()
         # never admitted yet: a publisher that is not listening may still be starting (any start order)
         self._wait_for_publisher = wait_for_publisher
@@ -371,6 +384,9 @@ class Receiver:
                                       member=self.member_id, generation=generation)
                     generation, members = message.next_generation, message.members
                     entered, pending = self._enter(generation, members)
+                elif isinstance(message, _wire.Commit):
+                    if message.generation == generation:
+                        self._commit(message)
                 elif isinstance(message, _wire.Abandon):
                     continue  # for a version given up on; its receive (if any) already ended
                 elif isinstance(message, _wire.Shutdown):
@@ -396,6 +412,7 @@ class Receiver:
         checking = [0.0]  # of the time in move(), what this member spent on its own buckets
         assembly, epoch = announce.assembly, 0
         placer: sharding.Placer | slicing.SlicePlacer | None = None
+        self._staged = None  # whatever waited for a Commit is overwritten now: it was given up on
         try:
             if assembly is not None and assembly.rank != self.lane:
                 raise ProtocolError(f"trainer rank {self.lane}'s lane announced rank {assembly.rank}'s part")
@@ -468,16 +485,16 @@ class Receiver:
                     self.tally.received(assembly.manifest.total_bytes, time.monotonic() - t0)
                     self._on_publish()
             elif self._slots.version is None or announce.version > self._slots.version:
-                self._slots.publish(announce.version)
                 # what a delta against this version must name: only a whole slot, proven by its digests
-                self._held = (announce.version, encoding.base_digest(announce.version, sums)) \
-                    if verify and self.want is None else None
-                self._rec.record("publish", generation=announce.generation, version=announce.version,
-                                      nbytes=manifest.total_bytes).complete()
-                log.debug("%s: version %d readable (%d bytes)", self.member_id, announce.version,
-                          manifest.total_bytes)
-                self.tally.received(manifest.total_bytes, time.monotonic() - t0)
-                self._on_publish()
+                staged = _Staged(announce.generation, announce.seq, announce.version, manifest.total_bytes, t0,
+                                 encoding.base_digest(announce.version, sums) if verify and self.want is None else None)
+                if self.deadlines.settings.activation == "all":
+                    self._staged = staged  # readable only on the publisher's Commit
+                    self._rec.record("stage", generation=announce.generation, version=announce.version,
+                                     nbytes=manifest.total_bytes).complete()
+                    self._hooks.after_stage(announce.version)
+                else:
+                    self._expose(staged)
             ok = True
             entry.complete()
         except RECEIVE_FAILURES as err:
@@ -496,6 +513,35 @@ class Receiver:
         if self._plane is not None and self._plane.moves_alone:  # no peer to wait on in move (a copy)
             own = max(seconds - sealing, 0.0)
         self._acknowledge(announce, ok=ok, error=error, seconds=seconds, own=own, corrupt=corrupt)
+
+    def _expose(self, staged: _Staged) -> None:
+        """The verified version in the receiving slot becomes readable, atomically."""
+        self._slots.publish(staged.version)
+        self._held = None if staged.digest is None else (staged.version, staged.digest)
+        self._rec.record("publish", generation=staged.generation, version=staged.version,
+                         nbytes=staged.nbytes).complete()
+        log.debug("%s: version %d readable (%d bytes)", self.member_id, staged.version, staged.nbytes)
+        self.tally.received(staged.nbytes, time.monotonic() - staged.began)
+        self._on_publish()
+
+    def _commit(self, commit: _wire.Commit) -> None:
+        """Activation "all": the publisher committed a version every member staged. Expose it if it
+        is the one staged here, and say whether this member now reads it (or a newer one)."""
+        staged = self._staged
+        if staged is not None and (staged.generation, staged.seq, staged.version) == \
+                (commit.generation, commit.seq, commit.version):
+            self._staged = None
+            self._expose(staged)
+        have = self._slots.version
+        ok = have is not None and have >= commit.version
+        if not ok:
+            self._rec.record("commit", generation=commit.generation, version=commit.version).fail(
+                "committed, but not staged here")
+        try:
+            self._client.send(_wire.Ack(generation=commit.generation, seq=commit.seq, member_id=self.member_id,
+                                        version=commit.version, ok=ok, exposed=True))
+        except ControlFailure:
+            pass
 
     def _base(self) -> encoding.Base | None:
         """The readable slot as a delta's base, when this member holds a whole version it verified.

@@ -452,9 +452,10 @@ class Sender:
         if verify and job.assembly is None and job.flat is not None and len(sums) == len(ranges):
             job.digests = tuple(sums)  # what names this version as the next one's base
         sliced = side.digests(by)  # keyed by every sliced member in the version
+        commits = self.settings.activation == "all"  # acked means staged: held only once committed
         for member in acked:
             job.forms[member] = forms[member]
-            if member not in sliced:  # it holds exactly the staged bytes (a sliced member holds its share)
+            if member not in sliced and not commits:  # it holds exactly the staged bytes (a sliced one its share)
                 self._holds[member] = job.version
         if self._sent_delta and out.base is not None:
             job.base = out.base.version
@@ -464,8 +465,29 @@ class Sender:
         if failed:
             self._recorder.dump_on_trouble(f"version {job.version}: no acknowledgement from {sorted(failed)}")
             return failed
+        arrivals = gens.last_arrivals
+        if commits:
+            arrivals = self._commit(gens, job, gen, seq, tuple(sorted(acked)))
+            for member in acked:
+                if member not in sliced:
+                    self._holds[member] = job.version
+        job.exposure_spread = max(arrivals.values()) - min(arrivals.values()) if arrivals else 0.0
         self._finish(job, t0)
         return None
+
+    def _commit(self, gens: Generations, job: Job, gen: int, seq: int, members: tuple[str, ...]) -> dict[str, float]:
+        """Activation "all": every member staged ``job``; tell them to expose it, and when each said
+        it did (a member frozen or dead now is left to its heartbeats: the version is committed)."""
+        entry = self._rec.record("commit", generation=gen, version=job.version, peers=members).start()
+        job.committed_at = time.time()
+        gens.tell(members, _wire.Commit(generation=gen, seq=seq, version=job.version))
+        exposed = gens.collect_exposed(gen, seq, members, self.deadlines.acknowledgements())
+        quiet = sorted(set(members) - set(exposed))
+        if quiet:
+            entry.fail(f"committed; no word of it exposed from {quiet}")
+        else:
+            entry.complete()
+        return exposed
 
     def _base(self, job: Job) -> Base | None:
         """What ``job`` may go as a delta against: the retained version, kept while ``job`` is in
@@ -529,7 +551,8 @@ class Sender:
                                 seconds=time.monotonic() - (job.started or t0), delivered_at=time.time(),
                                 wire_bytes=wire, encodings={m: name for m, (name, _size) in forms.items()},
                                 base=job.base if any(name != "full" for name, _s in forms.values()) else -1,
-                                encode_seconds=job.encode_seconds)
+                                encode_seconds=job.encode_seconds, committed_at=job.committed_at,
+                                exposure_spread=job.exposure_spread)
         if not members:  # once per streak: a trainer that starts first puts to nobody for a while
             (log.debug if self._nobody_streak else log.warning)(
                 "version %d delivered to nobody: channel %r has no members", job.version, self.channel)

@@ -113,6 +113,8 @@ class Job:
     # per member reached: the encoding it got, and the bytes sent to it (the last attempt that reached it)
     forms: dict[str, tuple[str, int]] = field(default_factory=dict)
     base: int = -1  # the version its deltas were against
+    committed_at: float = 0.0  # activation "all": time.time() when the publisher committed it
+    exposure_spread: float = 0.0  # seconds between the first and the last member's word that it is readable
     encode_seconds: float = 0.0  # making them (every attempt)
     # copy=False: set by the sender thread once the caller's tensors are packed for the last
     # time; the sender reads it (never the asyncio future) to decide whether it may re-send

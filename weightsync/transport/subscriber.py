@@ -32,7 +32,7 @@ import torch
 
 from weightsync import _wire, testing
 from weightsync.control import auth
-from weightsync.errors import Closed, SyncTimeout, TransportUnavailable, WeightSyncError
+from weightsync.errors import Closed, Superseded, SyncTimeout, TransportUnavailable, WeightSyncError
 from weightsync.format import layout, sharding, slicing
 from weightsync.options import Deadlines, parse_address, resolve_device
 from weightsync.pg.group import resolve_backend
@@ -283,16 +283,28 @@ class Subscriber:
         """The latest complete version, or None before the first one."""
         return self._slots.version
 
-    async def get(self, *, min_version: int | None = None, timeout: float | None = None) -> Weights:
+    async def get(self, *, min_version: int | None = None, timeout: float | None = None,
+                  exact: int | None = None) -> Weights:
         """A copy of the latest version (>= ``min_version``), owned by the caller.
 
         ``timeout=None`` waits while the publisher is alive: its heartbeats are watched, so a
-        dead or frozen publisher ends the wait with PublisherGone.
+        dead or frozen publisher ends the wait with PublisherGone. ``exact=v`` waits for version
+        ``v`` itself and raises :class:`~weightsync.Superseded` if a newer one is readable here
+        first (latest wins: nothing keeps ``v`` for a reader that comes late).
         """
+        if exact is not None:
+            if min_version is not None:
+                raise ValueError("get() takes min_version or exact, not both")
+            if not isinstance(exact, int) or isinstance(exact, bool):
+                raise TypeError(f"exact must be an int or None, got {type(exact).__name__}")
+            min_version = exact
         await self._wait_version(min_version, timeout)
         assert self._loop is not None
         slot = self._slots.pin()
         try:
+            if exact is not None and slot.version != exact:
+                raise Superseded(f"version {exact} was superseded here by version {slot.version} before it was read",
+                                 channel=self.name, member=self.member_id, version=exact)
             flat, manifest, version = await self._loop.run_in_executor(None, self._copy_out, slot)
         finally:
             self._slots.unpin(slot)
