@@ -218,3 +218,22 @@ async def test_local_process_orchestrator_target_and_bad_arguments() -> None:
     for bad in ({}, {"command": ["x"], "target": later}, {"command": "python gen.py"}, {"command": []}):
         with pytest.raises(ValueError):
             ws.LocalProcessOrchestrator(**bad)
+
+
+async def test_a_member_that_left_and_joins_again_under_its_id_gets_the_retained_version() -> None:
+    """A vLLM worker re-initializing its weight-transfer engine leaves and joins again under the same
+    member id, with empty slots: it must get the version the channel retains without a new put
+    (found when it waited for version 1 until its deadline: the publisher still had it down as held)."""
+    sd = mixed_state_dict(1, mib=1)
+    async with ws.Publisher("again", **FAST) as pub:
+        async with ws.Subscriber("again", address=pub.address, member_id="worker", timeout=5.0) as sub:
+            await pub.wait_subscribers(1, timeout=30)
+            await (await pub.put(sd, version=1)).delivered(timeout=30)
+            assert (await sub.get(min_version=1, timeout=10)).version == 1
+        deadline = time.monotonic() + 30
+        while "worker" in pub.members:  # its Leave is applied at the next generation
+            assert time.monotonic() < deadline, "the member that left is still listed"
+            await asyncio.sleep(0.01)
+        async with ws.Subscriber("again", address=pub.address, member_id="worker", timeout=5.0) as again:
+            weights = await again.get(min_version=1, timeout=30)
+            assert weights.version == 1 and digests(weights) == digests(sd)

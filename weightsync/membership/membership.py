@@ -112,6 +112,9 @@ class Membership:
             if member_id in self.members or member_id in self._joining:
                 return False
             self._joining.append(member_id)
+            # a joiner holds nothing, whatever it held under this id before (a worker that left and
+            # joined again): it gets the retained version like any newcomer
+            self._versions.pop(member_id, None)
             return True
 
     def request_leave(self, member_id: str) -> None:
