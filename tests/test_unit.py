@@ -25,7 +25,8 @@ from weightsync.transport.staging import Job, Staging
 
 def test_public_names_are_pinned() -> None:
     assert sorted(ws.__all__) == sorted([
-        "AdmissionDenied", "Closed", "DeliveryReport", "Evicted", "FlightRecorder", "HandshakeMismatch",
+        "AdmissionDenied", "Closed", "DeliveryReport", "EngineMismatch", "Evicted", "FlightRecorder",
+        "HandshakeMismatch",
         "LocalProcessOrchestrator", "ManifestMismatch", "MemberInfo", "Orchestrator", "Publisher", "PublisherGone",
         "PutHandle", "RankMismatch", "StragglerPolicy", "Subscriber", "SyncTimeout", "TransportUnavailable",
         "BlockingPublisher", "BlockingSubscriber", "MemberStatistics", "NotDelivered", "PublisherStatistics",

@@ -3,6 +3,8 @@
     python -m tests.vllm_driver scenario RESULT.json WORKDIR
     python -m tests.vllm_driver tensor-parallel RESULT.json WORKDIR   (a TP=2 engine)
     python -m tests.vllm_driver patches RESULT.json WORKDIR   (an update loaded as sparse patches)
+    python -m tests.vllm_driver moe RESULT.json WORKDIR FAMILY   (an MoE engine updated three times)
+    python -m tests.vllm_driver checks RESULT.json WORKDIR   (loaders that skip and swap tensors; the drill)
     python -m tests.vllm_driver publisher WORKDIR SECRET ADDRESS   (started by the scenario)
 
 The scenario builds a tiny random Llama checkpoint A, starts a trainer process (the publisher)
@@ -162,6 +164,134 @@ def tensor_parallel(result: Path, work: Path) -> None:
     result.write_bytes(msgspec.json.encode(report))
 
 
+# tiny mixture-of-experts models vLLM serves on CPU (its fused-MoE experts), built without downloads
+MOE_FAMILIES = {
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(moe_intermediate_size=128, num_experts=4, num_experts_per_tok=2, head_dim=64,
+                       decoder_sparse_step=1, norm_topk_prob=True)),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                  dict(moe_intermediate_size=128, shared_expert_intermediate_size=256, num_experts=4,
+                       num_experts_per_tok=2, decoder_sparse_step=1)),
+}
+
+
+def build_moe(family: str, path: Path, seed: int = 0) -> None:
+    """A random ``family`` model (float32) at ``path``, as small as the Llama of ``rl_examples._llama``."""
+    import transformers
+
+    from rl_examples import _llama
+
+    config_name, model_name, extra = MOE_FAMILIES[family]
+    sizes = {k: v for k, v in _llama.SIZES.items()}
+    torch.manual_seed(seed)
+    config = getattr(transformers, config_name)(**sizes, **extra, torch_dtype="float32")
+    model = getattr(transformers, model_name)(config).float()
+    _llama.save(model, path)
+
+
+MOE_CHECKED = (1, 3)  # the versions compared with a checkpoint-loaded engine: the first update, and after several
+
+
+class MoeReport(msgspec.Struct):
+    family: str
+    info: list[dict]  # engine_info after each update (versions 1..3)
+    after: list[Generation]  # what the engine generates after the updates to MOE_CHECKED
+    reference: list[Generation]  # an engine loaded from each of those versions' checkpoints
+    differ: list[list[str]]  # per version checked: engine parameters whose digests differ from the reference's
+
+
+def moe(result: Path, work: Path, family: str) -> None:
+    """An MoE engine updated three times (versions 1, 2, 3: checkpoints B, C, D) must generate what an
+    engine loaded from the same checkpoint generates, and hold the same engine-side bytes (checked after
+    the first update and the third)."""
+    from weightsync.integrations.vllm import engine_digests, engine_info, update
+
+    build_moe(family, work / "A")
+    trainer = Trainer(work, secret := "s3cret-" + os.urandom(4).hex())
+    infos, after, served = [], [], []
+    try:
+        llm = engine(str(work / "A"), weight_transfer_config={"backend": "weightsync"})
+        llm.init_weight_transfer_engine({"init_info": {"address": trainer.address, "channel": CHANNEL,
+                                                       "secret": secret, "timeout": 30, "transport": TRANSPORT}})
+        for version, command in ((1, "put"), (2, "next"), (3, "next")):
+            trainer.put(version, command)
+            update(llm, version, timeout=60)
+            infos.append(engine_info(llm)[0])
+            if version in MOE_CHECKED:
+                after.append(generate(llm))
+                served.append(engine_digests(llm)[0])
+        llm = None
+        _shutdown()
+        reference, differ = [], []
+        for version, digests in zip(MOE_CHECKED, served, strict=True):
+            ref = engine(str(work / _CHECKPOINTS[version]), weight_transfer_config={"backend": "weightsync"})
+            reference.append(generate(ref))
+            theirs = engine_digests(ref)[0]
+            differ.append(sorted(n for n in theirs if theirs[n] != digests.get(n)))
+            ref = None
+            _shutdown()
+    finally:
+        trainer.kill()
+    result.write_bytes(msgspec.json.encode(MoeReport(family, infos, after, reference, differ)))
+
+
+_CHECKPOINTS = {1: "B", 2: "C", 3: "D"}  # the checkpoint the trainer saves for each version it puts
+
+
+class ChecksReport(msgspec.Struct):
+    skipped: Failure | None  # the update whose loader skipped a tensor (None: it did not fail)
+    skipped_info: list[dict]  # engine_info after it
+    healthy_version: int  # the same version, through a correct loader, after that failure
+    healthy_info: list[dict]
+    healthy: Generation
+    reference: Generation  # an engine started from checkpoint B
+    drill_version: int  # verify() on the correct mapping
+    swapped: Failure | None  # verify() with two tensors swapped
+    swapped_update: Failure | None  # the plain update with the same swap (every parameter written)
+    digest_seconds: float  # engine_digests on this model, once
+
+
+def check_loads(result: Path, work: Path) -> None:
+    """A loader that skips a tensor fails the update that used it (typed, naming the parameter); a
+    correct one then loads the version; the drill passes on the correct mapping and fails, naming
+    both, on one that swaps two tensors (which the per-update check cannot see: all are written)."""
+    from rl_examples import _llama
+    from tests import vllm_faults
+    from weightsync.integrations.vllm import engine_digests, engine_info, update, verify
+
+    vllm_faults.install(work / "plugin")
+    _llama.build(work / "A", seed=0)
+    trainer = Trainer(work, secret := "s3cret-" + os.urandom(4).hex())  # saves checkpoint B
+    try:
+        ref = engine(str(work / "B"), weight_transfer_config={"backend": "weightsync"})
+        reference, expected = generate(ref), engine_digests(ref)
+        ref = None
+        _shutdown()
+        llm = engine(str(work / "A"), weight_transfer_config={"backend": vllm_faults.NAME})
+        init = {"address": trainer.address, "channel": CHANNEL, "secret": secret, "timeout": 30,
+                "transport": TRANSPORT}
+        llm.init_weight_transfer_engine({"init_info": {**init, "fault": "skip:model.layers.1.mlp.down_proj.weight"}})
+        trainer.put(1)
+        skipped = failure(lambda: update(llm, 1, timeout=60))
+        skipped_info = engine_info(llm)
+        llm.init_weight_transfer_engine({"init_info": init})
+        healthy_version = update(llm, 1, timeout=60)
+        healthy_info, healthy = engine_info(llm), generate(llm)
+        began = time.monotonic()
+        engine_digests(llm)
+        digest_seconds = time.monotonic() - began
+        drill_version = verify(llm, expected, min_version=1, timeout=60)
+        swap = "swap:model.layers.0.mlp.down_proj.weight,model.layers.1.mlp.down_proj.weight"
+        llm.init_weight_transfer_engine({"init_info": {**init, "fault": swap}})
+        swapped_update = failure(lambda: update(llm, 1, timeout=60))
+        swapped = failure(lambda: verify(llm, expected, min_version=1, timeout=60))
+    finally:
+        trainer.kill()
+    report = ChecksReport(skipped, skipped_info, healthy_version, healthy_info, healthy, reference, drill_version,
+                          swapped, swapped_update, digest_seconds)
+    result.write_bytes(msgspec.json.encode(report))
+
+
 class PatchReport(msgspec.Struct):
     full: list[dict]  # engine_info after the first update (the engine held no version of the channel)
     patched: list[dict]  # ...after the second, which changed 3 % of every tensor's elements (patches=True)
@@ -280,12 +410,12 @@ def _shutdown() -> None:
 
 async def publisher(work: Path, secret: str, address: str) -> None:
     """The trainer: perturb checkpoint A into B, serve it as version N on ``put N``."""
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     import weightsync as ws
     from rl_examples import _llama
 
-    model = LlamaForCausalLM.from_pretrained(str(work / "A"), torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(str(work / "A"), torch_dtype=torch.float32)
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for param in model.parameters():
@@ -303,7 +433,12 @@ async def publisher(work: Path, secret: str, address: str) -> None:
                         moved = torch.rand(param.shape, generator=gen) < 0.03
                         param[moved] += torch.randn(int(moved.sum()), generator=gen) * 0.01
                 _llama.save(model, work / "C")
-            if command in ("put", "sparse"):
+            if command == "next":  # every weight moves again: version N is checkpoint _CHECKPOINTS[N]
+                with torch.no_grad():
+                    for param in model.parameters():
+                        param.add_(torch.randn(param.shape, generator=gen) * param.std().clamp_min(0.02) * 0.5)
+                _llama.save(model, work / _CHECKPOINTS[int(version)])
+            if command in ("put", "sparse", "next"):
                 await pub.put(weights, version=int(version))
                 print(f"{command} {version} done", flush=True)
 
@@ -316,6 +451,10 @@ if __name__ == "__main__":
         tensor_parallel(Path(sys.argv[2]), Path(sys.argv[3]))
     elif role == "patches":
         patches(Path(sys.argv[2]), Path(sys.argv[3]))
+    elif role == "checks":
+        check_loads(Path(sys.argv[2]), Path(sys.argv[3]))
+    elif role == "moe":
+        moe(Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[4])
     elif role == "publisher":
         asyncio.run(publisher(Path(sys.argv[2]), sys.argv[3], sys.argv[4]))
     else:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from weightsync.errors import (
     AdmissionDenied,
     Closed,
+    EngineMismatch,
     Evicted,
     HandshakeMismatch,
     ManifestMismatch,
@@ -80,6 +81,7 @@ __all__ = [
     "BlockingSubscriber",
     "Closed",
     "DeliveryReport",
+    "EngineMismatch",
     "Evicted",
     "FlightRecorder",
     "HandshakeMismatch",

@@ -15,6 +15,7 @@ the boundary with ``raise ... from err`` so callers never match on backend messa
      ├── TransportUnavailable              the transport asked for cannot work here
      ├── RankMismatch                      a sharded trainer's ranks disagree about a version
      ├── NotDelivered                      a put reached fewer members than the caller required
+     ├── EngineMismatch                    an engine does not hold what the version it loaded says
      └── Superseded                        get(exact=v): a newer version replaced v before it was read
 
 Each carries optional context (``channel``, ``generation``, ``member``, ``version``) that
@@ -26,6 +27,7 @@ from __future__ import annotations
 __all__ = [
     "AdmissionDenied",
     "Closed",
+    "EngineMismatch",
     "Evicted",
     "HandshakeMismatch",
     "ManifestMismatch",
@@ -120,3 +122,9 @@ class NotDelivered(WeightSyncError):
 class Superseded(WeightSyncError):
     """``get(exact=v)``: a newer version replaced ``v`` here before it was read (latest wins: a
     member never keeps an older version for a reader that asked for it)."""
+
+
+class EngineMismatch(WeightSyncError):
+    """An inference engine does not hold what the version it loaded says: an engine parameter the
+    update did not write, or engine-side bytes that differ from an engine loaded from the same
+    checkpoint (the drill). The message names the parameters."""

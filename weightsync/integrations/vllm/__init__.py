@@ -21,7 +21,7 @@ from typing import Any
 
 BACKEND = "weightsync"
 
-__all__ = ["BACKEND", "LLMClient", "engine_info", "register", "update"]
+__all__ = ["BACKEND", "LLMClient", "engine_digests", "engine_info", "register", "update", "verify"]
 
 
 def register() -> None:
@@ -70,13 +70,24 @@ def update(llm: Any, min_version: int, *, timeout: float | None = None) -> int:
     the prefix cache (its entries were computed with the old weights) and sets the engine's
     weight version string. Returns the version now served. On failure (no such version within
     ``timeout``, publisher gone) it raises and the engine keeps serving its previous weights.
+    When a worker's check after its load fails (an engine parameter the version did not write),
+    it raises :class:`~weightsync.EngineMismatch` naming the parameters, and ``engine_info`` reports
+    that worker ``failed`` with no version: take the engine out of rotation (docs/vllm.md).
     """
     info: dict[str, Any] = {"min_version": min_version}
     if timeout is not None:
         info["timeout"] = timeout
     llm.start_weight_update()
-    llm.update_weights({"update_info": info})
-    llm.finish_weight_update()
+    try:
+        llm.update_weights({"update_info": info})
+        llm.finish_weight_update()
+    except Exception as err:  # vLLM hands a worker's error over as its own type: say which it was
+        failed = [f"{w.get('member')}: {w['failed']}" for w in engine_info(llm) if w.get("failed")]
+        if failed:
+            from weightsync.errors import EngineMismatch
+
+            raise EngineMismatch("; ".join(failed)) from err
+        raise
     llm.reset_prefix_cache()
     versions = {w["version"] for w in engine_info(llm)}
     if len(versions) != 1 or None in versions:
@@ -94,3 +105,40 @@ def engine_info(llm: Any) -> list[dict[str, Any]]:
     pickled; another backend's engine is not callable and vLLM raises).
     """
     return list(llm.collective_rpc("weight_transfer_engine"))
+
+
+def engine_digests(llm: Any) -> list[dict[str, str]]:
+    """Per worker: a digest of every engine parameter's bytes as the engine holds them (packed for
+    its kernels, fused, sliced), keyed by the engine's parameter names. Costs one read of every
+    parameter (docs/vllm.md). Two engines of the same model and layout that serve the same weights
+    give the same digests: compare an updated engine with one loaded from the same checkpoint."""
+    return list(llm.collective_rpc("weight_transfer_engine", args=("digests",)))
+
+
+def verify(llm: Any, reference: Any, *, min_version: int, timeout: float | None = None) -> int:
+    """The drill: prove that this engine, fed by the trainer, holds what an engine loaded from the
+    trainer's checkpoint holds. Run it once per model and vLLM version, on an engine out of rotation.
+
+    Zeroes every engine parameter (so one the mapping never writes shows), loads version
+    ``>= min_version`` in full (which the trainer put from that checkpoint), and compares every
+    engine parameter's digest with ``reference``: :func:`engine_digests` of an engine of the same
+    model and layout started from the checkpoint (with ``weight_transfer_config={"backend":
+    "weightsync"}``, nothing else), or that ``LLM`` itself. Returns the version loaded; raises
+    :class:`~weightsync.EngineMismatch` naming the parameters that differ (a tensor mapped to the
+    wrong parameter, a packed layout not refreshed, a layer skipped).
+    """
+    from weightsync.errors import EngineMismatch
+
+    expected = reference if isinstance(reference, list) else engine_digests(reference)
+    llm.collective_rpc("weight_transfer_engine", args=("zero",))
+    version = update(llm, min_version, timeout=timeout)
+    served = engine_digests(llm)
+    if len(served) != len(expected):
+        raise EngineMismatch(f"this engine has {len(served)} workers and the reference {len(expected)}: compare "
+                             "engines of the same layout", version=version)
+    bad = [f"worker {rank}: {name}" for rank, (mine, theirs) in enumerate(zip(served, expected, strict=True))
+           for name in sorted(set(mine) | set(theirs)) if mine.get(name) != theirs.get(name)]
+    if bad:
+        raise EngineMismatch(f"version {version}: {len(bad)} engine parameters differ from the reference engine's: "
+                             f"{', '.join(bad[:8])}{' ...' if len(bad) > 8 else ''}", version=version)
+    return version

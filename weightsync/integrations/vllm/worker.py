@@ -27,6 +27,7 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -37,8 +38,10 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from weightsync.errors import SyncTimeout, WeightSyncError
+from weightsync.errors import EngineMismatch, SyncTimeout, WeightSyncError
+from weightsync.integrations.vllm import checks
 from weightsync.options import Deadlines
+from weightsync.recorder.recorder import process_recorder
 from weightsync.transport.loopthread import LoopThread
 from weightsync.transport.subscriber import Subscriber
 
@@ -143,18 +146,34 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         self._wait_s = 0.0
         self._load_began = 0.0
         self._member: str | None = None
+        self._channel = ""
         self.patches = True  # load what changed as sparse patches where the engine's version is still held
         self._patched: tuple[int, int] | None = None  # the last update's (tensors, elements) patched, else None
         self.patch_fallbacks = 0  # updates whose patches the model's loader refused (loaded in full)
+        self._loaded: set[str] | None = None  # what this update's full load wrote (load_weights' names)
+        self._full = False  # this update loads the whole version (not sparse patches)
+        self.failed: str | None = None  # the last update's failed check: the engine serves no known version
+        self.refreshed = 0  # MoE layers whose experts' packed weights the last update refreshed
 
-    def __call__(self) -> dict[str, Any]:
-        """This worker's state as plain data: what ``collective_rpc("weight_transfer_engine")``
-        returns per worker (see :func:`weightsync.integrations.vllm.engine_info`)."""
+    def __call__(self, what: str = "info") -> Any:
+        """What ``collective_rpc("weight_transfer_engine", args=(what,))`` returns per worker, as plain
+        data: ``"info"`` this worker's state (:func:`weightsync.integrations.vllm.engine_info`);
+        ``"digests"`` a digest of every engine parameter's bytes, as the kernels read them
+        (:func:`~weightsync.integrations.vllm.engine_digests`); ``"zero"`` zeroes every engine
+        parameter (the drill, :func:`~weightsync.integrations.vllm.verify`) and returns how many."""
+        if what == "digests":
+            return checks.engine_parameter_digests(self.model)
+        if what == "zero":  # the engine no longer holds any version: the next update loads in full
+            self.version = None
+            return checks.zero_parameters(self.model)
+        if what != "info":
+            raise ValueError(f"weightsync engine: unknown request {what!r} (info, digests, zero)")
         last = self.last
         return {"backend": "weightsync", "version": self.version, "member": self._member,
                 "wait_s": None if last is None else last.wait_s, "load_s": None if last is None else last.load_s,
                 "nbytes": None if last is None else last.nbytes,
-                "patched": None if last is None else last.patched, "patch_fallbacks": self.patch_fallbacks}
+                "patched": None if last is None else last.patched, "patch_fallbacks": self.patch_fallbacks,
+                "failed": self.failed, "refreshed": self.refreshed}
 
     # lifecycle ----------------------------------------------------------------------------
     def init_transfer_engine(self, init_info: WeightsyncInitInfo) -> None:
@@ -176,7 +195,7 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
             self._bridge.close()
             self._bridge = None
             raise
-        self._sub, self._member = sub, member
+        self._sub, self._member, self._channel = sub, member, init_info.channel
         # vLLM's CPU backend packs linear weights for its GEMM kernels (oneDNN, sgl): a patch written
         # into a parameter in checkpoint format would not reach what the kernel reads
         self.patches = self.device.type == "cuda" if init_info.patches is None else bool(init_info.patches)
@@ -216,25 +235,33 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         self._wait_s = self._load_began - began
         assert self._pinned is not None
         weights = self._pinned[1]
-        self._patched = None
+        self._patched, self._loaded, self._full = None, None, False
         if weights.since is not None and self._patch(weights):
             return
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
         try:
             initialize_layerwise_reload(self.model)
-            self._reloading = True
+            self._reloading, self._full = True, True
             with _no_mtp_check():
-                self.model.load_weights(iter(weights))  # type: ignore[operator]
+                loaded = self.model.load_weights(iter(self._tensors(weights)))  # type: ignore[operator]
+            self._loaded = None if loaded is None else set(loaded)
         except BaseException:
             self._release()  # finalizes the reload: layers that loaded nothing keep their old tensors
             raise
+        problem = self._coverage(weights.version)
+        if problem is not None:  # raised from update_weights: vLLM ends the update session itself
+            self._release()
+            self._fail(problem, weights.version)
 
     def finish_weight_update(self) -> None:
         if self._pinned is None:
             return  # nothing was loaded (update_weights failed or was not called)
         weights = self._pinned[1]
         self._release()
+        if self._full and self._loaded is not None:  # the reload is finalized: refresh what it leaves stale
+            self.refreshed = len(checks.refresh_fused_experts(self.model, self._loaded))
+        self.failed = None
         self.version = weights.version
         self.last = UpdateStats(weights.version, self._wait_s, time.monotonic() - self._load_began, weights.nbytes,
                                 self._patched)
@@ -242,6 +269,33 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
                  self.last.wait_s, self.last.load_s)
 
     # helpers ------------------------------------------------------------------------------
+    def _tensors(self, weights: WeightStream) -> Iterable[tuple[str, torch.Tensor]]:
+        """The ``(name, tensor)`` pairs a full load hands ``model.load_weights`` (a subclass may
+        rename or filter them, as a custom mapping would)."""
+        return weights
+
+    def _coverage(self, version: int) -> str | None:
+        """After a full load: every engine parameter written by it? The failure, or None."""
+        loaded = self._loaded
+        if loaded is None:
+            log.warning("vLLM worker %s: model.load_weights returned no names: version %d's coverage is "
+                        "not checked", self._member, version)
+            return None
+        missing = checks.uncovered(self.model, loaded)
+        if missing:
+            return (f"version {version} did not write {len(missing)} engine parameters (they keep the previous "
+                    f"version's bytes, or none): {', '.join(missing[:6])}{' ...' if len(missing) > 6 else ''}")
+        return None
+
+    def _fail(self, problem: str, version: int) -> None:
+        """Fail closed: this worker serves no known version until a later update passes; say so in
+        ``engine_info`` (``failed``), the log and the flight recorder, and raise."""
+        self.version, self.failed = None, problem
+        process_recorder().record("engine_check", channel=self._channel, member=self._member or "",
+                                  version=version).fail(problem)
+        log.error("vLLM worker %s: %s; it serves no known version until a later update passes", self._member, problem)
+        raise EngineMismatch(problem, channel=self._channel, member=self._member, version=version)
+
     def _patch(self, weights: WeightStream) -> bool:
         """Load only what changed since the version the engine serves, as sparse patches through
         vLLM's own loader (``load_checkpoint_weight_patches``: the model's ``load_weights`` maps,
@@ -356,3 +410,4 @@ def _no_mtp_check() -> contextlib.AbstractContextManager[Any]:
     except ImportError:
         return contextlib.nullcontext()
     return disable_mtp_completeness_check()
+
