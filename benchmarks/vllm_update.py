@@ -13,6 +13,11 @@ process, publishing on 127.0.0.1) are measured side by side in one run:
   (checkpoint). Timed: the trainer's stall (put until it returns / the save) and the whole
   time until the engine serves the new weights. After each pair the engine's greedy tokens
   under both paths must agree (the same weights went through both).
+* **engine pause**: the time the engine does not generate, per update (an offline ``LLM`` does
+  not generate while an update call runs): ``update`` called right after ``put`` (today's way:
+  it waits for the version to arrive, then loads), ``update`` called once the version is
+  committed on every member (``activation="all"``: ``await handle.delivered()`` first, so the
+  engine pauses for the load alone), and vLLM's checkpoint reload (the save is the trainer's).
 * **generation throughput while updates stream in**: ``--rounds`` rounds of the same batch
   (16 prompts x 32 tokens), with no update between rounds, with a weightsync update before each
   round, and with a checkpoint reload before each round: generated tokens per second of wall
@@ -54,6 +59,9 @@ class Timing(msgspec.Struct):
     served_ms: list[float]
 
 
+PAUSES = ("update right after put", "update once committed", "checkpoint reload")
+
+
 class SizeResult(msgspec.Struct):
     size: str
     mib: float
@@ -61,6 +69,7 @@ class SizeResult(msgspec.Struct):
     checkpoint: Timing
     same_tokens: bool  # greedy tokens agreed after every pair
     tokens_per_s: dict[str, float]  # "no updates", "weightsync", "checkpoint"
+    pause_ms: dict[str, list[float]] = {}  # PAUSES -> the engine's pause per update
 
 
 def greedy(llm: Any, n: int = 4, tokens: int = 8) -> list[list[int]]:
@@ -96,7 +105,7 @@ async def measure(size: str, reps: int, rounds: int, tmp: Path) -> SizeResult:
     gen = torch.Generator().manual_seed(0)
     ws_t, ck_t = Timing([], []), Timing([], [])
     same = True
-    async with ws.Publisher("bench", address="127.0.0.1:0", timeout=60, encoding="full") as pub:
+    async with ws.Publisher("bench", address="127.0.0.1:0", timeout=60, encoding="full", activation="all") as pub:
         llm = LLM(str(ckpt / "start"), gpu_memory_utilization=0.12, enforce_eager=True, skip_tokenizer_init=True,
                   dtype="float32", max_model_len=128, seed=0, weight_transfer_config={"backend": "weightsync"})
         llm.init_weight_transfer_engine({"init_info": {"address": pub.address, "channel": "bench", "timeout": 60}})
@@ -123,6 +132,30 @@ async def measure(size: str, reps: int, rounds: int, tmp: Path) -> SizeResult:
                 ck_t.stall_ms.append(ck_stall * 1e3)
                 ck_t.served_ms.append(ck_served * 1e3)
 
+        pauses: dict[str, list[float]] = {name: [] for name in PAUSES}
+        for rep in range(reps + 1):  # the first round warms every path and is not counted
+            timed: dict[str, float] = {}
+            nudge(model, gen)
+            version += 1
+            await pub.put(model.state_dict(), version=version)
+            began = time.perf_counter()
+            await asyncio.to_thread(update, llm, version, timeout=120)
+            timed[PAUSES[0]] = time.perf_counter() - began
+            nudge(model, gen)
+            version += 1
+            await (await pub.put(model.state_dict(), version=version)).delivered(timeout=120)
+            began = time.perf_counter()
+            await asyncio.to_thread(update, llm, version, timeout=120)
+            timed[PAUSES[1]] = time.perf_counter() - began
+            nudge(model, gen)
+            _llama.save(model, ckpt / f"pause-{rep}")
+            began = time.perf_counter()
+            await asyncio.to_thread(reload_checkpoint, llm, ckpt / f"pause-{rep}")
+            timed[PAUSES[2]] = time.perf_counter() - began
+            if rep:
+                for name, seconds in timed.items():
+                    pauses[name].append(seconds * 1e3)
+
         params = SamplingParams(max_tokens=32, temperature=1.0, ignore_eos=True)
 
         def one_round() -> int:
@@ -144,7 +177,7 @@ async def measure(size: str, reps: int, rounds: int, tmp: Path) -> SizeResult:
                 produced += await asyncio.to_thread(one_round)
             throughput[mode] = produced / (time.perf_counter() - began)
         llm = None  # the engine goes before the next size starts
-    return SizeResult(size, mib, ws_t, ck_t, same, throughput)
+    return SizeResult(size, mib, ws_t, ck_t, same, throughput, pauses)
 
 
 def summarize(results: list[SizeResult]) -> None:
@@ -157,6 +190,11 @@ def summarize(results: list[SizeResult]) -> None:
         print(f"{r.size:>8} {r.mib:6.1f} | {med(r.weightsync.stall_ms):8.1f}ms {med(r.checkpoint.stall_ms):8.1f}ms | "
               f"{med(r.weightsync.served_ms):8.1f}ms {med(r.checkpoint.served_ms):9.1f}ms {ratio:5.2f}x | "
               f"      {t['no updates']:6.0f} {t['weightsync']:6.0f} {t['checkpoint']:6.0f} | {r.same_tokens}")
+    print(f"\nengine pause per update (median ms): {' | '.join(PAUSES)}")
+    for r in results:
+        base = med(r.pause_ms[PAUSES[0]])
+        print(f"{r.size:>8} " + " | ".join(f"{med(r.pause_ms[n]):8.1f} ({med(r.pause_ms[n]) / base:4.2f}x)"
+                                           for n in PAUSES))
 
 
 def plot(results: list[SizeResult], out: Path, json_path: Path) -> None:
@@ -164,7 +202,7 @@ def plot(results: list[SizeResult], out: Path, json_path: Path) -> None:
     if plt is None:
         return
     med = statistics.median
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.8))
+    fig, (left, middle, right) = plt.subplots(1, 3, figsize=(16, 3.8))
     labels = [f"{r.size}\n{r.mib:.0f} MiB" for r in results]
     x = range(len(results))
     for offset, (name, pick) in enumerate((("weightsync: put + update", lambda r: r.weightsync),
@@ -175,6 +213,10 @@ def plot(results: list[SizeResult], out: Path, json_path: Path) -> None:
                  label="trainer stall" if offset else None)
     left.set(xticks=list(x), xticklabels=labels, ylabel="ms (median)", title="new weights: trainer to engine")
     left.legend(fontsize=8)
+    for offset, name in enumerate(PAUSES):
+        middle.bar([i + (offset - 1) * 0.27 for i in x], [med(r.pause_ms[name]) for r in results], 0.25, label=name)
+    middle.set(xticks=list(x), xticklabels=labels, ylabel="ms (median)", title="engine pause per update")
+    middle.legend(fontsize=8)
     for offset, mode in enumerate(("no updates", "weightsync", "checkpoint")):
         right.bar([i + (offset - 1) * 0.27 for i in x], [r.tokens_per_s[mode] for r in results], 0.25, label=mode)
     right.set(xticks=list(x), xticklabels=labels, ylabel="generated tokens / s",

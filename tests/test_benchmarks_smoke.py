@@ -130,3 +130,12 @@ def test_revisions_compares_a_benchmarks_ratios_at_two_revisions(tmp_path: Path)
     assert report["head_over_base"] and all(v > 0 for v in report["head_over_base"].values())
     assert set(report["base_ratios"]) == set(report["head_ratios"])
     assert (tmp_path / "revisions-same_host.png").stat().st_size > 10_000
+
+
+def test_activation_bench_measures_both_modes(tmp_path: Path) -> None:
+    out = run("-m", "benchmarks.activation", "--mib", "2", "--versions", "2", "--out", str(tmp_path))
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = msgspec.json.decode((tmp_path / "activation.json").read_bytes())
+    assert [r["activation"] for r in report] == ["each", "all"]
+    assert all(len(r["spread_ms"]) == 2 and len(r["recorded_spread_ms"]) == 2 for r in report)
+    assert (tmp_path / "activation.png").stat().st_size > 10_000
