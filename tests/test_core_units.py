@@ -583,3 +583,26 @@ def test_trainer_ranks_tell_a_key_timeout_from_a_lost_store_by_type_never_by_mes
         with pytest.raises(PublisherGone, match="trainer rank 0 cannot be reached"):
             Ranks("c", 0, 2, lost, rec, 1.0).lanes(30.0)
         assert lost.waits == 1
+
+
+def test_the_engine_table_counts_each_member_once_per_version_and_keeps_a_few_versions() -> None:
+    from weightsync.control.engines import KEEP_VERSIONS, EngineTable, disagrees
+
+    table = EngineTable()
+    assert table.report("a", 1, "L", "x") == {"x": 1}
+    assert table.report("b", 1, "L", "x") == {"x": 2}
+    assert table.report("c", 1, "L", "y") == {"x": 2, "y": 1}
+    assert table.report("c", 1, "L", "x") == {"x": 3}  # a member replaces its own report
+    assert table.report("c", 1, "M", "z") == {"z": 1}  # ... under any layout: one entry per member
+    assert table.report("a", 1, "L", "x") == {"x": 2}
+    for version in range(2, 2 + 3 * KEEP_VERSIONS):  # "c" claims far-ahead versions: only its own go
+        table.report("c", version, "L", "x")
+    assert len(table._entries["c"]) == KEEP_VERSIONS
+    assert table.report("b", 1, "L", "x") == {"x": 2}  # "a" and "b" still count for version 1
+    with pytest.raises(ValueError, match="at most"):
+        table.report("a", 99, "L" * 1000, "x")
+    table.forget("a")
+    assert "a" not in table._entries and table.report("b", 1, "L", "x") == {"x": 1}
+    # who loads again: the minority, and on a tie the later reporter (checked against nothing before)
+    assert disagrees({"x": 2, "y": 1}, "y") and not disagrees({"x": 2, "y": 1}, "x")
+    assert disagrees({"x": 1, "y": 1}, "y") and not disagrees({"x": 1}, "x")

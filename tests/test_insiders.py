@@ -366,3 +366,31 @@ async def test_a_relay_that_corrupts_what_it_forwards_is_blamed_not_its_child(pr
     results = [await procs.result(w, timeout=60) for w in workers]
     check_followers(results, 0, 7)
     del relay
+
+
+async def test_an_insider_cannot_outvote_honest_engines_or_grow_the_engine_table() -> None:
+    """Engine digests are compared through the publisher (weightsync.integrations.vllm): an admitted
+    member that reports thousands of versions, layouts and digests counts once per version, under its
+    own name, and the table keeps a few versions whatever it sends; two honest engines that agree
+    still see each other as the majority of their layout."""
+    async with ws.Publisher("engines", **FAST) as pub:
+        honest = [ws.Subscriber("engines", address=pub.address, member_id=f"h{i}", timeout=5.0) for i in range(2)]
+        insider = Insider("engines", pub.address)
+        await asyncio.gather(*(s.start() for s in honest), insider.sub.start())
+        try:
+            await pub.wait_subscribers(3, timeout=30)
+            layout = "Llama|bf16|rank 0 of 1|cuda"
+            assert await honest[0].compare_engine(7, layout, "good") == {"good": 1}
+            for n in range(2000):  # every version, layout and digest it likes, in its own name
+                report = _wire.EngineReport(rid=-(10**6 + n), version=7 + n % 50, layout=layout if n % 2 else f"l{n}",
+                                            digest=f"bad{n}")
+                tally = await in_thread(insider.client.call, report, 5.0)
+                assert sum(tally.counts.values()) <= 3  # never more than the members that reported
+            counts = await honest[1].compare_engine(7, layout, "good")
+            assert counts.get("good") == 2 and sum(n for d, n in counts.items() if d != "good") <= 1
+            table = pub._control.engines._entries
+            assert set(table) <= {"h0", "h1", "insider"} and all(len(versions) <= 4 for versions in table.values())
+            with pytest.raises(ws.PublisherGone):  # a field past its bound is refused by name
+                await honest[0].compare_engine(7, "x" * 10_000, "good", timeout=5)
+        finally:
+            await asyncio.gather(*(s.aclose() for s in honest), insider.sub.aclose())

@@ -97,6 +97,13 @@ def checks_report(tmp_path_factory: pytest.TempPathFactory, run_transport: str) 
     return msgspec.json.decode(run_driver("checks", tmp_path_factory.mktemp("vllm-checks")), type=driver.ChecksReport)
 
 
+@pytest.fixture(scope="module")
+def replicas_report(tmp_path_factory: pytest.TempPathFactory, run_transport: str) -> driver.ReplicasReport:
+    once_per_suite(run_transport)
+    return msgspec.json.decode(run_driver("replicas", tmp_path_factory.mktemp("vllm-replicas")),
+                               type=driver.ReplicasReport)
+
+
 def kill_group(pgid: int) -> None:
     """The driver, its trainer and vLLM's engine and worker processes share one process group:
     none may outlive the test, whether the driver finished, failed or ran out of time."""
@@ -249,3 +256,20 @@ def test_the_drill_passes_a_correct_mapping_and_names_a_systematic_error(checks_
     for name in ("model.layers.0.mlp.down_proj.weight", "model.layers.1.mlp.down_proj.weight"):
         assert name in swapped.error
     assert "2 engine parameters differ" in swapped.error
+
+
+def test_an_engine_corrupted_after_its_load_is_caught_by_its_replica(replicas_report: driver.ReplicasReport) -> None:
+    """Two engines of one layout load version 1; the second's memory is corrupted right after its load.
+    Its digest disagrees with the first's (through the publisher): it loads the version again, then
+    agrees and generates what the first generates. Corrupted after every load (version 2), it fails
+    closed: EngineMismatch naming its layout, reported failed with no version."""
+    (first,) = replicas_report.first
+    assert first["version"] == 1 and first["reloads"] == 0 and first["agreement"] == [1, 1]
+    (healed,) = replicas_report.healed
+    assert healed["version"] == 1 and healed["reloads"] == 1 and healed["agreement"] == [2, 2]
+    assert healed["failed"] is None and replicas_report.healed_tokens_equal
+    broken = replicas_report.broken
+    assert broken is not None and broken.error.startswith("EngineMismatch")
+    assert "other weights than the other engines of its layout" in broken.error
+    (info,) = replicas_report.broken_info
+    assert info["version"] is None and info["failed"] and info["reloads"] == 1 and info["agreement"] == [1, 2]

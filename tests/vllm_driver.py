@@ -5,6 +5,7 @@
     python -m tests.vllm_driver patches RESULT.json WORKDIR   (an update loaded as sparse patches)
     python -m tests.vllm_driver moe RESULT.json WORKDIR FAMILY   (an MoE engine updated three times)
     python -m tests.vllm_driver checks RESULT.json WORKDIR   (loaders that skip and swap tensors; the drill)
+    python -m tests.vllm_driver replicas RESULT.json WORKDIR   (two engines; one corrupted after its load)
     python -m tests.vllm_driver publisher WORKDIR SECRET ADDRESS   (started by the scenario)
 
 The scenario builds a tiny random Llama checkpoint A, starts a trainer process (the publisher)
@@ -292,6 +293,48 @@ def check_loads(result: Path, work: Path) -> None:
     result.write_bytes(msgspec.json.encode(report))
 
 
+class ReplicasReport(msgspec.Struct):
+    first: list[dict]  # engine_info of the healthy engine after version 1
+    healed: list[dict]  # ... of the engine corrupted once after its load (it loaded again, then agreed)
+    healed_tokens_equal: bool  # it then generates what the healthy engine generates
+    broken: Failure | None  # the update of an engine corrupted after every load
+    broken_info: list[dict]
+
+
+def replicas(result: Path, work: Path) -> None:
+    """Two engines of one layout on one channel. The first loads version 1; the second's memory is
+    corrupted right after its load: its digest disagrees, it loads the version again and agrees.
+    Then the second is corrupted after every load (version 2): it fails closed, naming the layout."""
+    from rl_examples import _llama
+    from tests import vllm_faults
+    from weightsync.integrations.vllm import engine_info, update
+
+    vllm_faults.install(work / "plugin")
+    _llama.build(work / "A", seed=0)
+    trainer = Trainer(work, secret := "s3cret-" + os.urandom(4).hex())
+    try:
+        init = {"address": trainer.address, "channel": CHANNEL, "secret": secret, "timeout": 30,
+                "transport": TRANSPORT}
+        healthy = engine(str(work / "A"), weight_transfer_config={"backend": "weightsync"})
+        healthy.init_weight_transfer_engine({"init_info": {**init, "member_id": "healthy"}})
+        other = engine(str(work / "A"), weight_transfer_config={"backend": vllm_faults.NAME})
+        other.init_weight_transfer_engine({"init_info": {**init, "member_id": "other", "fault": "corrupt:once"}})
+        trainer.put(1)
+        update(healthy, 1, timeout=60)
+        first = engine_info(healthy)
+        update(other, 1, timeout=60)
+        healed = engine_info(other)
+        same = generate(other).tokens == generate(healthy).tokens
+        other.init_weight_transfer_engine({"init_info": {**init, "member_id": "other", "fault": "corrupt:always"}})
+        trainer.put(2)
+        update(healthy, 2, timeout=60)
+        broken = failure(lambda: update(other, 2, timeout=60))
+        broken_info = engine_info(other)
+    finally:
+        trainer.kill()
+    result.write_bytes(msgspec.json.encode(ReplicasReport(first, healed, same, broken, broken_info)))
+
+
 class PatchReport(msgspec.Struct):
     full: list[dict]  # engine_info after the first update (the engine held no version of the channel)
     patched: list[dict]  # ...after the second, which changed 3 % of every tensor's elements (patches=True)
@@ -451,6 +494,8 @@ if __name__ == "__main__":
         tensor_parallel(Path(sys.argv[2]), Path(sys.argv[3]))
     elif role == "patches":
         patches(Path(sys.argv[2]), Path(sys.argv[3]))
+    elif role == "replicas":
+        replicas(Path(sys.argv[2]), Path(sys.argv[3]))
     elif role == "checks":
         check_loads(Path(sys.argv[2]), Path(sys.argv[3]))
     elif role == "moe":

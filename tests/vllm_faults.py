@@ -6,7 +6,9 @@ process (the engine core and its workers start afresh) registers it too.
 
 ``init_info["fault"]``: ``"skip:NAME"`` leaves checkpoint tensor NAME out of every load (a loader
 that skips a tensor); ``"swap:A,B"`` hands A's tensor to the model under B's name and B's under A's
-(a loader that sends tensors to the wrong parameters; every parameter is still written).
+(a loader that sends tensors to the wrong parameters; every parameter is still written);
+``"corrupt:once"`` / ``"corrupt:always"`` flips bits of the engine's final norm weight after the
+first load / after every load (the engine's memory corrupted after its load).
 """
 
 from __future__ import annotations
@@ -36,6 +38,14 @@ class FaultyEngine(WeightsyncEngine):
     def init_transfer_engine(self, init_info: WeightsyncInitInfo) -> None:
         super().init_transfer_engine(init_info)
         self.fault = getattr(init_info, "fault", "")
+
+    def _after_load(self) -> None:
+        kind, _, arg = self.fault.partition(":")
+        if kind == "corrupt" and (arg == "always" or not getattr(self, "_corrupted", False)):
+            self._corrupted = True
+            with torch.no_grad():
+                norm = dict(self.model.named_parameters())["model.norm.weight"]
+                norm.view(torch.int32)[0] ^= 0x00400000  # a mantissa bit of its first element
 
     def _tensors(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
         kind, _, arg = self.fault.partition(":")

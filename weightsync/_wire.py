@@ -11,8 +11,8 @@ number and, once admitted, a MAC under the member's session key::
     server -> client   Challenge (first, unauthenticated: a fresh nonce)
     client -> server   Join      (answers it: member id, fingerprint, its own nonce, a proof)
     server -> client   Admit | Deny, then Go, Announce, Seal, Commit, Reconfigure, Shutdown, Beat,
-                       StoreResult, Probe
-    client -> server   Ready, Ack, Leave, Beat, StoreOp, ProbeReply
+                       StoreResult, Probe, EngineTally
+    client -> server   Ready, Ack, Leave, Beat, StoreOp, ProbeReply, EngineReport
 
 ``StoreOp``/``StoreResult`` carry the data plane's own rendezvous (gloo and NCCL exchange
 addresses through a store): the publisher serves it from memory, to admitted members only.
@@ -31,7 +31,7 @@ PROTOCOL_VERSION = 10  # 2: settings in Admit; CRC32C. 3: link probes. 4: same-h
 # 7: tied tensors sent once (Manifest.ties); Challenge.open
 # 8: each member's Announce names the version's encoding on the wire (Announce.encoding, .wire)
 # 9: deltas: Announce.base, .base_digest (the version a delta is against, and its digest)
-# 10: fleet-wide activation: ChannelSettings.activation, Commit, Ack.exposed
+# 10: fleet-wide activation: ChannelSettings.activation, Commit, Ack.exposed; EngineReport, EngineTally
 
 
 class TensorSpec(msgspec.Struct, frozen=True, array_like=True):
@@ -324,9 +324,27 @@ class Copied(msgspec.Struct, frozen=True, tag="copied"):
     bucket: int
 
 
-ClientMessage = Union[Join, Ready, Ack, Leave, Beat, StoreOp, ProbeReply, Copied]
+class EngineReport(msgspec.Struct, frozen=True, tag="engine_report"):
+    """A member's inference engine loaded ``version``: the digest of what it holds, for engines of the
+    same ``layout`` (model, parallel rank, dtype) to be compared through the publisher."""
+
+    rid: int
+    version: int
+    layout: str
+    digest: str
+
+
+class EngineTally(msgspec.Struct, frozen=True, tag="engine_tally"):
+    """The answer to an EngineReport: how many members reported each digest for that version and layout."""
+
+    rid: int
+    counts: dict[str, int]
+    error: str = ""
+
+
+ClientMessage = Union[Join, Ready, Ack, Leave, Beat, StoreOp, ProbeReply, Copied, EngineReport]
 ServerMessage = Union[Challenge, Admit, Deny, Go, Announce, Abandon, Seal, Reconfigure, Shutdown, Beat, StoreResult,
-                      Probe, Commit]
+                      Probe, Commit, EngineTally]
 
 
 _encoder = msgspec.msgpack.Encoder()

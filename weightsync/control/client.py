@@ -72,7 +72,7 @@ class ControlClient:
         self._rsock: socket.socket | None = None
         self._session: Session | None = None
         self._send_lock = threading.Lock()
-        self._calls: dict[int, tuple[threading.Event, list[_wire.StoreResult]]] = {}
+        self._calls: dict[int, tuple[threading.Event, list[Any]]] = {}
         self._calls_lock = threading.Lock()
         self._reader: threading.Thread | None = None
         self._answered = False  # the publisher answered our Join (from then on, only MAC'd frames)
@@ -185,7 +185,13 @@ class ControlClient:
 
     def call_store(self, op: _wire.StoreOp, timeout: float) -> _wire.StoreResult:
         """One rendezvous call to the publisher, answered on this connection (bounded)."""
-        done, box = threading.Event(), list[_wire.StoreResult]()
+        result: _wire.StoreResult = self.call(op, timeout)
+        return result
+
+    def call(self, op: Any, timeout: float) -> Any:
+        """A request (a StoreOp or an EngineReport, with its ``rid``) and its answer, on this connection
+        (bounded)."""
+        done, box = threading.Event(), list[Any]()
         with self._calls_lock:
             self._calls[op.rid] = (done, box)
         try:
@@ -245,7 +251,7 @@ class ControlClient:
             except StoreUnreachable:
                 pass  # the connection is going: the reader finds out next
             return
-        if isinstance(message, _wire.StoreResult):
+        if isinstance(message, (_wire.StoreResult, _wire.EngineTally)):
             with self._calls_lock:
                 call = self._calls.get(message.rid)
             if call is not None:

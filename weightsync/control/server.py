@@ -45,6 +45,7 @@ from typing import Any
 from weightsync import _wire
 from weightsync._errors import ControlFailure
 from weightsync.control import auth
+from weightsync.control.engines import EngineTable
 from weightsync.control.framing import (
     HANDSHAKE_FRAME,
     HEADER,
@@ -115,6 +116,7 @@ class ControlServer:
         self._wait_bound = wait_bound  # the longest a member's rendezvous wait may last (its deadline)
         self._rank_links = rank_links  # a sharded publisher's rank 0: the other ranks connect here too
         self.replies: queue.SimpleQueue[Any] = queue.SimpleQueue()  # Ready | Ack | Wake, for the Sender
+        self.engines = EngineTable()  # what the members' inference engines report holding (EngineReport)
         self.tick = time.monotonic()  # the control loop's own last sign of life
         self._links: dict[str, Link] = {}
         self._members: dict[str, Link] = {}  # member id -> its bound incarnation
@@ -309,6 +311,8 @@ class ControlServer:
         with self._lock:
             self._links.pop(link.incarnation, None)
         self._table.forget(link.incarnation)  # its rendezvous waits end with it
+        if link.bound:
+            self.engines.forget(link.member_id)  # its engine's reports no longer count
         if flush:
             link.writer.close()  # what is queued is still sent
         else:
@@ -416,8 +420,24 @@ class ControlServer:
                     with self._copied:
                         link.copied = (message.generation, message.seq, message.bucket)
                         self._copied.notify_all()
+            elif isinstance(message, _wire.EngineReport):
+                self._engine_report(link, message)
             elif isinstance(message, _wire.Join):
                 self._rec.record("reject", peers=(link.member_id,)).fail("a second Join on one connection")
+
+    def _engine_report(self, link: Link, report: _wire.EngineReport) -> None:
+        """A member's engine digest for a version: counted under that member only (its connection
+        says who it is); answered with the counts for that version and layout."""
+        if not link.bound:
+            self._reply(link, _wire.EngineTally(report.rid, {}, error="not admitted yet"))
+            return
+        try:
+            counts = self.engines.report(link.member_id, report.version, report.layout, report.digest)
+        except ValueError as err:
+            self._rec.record("reject", peers=(link.member_id,)).fail(f"engine report refused: {err}")
+            self._reply(link, _wire.EngineTally(report.rid, {}, error=str(err)))
+            return
+        self._reply(link, _wire.EngineTally(report.rid, counts))
 
     def _store_op(self, link: Link, op: _wire.StoreOp) -> None:
         """Serve ``op`` from the table if this member may (rendezvous.store_problem), else refuse it;
@@ -442,7 +462,7 @@ class ControlServer:
         if link.refusals >= MAX_REFUSALS:
             self._lost(link, f"closed after {link.refusals} refused rendezvous ops ({problem})")
 
-    def _reply(self, link: Link, result: _wire.StoreResult) -> None:
+    def _reply(self, link: Link, result: _wire.StoreResult | _wire.EngineTally) -> None:
         """Rendezvous answers may come from any thread (a key set by the publisher's own group)."""
         if self._loop is not None and not link.closed:
             try:

@@ -33,6 +33,7 @@ bug and ends the receiver (FAILED) instead of being blamed on the wire.
 from __future__ import annotations
 
 import enum
+import itertools
 import logging
 import queue
 import threading
@@ -85,6 +86,9 @@ PRE_ADMISSION_BEAT = 0.25  # seconds between beats until the publisher's interva
 CONNECT_BACKOFF = (0.05, 1.0)  # first and longest pause between tries to reach a publisher not up yet
 
 log = logging.getLogger("weightsync.subscriber")
+
+
+_ENGINE_RIDS = itertools.count(1)  # negative rids: apart from the rendezvous calls' on the same connection
 
 
 class _Staged(NamedTuple):
@@ -610,6 +614,16 @@ class Receiver:
             log.warning("%s: version %d: buckets %s arrived corrupted; not made readable (the publisher re-sends)",
                         self.member_id, announce.version, bad[:8])
             raise ChecksumMismatch(f"version {announce.version}: buckets {bad} arrived corrupted; not made readable")
+
+    def report_engine(self, version: int, layout: str, digest: str, timeout: float) -> dict[str, int]:
+        """Any thread: tell the publisher what this member's engine holds after loading ``version``;
+        how many members reported each digest for that version and layout (ours included).
+        StoreUnreachable when the connection is gone or no answer came within ``timeout``."""
+        report = _wire.EngineReport(rid=-next(_ENGINE_RIDS), version=version, layout=layout, digest=digest)
+        tally: _wire.EngineTally = self._client.call(report, timeout)
+        if tally.error:
+            raise ProtocolError(f"the publisher refused the engine report: {tally.error}")
+        return dict(tally.counts)
 
     def _leave(self) -> None:
         try:

@@ -31,8 +31,9 @@ from typing import Any
 import torch
 
 from weightsync import _wire, testing
+from weightsync._errors import ProtocolError, StoreUnreachable
 from weightsync.control import auth
-from weightsync.errors import Closed, Superseded, SyncTimeout, TransportUnavailable, WeightSyncError
+from weightsync.errors import Closed, PublisherGone, Superseded, SyncTimeout, TransportUnavailable, WeightSyncError
 from weightsync.format import layout, sharding, slicing
 from weightsync.options import Deadlines, parse_address, resolve_device
 from weightsync.pg.group import resolve_backend
@@ -432,6 +433,27 @@ class Subscriber:
                 assert self._loop is not None
                 await self._loop.run_in_executor(None, into, pairs)
             return weights.version
+
+    async def compare_engine(self, version: int, layout: str, digest: str, *,
+                             timeout: float | None = None) -> dict[str, int]:
+        """Report what the inference engine this member feeds holds after loading ``version`` (a
+        digest of its engine-side weights; ``layout``: what makes two engines comparable, such as
+        the model, parallel rank and dtype), and return how many members of the channel reported
+        each digest for that version and layout, this one included. Engines that disagree with the
+        others hold something else than they loaded (``weightsync.integrations.vllm`` acts on it).
+        Bounded by ``timeout`` (default: the subscriber's); ``PublisherGone`` if the connection is gone.
+        """
+        check_timeout("timeout", timeout)
+        if self._state is not EndState.RUNNING or not self._receivers:
+            raise RuntimeError("start the Subscriber first (async with Subscriber(...) as sub)")
+        assert self._loop is not None
+        bound = self.timeout if timeout is None else timeout
+        receiver = self._receivers[0]
+        try:
+            return await self._loop.run_in_executor(None, receiver.report_engine, version, layout, digest, bound)
+        except (StoreUnreachable, ProtocolError) as err:
+            raise PublisherGone(f"the engine report for version {version} was not answered: {err}",
+                                channel=self.name, member=self.member_id, version=version) from err
 
     async def updates(self, *, timeout: float | None = None) -> AsyncIterator[Weights]:
         """Each version newer than the last one yielded, skipping any that came in between.

@@ -24,6 +24,7 @@ check costs nothing, and the drill does the byte comparison once per model and v
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Iterable
 from typing import Any
@@ -54,6 +55,12 @@ def engine_parameter_digests(model: torch.nn.Module) -> dict[str, str]:
                 else:
                     out[full] = "empty"
     return out
+
+
+def combined_digest(digests: dict[str, str]) -> str:
+    """One digest for a whole engine's :func:`engine_parameter_digests` (names included)."""
+    text = "\n".join(f"{name}={digest}" for name, digest in sorted(digests.items()))
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
 def _probe(module: torch.nn.Module) -> torch.Tensor:

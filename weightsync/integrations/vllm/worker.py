@@ -38,6 +38,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
+from weightsync.control.engines import disagrees
 from weightsync.errors import EngineMismatch, SyncTimeout, WeightSyncError
 from weightsync.integrations.vllm import checks
 from weightsync.options import Deadlines
@@ -79,6 +80,9 @@ class WeightsyncInitInfo(WeightTransferInitInfo):
             worker still holds that version; False: every update loads the whole version. Default:
             on for workers on CUDA, off on CPU, where vLLM packs linear weights for its kernels and
             a patch of the checkpoint-format parameter would not reach them (docs/vllm.md).
+        compare_replicas: after each load, report a digest of what the engine holds to the
+            publisher and compare it with the other engines of the same layout that loaded the
+            version; one that disagrees loads the version again once, then fails (docs/vllm.md).
     """
 
     address: str
@@ -89,6 +93,7 @@ class WeightsyncInitInfo(WeightTransferInitInfo):
     backend: str = "auto"
     transport: str = "auto"
     patches: bool | None = None
+    compare_replicas: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.address, str) or ":" not in self.address:
@@ -154,6 +159,11 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         self._full = False  # this update loads the whole version (not sparse patches)
         self.failed: str | None = None  # the last update's failed check: the engine serves no known version
         self.refreshed = 0  # MoE layers whose experts' packed weights the last update refreshed
+        self.compare = True  # compare what the engine holds with the other engines of its layout
+        self.reloads = 0  # the last update's loads again, after disagreeing with the others
+        self.agreement: tuple[int, int] | None = None  # engines holding this one's digest, of those that reported
+        self.compare_s = 0.0  # what the last comparison took (the digest and the round trip)
+        self._layout = ""
 
     def __call__(self, what: str = "info") -> Any:
         """What ``collective_rpc("weight_transfer_engine", args=(what,))`` returns per worker, as plain
@@ -173,7 +183,8 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
                 "wait_s": None if last is None else last.wait_s, "load_s": None if last is None else last.load_s,
                 "nbytes": None if last is None else last.nbytes,
                 "patched": None if last is None else last.patched, "patch_fallbacks": self.patch_fallbacks,
-                "failed": self.failed, "refreshed": self.refreshed}
+                "failed": self.failed, "refreshed": self.refreshed, "reloads": self.reloads,
+                "agreement": self.agreement, "compare_s": self.compare_s}
 
     # lifecycle ----------------------------------------------------------------------------
     def init_transfer_engine(self, init_info: WeightsyncInitInfo) -> None:
@@ -196,6 +207,10 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
             self._bridge = None
             raise
         self._sub, self._member, self._channel = sub, member, init_info.channel
+        self.compare = bool(init_info.compare_replicas)
+        world = getattr(self.vllm_config.parallel_config, "world_size", 1)
+        self._layout = (f"{type(self.model).__name__}|{self.vllm_config.model_config.dtype}|rank {rank} of {world}|"
+                        f"{self.device.type}")
         # vLLM's CPU backend packs linear weights for its GEMM kernels (oneDNN, sgl): a patch written
         # into a parameter in checkpoint format would not reach what the kernel reads
         self.patches = self.device.type == "cuda" if init_info.patches is None else bool(init_info.patches)
@@ -235,9 +250,24 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         self._wait_s = self._load_began - began
         assert self._pinned is not None
         weights = self._pinned[1]
-        self._patched, self._loaded, self._full = None, None, False
-        if weights.since is not None and self._patch(weights):
-            return
+        self._patched, self._loaded, self._full, self.reloads, self.agreement = None, None, False, 0, None
+        if weights.since is None or not self._patch(weights):
+            self._load_full(weights)
+        while self.compare:
+            disagreement = self._compare(weights.version)
+            if disagreement is None:
+                break
+            if self.reloads:  # loaded twice, disagreeing twice: this engine, not a stray write
+                self._release()
+                self._fail(disagreement, weights.version)
+            self.reloads += 1
+            log.warning("vLLM worker %s: %s; loading version %d again", self._member, disagreement, weights.version)
+            self._load_full(weights)
+
+    def _load_full(self, weights: WeightStream) -> None:
+        """Load the whole pinned version through the model's own loaders (vLLM's layerwise reload),
+        check that it wrote every engine parameter (else fail closed), finalize the reload and
+        refresh what vLLM's reload leaves stale."""
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
         try:
@@ -253,14 +283,15 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         if problem is not None:  # raised from update_weights: vLLM ends the update session itself
             self._release()
             self._fail(problem, weights.version)
+        self._finalize()
+        if self._loaded is not None:  # the reload is finalized: refresh what it leaves stale
+            self.refreshed = len(checks.refresh_fused_experts(self.model, self._loaded))
 
     def finish_weight_update(self) -> None:
         if self._pinned is None:
             return  # nothing was loaded (update_weights failed or was not called)
         weights = self._pinned[1]
         self._release()
-        if self._full and self._loaded is not None:  # the reload is finalized: refresh what it leaves stale
-            self.refreshed = len(checks.refresh_fused_experts(self.model, self._loaded))
         self.failed = None
         self.version = weights.version
         self.last = UpdateStats(weights.version, self._wait_s, time.monotonic() - self._load_began, weights.nbytes,
@@ -286,6 +317,35 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
             return (f"version {version} did not write {len(missing)} engine parameters (they keep the previous "
                     f"version's bytes, or none): {', '.join(missing[:6])}{' ...' if len(missing) > 6 else ''}")
         return None
+
+    def _after_load(self) -> None:
+        """Called once the engine holds the loaded version, before it is compared (a test-only
+        subclass corrupts the engine's memory here)."""
+
+    def _compare(self, version: int) -> str | None:
+        """Tell the publisher a digest of what this engine now holds; the disagreement with the
+        other engines of its layout that loaded this version, or None. A publisher that cannot be
+        asked does not fail the update (the load itself was checked)."""
+        assert self._sub is not None and self._bridge is not None
+        self._after_load()
+        began = time.monotonic()
+        digest = checks.combined_digest(checks.engine_parameter_digests(self.model))
+        try:
+            counts = self._bridge.run(self._sub.compare_engine(version, self._layout, digest, timeout=self._timeout),
+                                      self._timeout + GRACE, f"comparing version {version} with the other engines")
+        except WeightSyncError as err:
+            log.warning("vLLM worker %s: version %d not compared with the other engines: %s", self._member, version,
+                        err)
+            return None
+        finally:
+            self.compare_s = time.monotonic() - began
+        self.agreement = (counts.get(digest, 0), sum(counts.values()))
+        if not disagrees(counts, digest):
+            return None
+        others = ", ".join(f"{d[:12]}: {n}" for d, n in sorted(counts.items()) if d != digest)
+        return (f"version {version}: this engine holds other weights than the other engines of its layout "
+                f"({self._layout}): its digest {digest[:12]} is held by {counts.get(digest, 0)} of "
+                f"{sum(counts.values())} ({others})")
 
     def _fail(self, problem: str, version: int) -> None:
         """Fail closed: this worker serves no known version until a later update passes; say so in
@@ -360,14 +420,18 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
 
         self._pinned = self._bridge.run(enter(), timeout + GRACE, f"waiting for version >= {min_version}")
 
-    def _release(self) -> None:
-        """Finalize a started reload, then unpin the slot (in that order: the reload may still
-        hold views of the slot for layers it processes at the end)."""
+    def _finalize(self) -> None:
+        """Finalize a started reload (layers not processed yet are processed now)."""
         if self._reloading:
             self._reloading = False
             from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
             finalize_layerwise_reload(self.model, self.model_config)
+
+    def _release(self) -> None:
+        """Finalize a started reload, then unpin the slot (in that order: the reload may still
+        hold views of the slot for layers it processes at the end)."""
+        self._finalize()
         pinned, self._pinned = self._pinned, None
         if pinned is None or self._bridge is None:
             return
