@@ -273,3 +273,8 @@ def test_an_engine_corrupted_after_its_load_is_caught_by_its_replica(replicas_re
     assert "other weights than the other engines of its layout" in broken.error
     (info,) = replicas_report.broken_info
     assert info["version"] is None and info["failed"] and info["reloads"] == 1 and info["agreement"] == [1, 2]
+    # a loader that sends two tensors to each other's parameter beside a healthy replica: every parameter
+    # is written, so only the comparison sees it, in the update that did it
+    swapped = replicas_report.swapped
+    assert swapped is not None and swapped.error.startswith("EngineMismatch")
+    assert "other weights than the other engines of its layout" in swapped.error

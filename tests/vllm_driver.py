@@ -299,12 +299,14 @@ class ReplicasReport(msgspec.Struct):
     healed_tokens_equal: bool  # it then generates what the healthy engine generates
     broken: Failure | None  # the update of an engine corrupted after every load
     broken_info: list[dict]
+    swapped: Failure | None  # the update of an engine whose loader swaps two tensors, beside a healthy one
 
 
 def replicas(result: Path, work: Path) -> None:
     """Two engines of one layout on one channel. The first loads version 1; the second's memory is
     corrupted right after its load: its digest disagrees, it loads the version again and agrees.
-    Then the second is corrupted after every load (version 2): it fails closed, naming the layout."""
+    Then the second is corrupted after every load (version 2): it fails closed, naming the layout; and
+    with a loader that swaps two tensors (version 3), the update that did it fails the same way."""
     from rl_examples import _llama
     from tests import vllm_faults
     from weightsync.integrations.vllm import engine_info, update
@@ -330,9 +332,14 @@ def replicas(result: Path, work: Path) -> None:
         update(healthy, 2, timeout=60)
         broken = failure(lambda: update(other, 2, timeout=60))
         broken_info = engine_info(other)
+        swap = "swap:model.layers.0.mlp.down_proj.weight,model.layers.1.mlp.down_proj.weight"
+        other.init_weight_transfer_engine({"init_info": {**init, "member_id": "other", "fault": swap}})
+        trainer.put(3)
+        update(healthy, 3, timeout=60)
+        swapped = failure(lambda: update(other, 3, timeout=60))
     finally:
         trainer.kill()
-    result.write_bytes(msgspec.json.encode(ReplicasReport(first, healed, same, broken, broken_info)))
+    result.write_bytes(msgspec.json.encode(ReplicasReport(first, healed, same, broken, broken_info, swapped)))
 
 
 class PatchReport(msgspec.Struct):

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -93,6 +93,25 @@ def uncovered(model: torch.nn.Module, loaded: Iterable[str]) -> list[str]:
     return sorted(name for name, _param in model.named_parameters() if name not in done)
 
 
+def _experts_needing_refresh(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module, Any]]:
+    """(name, layer, experts) of every MoE layer whose experts keep a layout of their own."""
+    try:
+        from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEExperts
+    except ImportError:  # a vLLM without modular MoE experts: nothing of this kind
+        return
+    base = FusedMoEExperts.process_weights_after_loading
+    for prefix, module in model.named_modules():
+        experts = getattr(getattr(getattr(module, "quant_method", None), "moe_kernel", None), "fused_experts", None)
+        if experts is not None and type(experts).process_weights_after_loading is not base:
+            yield prefix, module, experts
+
+
+def has_packed_experts(model: torch.nn.Module) -> bool:
+    """True when some MoE layer's experts keep their weights in a layout of their own: a sparse patch
+    in checkpoint coordinates would be written into that layout as it is, so such a model loads whole."""
+    return any(True for _ in _experts_needing_refresh(model))
+
+
 def refresh_fused_experts(model: torch.nn.Module, loaded: Iterable[str]) -> list[str]:
     """Re-run the fused-MoE experts' own weight processing on every MoE layer this update loaded;
     the names of the layers refreshed.
@@ -106,17 +125,9 @@ def refresh_fused_experts(model: torch.nn.Module, loaded: Iterable[str]) -> list
     load; its results are copied into the existing parameters' storage (addresses kept, as vLLM's
     reload keeps them for CUDA graphs) where shapes allow, else the new parameters stay.
     """
-    try:
-        from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEExperts
-    except ImportError:  # a vLLM without modular MoE experts: nothing of this kind to refresh
-        return []
     done = set(loaded)
     refreshed = []
-    base = FusedMoEExperts.process_weights_after_loading
-    for prefix, module in model.named_modules():
-        experts = getattr(getattr(getattr(module, "quant_method", None), "moe_kernel", None), "fused_experts", None)
-        if experts is None or type(experts).process_weights_after_loading is base:
-            continue  # no experts, or experts that keep the layer's own layout
+    for prefix, module, experts in _experts_needing_refresh(model):
         names = [n for n, _p in module.named_parameters(recurse=False)]
         if not any(f"{prefix}.{n}" in done for n in names):
             continue  # not loaded by this update: it still holds its processed weights

@@ -363,6 +363,10 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         a full load is needed (a tensor changed in a way a sparse patch cannot say: NaN or a
         non-floating dtype; or the model's loader does not take patches, after which the full load
         rewrites whatever the patch had reached)."""
+        if checks.has_packed_experts(self.model):
+            log.info("vLLM worker %s: the model's MoE experts keep a packed layout a patch would not respect: "
+                     "version %d loads whole", self._member, weights.version)
+            return False
         changes = weights.changes()
         if any(c.indices is None for c in changes):
             log.info("vLLM worker %s: version %d changes a tensor a sparse patch cannot carry: full load",
