@@ -218,19 +218,19 @@ def test_bad_arguments_are_clear_errors_before_anything_waits() -> None:
         WeightsyncInitInfo(address="127.0.0.1:1", channel="policy", timeout=-1)
 
 
-def test_moe_engines_serve_what_their_checkpoint_serves_after_every_update(moe_report: driver.MoeReport) -> None:
+def test_moe_engines_serve_what_their_checkpoint_serves_after_several_updates(moe_report: driver.MoeReport) -> None:
     """vLLM's CPU fused-MoE experts keep their weights prepacked, and vLLM's reload does not
     prepack again on a weight update: before the fix every update left the experts' weights in
     checkpoint layout (8 of 39 parameters of a Qwen3-MoE differed from a checkpoint-loaded engine's,
-    0 of 4 prompts matched). After the first update and after the third the engine holds exactly the
-    reference's bytes and generates its tokens."""
+    0 of 4 prompts matched). After the third update the engine holds exactly the reference's bytes and
+    generates its tokens."""
     assert [i["version"] for i in moe_report.info] == [1, 2, 3]
     assert all(i["failed"] is None and i["refreshed"] > 0 for i in moe_report.info)
     assert moe_report.differ == [[] for _ in driver.MOE_CHECKED]
     for after, reference in zip(moe_report.after, moe_report.reference, strict=True):
         assert after.tokens == reference.tokens
         assert max_diff(after, reference) == 0.0
-    assert moe_report.after[0].tokens != moe_report.after[-1].tokens  # the updates changed what it serves
+    assert moe_report.after[-1].tokens != moe_report.before.tokens  # the updates changed what it serves
 
 
 def test_an_update_whose_loader_skips_a_tensor_fails_closed_naming_it(checks_report: driver.ChecksReport) -> None:
