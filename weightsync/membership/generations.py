@@ -21,7 +21,7 @@ import logging
 import queue
 import secrets
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Protocol
 
 from weightsync import _wire
@@ -302,24 +302,8 @@ class Generations:
         self.last_corrupt = set()
         entry = self._rec.record("ack", generation=gen,
                                       version=version, peers=members).start()
-        deadline = time.monotonic() + timeout
         silent = set(members)
-        while silent:
-            self._pump()
-            # what already arrived counts first: a member may ack and then leave at once
-            message = self._next_reply(time.monotonic())
-            if message is None:
-                if all(not self.membership.is_alive(m) for m in silent):
-                    break  # nobody left to wait for
-                message = self._next_reply(deadline)
-                if message is None:
-                    break
-            if not isinstance(message, _wire.Ack) or (message.generation, message.seq) != (gen, seq) \
-                    or message.exposed:
-                continue  # a stale ack, an answer to a Commit, or a wake-up
-            if message.member_id not in silent:
-                continue
-            silent.discard(message.member_id)
+        for message in self._answers(gen, seq, silent, time.monotonic() + timeout, exposed=False):
             if message.ok and message.version == version:
                 acked.add(message.member_id)
                 self.last_timings[message.member_id] = (message.seconds, message.own_seconds)
@@ -348,22 +332,29 @@ class Generations:
         (monotonic arrival times). Stops early once every silent one is known dead; a member that
         never answers is not blamed here (its heartbeats decide whether it is alive)."""
         arrived: dict[str, float] = {}
-        silent = set(members)
-        deadline = time.monotonic() + timeout
+        for message in self._answers(gen, seq, set(members), time.monotonic() + timeout, exposed=True):
+            arrived[message.member_id] = time.monotonic()
+        return arrived
+
+    def _answers(self, gen: int, seq: int, silent: set[str], deadline: float, *, exposed: bool) -> Iterator[_wire.Ack]:
+        """Each first Ack of (``gen``, ``seq``) from a member in ``silent`` (removed from it as it
+        answers): acknowledgements of a version, or with ``exposed`` answers to its Commit. Ends when
+        all answered, at ``deadline``, or once every silent one is known dead."""
         while silent:
             self._pump()
+            # what already arrived counts first: a member may ack and then leave at once
             message = self._next_reply(time.monotonic())
             if message is None:
                 if all(not self.membership.is_alive(m) for m in silent):
-                    break
+                    return  # nobody left to wait for
                 message = self._next_reply(deadline)
                 if message is None:
-                    break
-            if isinstance(message, _wire.Ack) and message.exposed and (message.generation, message.seq) == (gen, seq) \
-                    and message.member_id in silent:
-                silent.discard(message.member_id)
-                arrived[message.member_id] = time.monotonic()
-        return arrived
+                    return
+            if not isinstance(message, _wire.Ack) or (message.generation, message.seq) != (gen, seq) \
+                    or message.exposed != exposed or message.member_id not in silent:
+                continue  # a stale ack, the other kind of answer, or a wake-up
+            silent.discard(message.member_id)
+            yield message
 
     def shutdown(self) -> None:
         self.tell(self.membership.members, _wire.Shutdown(reason="publisher closed"))

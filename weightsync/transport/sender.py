@@ -453,10 +453,11 @@ class Sender:
             job.digests = tuple(sums)  # what names this version as the next one's base
         sliced = side.digests(by)  # keyed by every sliced member in the version
         commits = self.settings.activation == "all"  # acked means staged: held only once committed
+        holders = dict.fromkeys((m for m in acked if m not in sliced), job.version)  # a sliced one holds its share
         for member in acked:
             job.forms[member] = forms[member]
-            if member not in sliced and not commits:  # it holds exactly the staged bytes (a sliced one its share)
-                self._holds[member] = job.version
+        if not commits:
+            self._holds.update(holders)
         if self._sent_delta and out.base is not None:
             job.base = out.base.version
         if acked and not failed:
@@ -468,9 +469,7 @@ class Sender:
         arrivals = gens.last_arrivals
         if commits:
             arrivals = self._commit(gens, job, gen, seq, tuple(sorted(acked)))
-            for member in acked:
-                if member not in sliced:
-                    self._holds[member] = job.version
+            self._holds.update(holders)
         job.exposure_spread = max(arrivals.values()) - min(arrivals.values()) if arrivals else 0.0
         self._finish(job, t0)
         return None

@@ -29,7 +29,7 @@ import socket
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 from vllm.distributed.weight_transfer.base import (
@@ -347,7 +347,7 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
                 f"({self._layout}): its digest {digest[:12]} is held by {counts.get(digest, 0)} of "
                 f"{sum(counts.values())} ({others})")
 
-    def _fail(self, problem: str, version: int) -> None:
+    def _fail(self, problem: str, version: int) -> NoReturn:
         """Fail closed: this worker serves no known version until a later update passes; say so in
         ``engine_info`` (``failed``), the log and the flight recorder, and raise."""
         self.version, self.failed = None, problem
