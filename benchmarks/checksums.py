@@ -8,10 +8,13 @@ Candidates, each over the same 64 MiB host bucket, one thread:
 - ``zlib-crc32``    CRC32 of the bytes;
 - ``xxh64``         xxHash 64;
 - ``xxh3-64``       xxHash XXH3-64;
-- ``crc32c``        hardware CRC32C, what ``weightsync.format.checksum`` uses now (protocol 2);
+- ``crc32c``        hardware CRC32C (protocols 2 to 10: every bucket's).
 
-and the memory-copy rate of the same bucket, measured beside them as the ceiling. Prints GB/s
-and each one's ratio to protocol 1, writes ``checksums.json`` and ``checksums.png``.
+Since protocol 11 a publisher uses the faster of ``crc32c`` and ``xxh3`` on its CPU
+(``weightsync.format.checksum.choose``, a few milliseconds at start) and names it in each
+Announce; this prints which one it picks here. The memory-copy rate of the same bucket is
+measured beside them as the ceiling. Prints GB/s and each one's ratio to protocol 1 with the
+CPU's name, writes ``checksums.json`` and ``checksums.png``.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import torch
 import xxhash
 
 from benchmarks import report
+from weightsync.format.checksum import choose
 from weightsync.testing import digest as checksum
 
 
@@ -67,15 +71,19 @@ def main(argv: list[str] | None = None) -> int:
         "striped-crc32 (protocol 1)": rate(striped_crc32, buf, args.reps),
         "zlib-crc32": rate(lambda b: zlib.crc32(_host(b)), buf, args.reps),
         "xxh64": rate(lambda b: xxhash.xxh64_intdigest(_host(b)), buf, args.reps),
-        "xxh3-64": rate(lambda b: xxhash.xxh3_64_intdigest(_host(b)), buf, args.reps),
-        "crc32c (protocol 2)": rate(checksum, buf, args.reps),
+        "xxh3-64": rate(lambda b: checksum(b, "xxh3"), buf, args.reps),
+        "crc32c": rate(checksum, buf, args.reps),
     }
+    picked = choose()
     base = rows["striped-crc32 (protocol 1)"]
-    print(f"{args.mib} MiB host bucket, one thread, best of {args.reps}")
+    cpu = report.cpu_name()
+    print(f"{args.mib} MiB host bucket, one thread, best of {args.reps}, {cpu}")
     print(f"{'digest':<28}{'GB/s':>8}{'x protocol 1':>14}")
     for name, gbs in rows.items():
         print(f"{name:<28}{gbs:>8.2f}{gbs / base:>14.2f}")
-    json_path = report.write_json(args.out, "checksums", {"mib": args.mib, "reps": args.reps, "gb_per_s": rows})
+    print(f"a publisher here uses: {picked}")
+    json_path = report.write_json(args.out, "checksums", {"mib": args.mib, "reps": args.reps, "cpu": cpu,
+                                                          "chosen": picked, "gb_per_s": rows})
     plt = report.pyplot()
     if plt is None:
         return 0

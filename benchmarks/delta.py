@@ -49,7 +49,7 @@ import torch
 
 import weightsync as ws
 from benchmarks import netns
-from benchmarks.report import pyplot, verdict, write_json
+from benchmarks.report import cpu_name, pyplot, verdict, write_json
 from weightsync.testing import digest
 
 
@@ -81,16 +81,6 @@ class Report(msgspec.Struct):
     bf16_bytes: int
     pushes: list[Push]
     targets: dict[str, bool]
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 def fingerprint(items: Any) -> str:

@@ -8,6 +8,17 @@ from typing import Any
 import msgspec
 
 
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``): figures that depend on it say which one."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
 def write_json(out: str | Path, name: str, data: Any) -> Path:
     """``data`` as formatted JSON in ``out/name.json`` (the directory is made); its path."""
     folder = Path(out)

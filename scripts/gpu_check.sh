@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
 # One prepared run on a single-GPU machine (the device tool): the gpu-marked tests and the
 # doctor report, then the 14 GB stream-ordered snapshot benchmark, within about 8 minutes. The machine
-# has torch and cupy but not weightsync's other declared dependencies (msgspec, crc32c, zstandard) nor the test
+# has torch and cupy but not weightsync's other declared dependencies (msgspec, crc32c, xxhash, zstandard) nor the test
 # tools: carry their wheels in wheels/
-#   pip download msgspec crc32c zstandard pytest-asyncio pytest-timeout -d wheels
+#   pip download msgspec crc32c xxhash zstandard pytest-asyncio pytest-timeout -d wheels
 # `weightsync bench` is not run there: NCCL takes one GPU per rank, and that machine has one.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
 mkdir -p "$OUT"
-python -m pip install --quiet --no-index --find-links wheels msgspec crc32c zstandard pytest-asyncio pytest-timeout 2>&1 | tail -2
-python -c "import msgspec, crc32c, zstandard" || { echo "a declared dependency is missing: carry its wheel in wheels/"; exit 1; }
+python -m pip install --quiet --no-index --find-links wheels msgspec crc32c xxhash zstandard pytest-asyncio pytest-timeout 2>&1 | tail -2
+python -c "import msgspec, crc32c, xxhash, zstandard" || { echo "a declared dependency is missing: carry its wheel in wheels/"; exit 1; }
 python -m pip install --quiet --no-deps -e . 2>&1 | tail -2
 { date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; } > "$OUT/hardware.txt" 2>&1
 python -m weightsync.cli doctor | tee "$OUT/doctor.txt"

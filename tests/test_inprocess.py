@@ -358,3 +358,22 @@ async def test_put_casts_to_the_engines_dtype_in_the_snapshot(copy: bool) -> Non
         assert pub.version == 4  # a refused put took no version
     finally:
         await close(pub, subs)
+
+
+@pytest.mark.parametrize("kind", ["crc32c", "xxh3"])
+async def test_a_publishers_digest_is_named_to_its_members_and_proves_every_version(kind: str) -> None:
+    """Whichever digest the publisher uses (chosen by its CPU, or pinned), members check with it."""
+    pub, subs = await channel(2, name=f"digest-{kind}", bucket_bytes=1 << 16, digest=kind)
+    try:
+        assert pub.digest == kind
+        for version in range(2):  # the second one may go as a delta: proven by the same digests
+            sd = mixed_state_dict(version, mib=1)
+            report = await (await pub.put(sd, version=version)).delivered(timeout=30)
+            assert set(report.members) == {s.member_id for s in subs}
+            for sub in subs:
+                assert digests(await sub.get(min_version=version, timeout=5)) == digests(sd)
+        announced = [e for e in pub._recorder.snapshot() if e.op == "announce" and e.channel == pub.name]
+        assert announced and {e.digest for e in announced} == {kind}
+        assert subs[0].statistics().checksum_failures == 0
+    finally:
+        await close(pub, subs)

@@ -158,10 +158,10 @@ def announce(version: int, manifest: _wire.Manifest, num_buckets: int, seq: int 
                           num_buckets=num_buckets, **kw)
 
 
-def feed(seq: int, pieces: Sequence[torch.Tensor]) -> list[int]:
+def feed(seq: int, pieces: Sequence[torch.Tensor], kind: str = "crc32c") -> list[int]:
     for i, piece in enumerate(pieces):
         FEED[(seq, i)] = piece.clone()
-    return [checksum(p) if p.numel() else 0 for p in pieces]
+    return [checksum(p, kind) if p.numel() else 0 for p in pieces]
 
 
 def readable(m: Member) -> dict[str, torch.Tensor]:
@@ -188,6 +188,27 @@ def test_bytes_that_do_not_match_the_seal_are_refused_and_never_readable(member:
     FEED[(0, 1)][5] ^= 0xFF  # bucket 1 corrupted on its way
     ack = m.send(announce(4, manifest, len(buckets)), digests)
     assert not ack.ok and ack.corrupt and m.slots.version is None
+
+
+def test_the_member_checks_with_the_digest_the_announce_names_and_refuses_one_it_lacks(member: Any) -> None:
+    m = member()
+    manifest, flat = packed(items(2.5))
+    buckets = [flat[lo:hi] for lo, hi in layout.bucket_ranges(manifest.total_bytes, BUCKET)]
+    xxh3 = feed(0, buckets, "xxh3")
+    assert m.send(announce(1, manifest, len(buckets), digest="xxh3"), xxh3).ok and m.slots.version == 1
+    # the same XXH3 digests under the default name (CRC32C) do not match: the name is what is computed
+    feed(1, buckets)
+    ack = m.send(announce(2, manifest, len(buckets), seq=1), xxh3)
+    assert not ack.ok and ack.corrupt and m.slots.version == 1
+    # XXH3 catches a corrupted bucket as CRC32C does
+    digests = feed(2, buckets, "xxh3")
+    FEED[(2, 0)][3] ^= 0x10
+    ack = m.send(announce(3, manifest, len(buckets), seq=2, digest="xxh3"), digests)
+    assert not ack.ok and ack.corrupt and m.slots.version == 1
+    # a digest this member does not have: refused, never readable, the name in the error
+    feed(3, buckets)
+    ack = m.send(announce(4, manifest, len(buckets), seq=3, digest="sha3-512"), feed(3, buckets))
+    assert not ack.ok and "sha3-512" in ack.error and m.slots.version == 1
 
 
 def test_a_sliced_member_packs_only_its_box_in_its_own_layout(member: Any) -> None:

@@ -25,7 +25,7 @@ import torch
 from tests.fakes import FakeControl, FakePlane, FakeTable
 from weightsync import _wire
 from weightsync.format import layout, sharding
-from weightsync.format.checksum import checksum
+from weightsync.format.checksum import KINDS, checksum
 from weightsync.membership.membership import Membership, StragglerPolicy
 from weightsync.options import ChannelOptions
 from weightsync.planes import shm
@@ -78,7 +78,7 @@ class Member:
 class Rig:
     """A Sender thread with its fakes; members join with :meth:`join`, versions go with :meth:`put`."""
 
-    def __init__(self, *, segments: bool = False) -> None:
+    def __init__(self, *, segments: bool = False, digest: str = "crc32c") -> None:
         self.control, self.plane = FakeControl(), FakePlane()
         self.recorder = FlightRecorder(capacity=2000)
         self.segments = shm.SegmentPool("unit") if segments else None
@@ -96,7 +96,8 @@ class Rig:
                              on_change=lambda: None, on_evicted=lambda _m: None,
                              planes=("group", "shm"), plane_objects={"segments": self.segments},
                              buckets=BucketBuffers(torch.device("cpu"), allocate=self.segments.allocate,
-                                                   drop=self.segments.drop) if self.segments is not None else None)
+                                                   drop=self.segments.drop) if self.segments is not None else None,
+                             digest=digest)
         self.loop = asyncio.new_event_loop()
         self.members: dict[str, Member] = {}
         self.thread = threading.Thread(target=self.sender.main, name="unit-sender", daemon=True)
@@ -141,7 +142,7 @@ class Rig:
 def rig() -> Iterator[Rig]:
     made: list[Rig] = []
 
-    def make(**kw: bool) -> Rig:
+    def make(**kw: Any) -> Rig:
         made.append(Rig(**kw))
         return made[-1]
 
@@ -154,8 +155,8 @@ def tensors(numel: int, value: float) -> list[tuple[str, torch.Tensor]]:
     return [("w", torch.arange(numel, dtype=torch.float32) + value), ("b", torch.full((7,), value))]
 
 
-def digests_of(flat: torch.Tensor, bucket_bytes: int) -> list[int]:
-    return [checksum(flat[lo:hi]) for lo, hi in layout.bucket_ranges(flat.numel(), bucket_bytes)]
+def digests_of(flat: torch.Tensor, bucket_bytes: int, kind: str = "crc32c") -> list[int]:
+    return [checksum(flat[lo:hi], kind) for lo, hi in layout.bucket_ranges(flat.numel(), bucket_bytes)]
 
 
 def staged(r: Rig, version: int) -> torch.Tensor:
@@ -169,15 +170,17 @@ def moves(plane: FakePlane) -> list[int]:
     return [v for op, v in plane.calls if op == "move"]
 
 
-def test_group_members_get_the_buckets_through_the_plane_and_digests_of_what_was_staged(rig) -> None:
-    r = rig()
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_group_members_get_the_buckets_through_the_plane_and_digests_of_what_was_staged(rig, kind: str) -> None:
+    r = rig(digest=kind)
     a = r.join("a")
     items = tensors(3000, 1.0)
     report = r.put(0, items)
     assert report.members == ("a",) and moves(r.plane) == [0]
     announce, seal = a.of(_wire.Announce)[-1], a.of(_wire.Seal)[-1]
     assert announce.segment is None and not announce.direct and announce.num_buckets == 3  # 12 KiB in 4 KiB
-    assert list(seal.checksums) == digests_of(staged(r, 0), SETTINGS.bucket_bytes)
+    assert announce.digest == kind  # the Seal's function is named, and is what was used
+    assert list(seal.checksums) == digests_of(staged(r, 0), SETTINGS.bucket_bytes, kind)
 
 
 @pytest.mark.skipif(not shm.available(), reason="needs memfd and /proc (Linux)")

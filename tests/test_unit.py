@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import socket
 import subprocess
 import sys
@@ -17,8 +18,9 @@ import torch.distributed as dist
 import weightsync as ws
 from tests.statedicts import digests, mixed_state_dict
 from weightsync import _wire
+from weightsync.format import checksum as checksums
 from weightsync.format import layout
-from weightsync.format.checksum import STRIPES, checksum
+from weightsync.format.checksum import KINDS, STRIPES
 from weightsync.options import ChannelOptions, parse_address
 from weightsync.transport.staging import Job, Staging
 
@@ -242,8 +244,10 @@ def test_admission_names_each_reason_to_refuse() -> None:
     assert problem(msgspec.structs.replace(sliced, want=None)).kind == "token"
 
 
-def test_checksum_catches_flips_and_swaps_and_ignores_alignment() -> None:
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_checksum_catches_flips_and_swaps_and_ignores_alignment(kind: str) -> None:
     data = torch.randint(0, 256, (1 << 16,), dtype=torch.uint8)
+    checksum = functools.partial(checksums.checksum, kind=kind)
     base = checksum(data)
     flipped = data.clone()
     flipped[4097] ^= 1
@@ -259,6 +263,31 @@ def test_checksum_catches_flips_and_swaps_and_ignores_alignment() -> None:
     assert checksum(data[:0]) == checksum(torch.empty(0, dtype=torch.uint8))
     with pytest.raises(ValueError, match="flat contiguous uint8"):
         checksum(data.view(torch.int64))
+
+
+def test_the_digest_is_chosen_by_measurement_named_pinned_or_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    data = torch.randint(0, 256, (1 << 12,), dtype=torch.uint8)
+    assert checksums.checksum(data, "crc32c") != checksums.checksum(data, "xxh3")  # the name decides
+    measured = checksums.rates(1 << 20, reps=1)
+    assert set(measured) == set(KINDS) and all(rate > 0 for rate in measured.values())
+    try:
+        checksums.choose.cache_clear()
+        monkeypatch.delenv(checksums.ENV, raising=False)
+        assert checksums.resolve("auto") in KINDS
+        for kind in KINDS:  # pinned by the environment, or by name
+            checksums.choose.cache_clear()
+            monkeypatch.setenv(checksums.ENV, kind)
+            assert checksums.resolve("auto") == kind and checksums.resolve(kind) == kind
+        checksums.choose.cache_clear()
+        monkeypatch.setenv(checksums.ENV, "md5")
+        with pytest.raises(ValueError, match="WEIGHTSYNC_DIGEST='md5'"):
+            checksums.choose()
+    finally:
+        checksums.choose.cache_clear()
+    with pytest.raises(ValueError, match="digest must be 'auto' or one of"):
+        checksums.resolve("sha1")
+    with pytest.raises(ValueError, match="unknown digest 'sha1'"):
+        checksums.checksum(data, "sha1")
 
 
 def test_connect_store_reaches_an_applications_store_and_gives_up_on_a_silent_listener() -> None:

@@ -26,12 +26,13 @@ from typing import Union
 
 import msgspec
 
-PROTOCOL_VERSION = 10  # 2: settings in Admit; CRC32C. 3: link probes. 4: same-host shm. 5: sharded (lanes).
+PROTOCOL_VERSION = 11  # 2: settings in Admit; CRC32C. 3: link probes. 4: same-host shm. 5: sharded (lanes).
 # 6: sliced members (Join.want, point-to-point buckets: Announce.direct)
 # 7: tied tensors sent once (Manifest.ties); Challenge.open
 # 8: each member's Announce names the version's encoding on the wire (Announce.encoding, .wire)
 # 9: deltas: Announce.base, .base_digest (the version a delta is against, and its digest)
 # 10: fleet-wide activation: ChannelSettings.activation, Commit, Ack.exposed; EngineReport, EngineTally
+# 11: Announce.digest (the Seal's digest function, chosen by the publisher's CPU: format.checksum)
 
 
 class TensorSpec(msgspec.Struct, frozen=True, array_like=True):
@@ -211,6 +212,7 @@ class Announce(msgspec.Struct, frozen=True, tag="announce"):
     wire: tuple[int, ...] = ()  # each bucket's bytes on the wire; empty: the layout's (as staged)
     base: int = -1  # a delta: the version it is against (the member's readable one), else -1
     base_digest: bytes = b""  # ...and that version's digest (planes.encoding.base_digest)
+    digest: str = "crc32c"  # the function of the Seal's per-bucket digests (format.checksum.KINDS)
 
 
 class Seal(msgspec.Struct, frozen=True, tag="seal"):

@@ -101,9 +101,10 @@ def inject(subscriber: Any, hooks: Hooks) -> None:
     subscriber._hooks = hooks
 
 
-def digest(tensor: torch.Tensor) -> int:
-    """The per-bucket digest a publisher seals (and a member checks) for ``tensor``'s bytes: for tests
-    and drills that compare bytes the way weightsync does."""
+def digest(tensor: torch.Tensor, kind: str = "crc32c") -> int:
+    """The per-bucket digest ``kind`` (``"crc32c"`` or ``"xxh3"``: what ``pub.digest`` names) a
+    publisher seals (and a member checks) for ``tensor``'s bytes: for tests and drills that compare
+    bytes the way weightsync does."""
     from weightsync.format.checksum import checksum  # noqa: PLC0415 - only when asked
 
-    return checksum(tensor)
+    return checksum(tensor, kind)

@@ -1,30 +1,59 @@
 """Per-bucket digests: what a subscriber checks before a version becomes readable.
 
-Host buckets get a CRC32C (the ``crc32c`` package: the SSE4.2 / ARMv8 CRC instructions, with
-a software fallback on CPUs without them), read in place through a ``ctypes`` view of the
-tensor's memory: no copy, no numpy. Chosen by measurement on the 2-core development machine,
-one thread, 64 MiB buckets (``python -m benchmarks.checksums`` prints them side by side):
-CRC32C about 20 GB/s, xxHash XXH3-64 about 10.6, protocol 1's striped CRC32 3.7, zlib's CRC32
-3.8. It releases the GIL for large inputs (measured: a spinning thread kept its rate during a
-512 MiB digest), so the control threads keep running while a bucket is checked.
+Two digests, named on the wire (each Announce says which one its Seal holds, ``KINDS``):
 
-CUDA buckets reduce on the device (stripe sums, as before) and bring only the sums over: a
-device-to-host copy of every bucket would cost more than the transfer it guards. Both ends of
-a channel hold their buckets on the same kind of device, so both compute the same function.
+- ``"crc32c"``: CRC32C (the ``crc32c`` package: the SSE4.2 / ARMv8 CRC instructions, with a
+  software fallback on CPUs without them), 32 bits;
+- ``"xxh3"``: xxHash's XXH3-64 (the ``xxhash`` package, vectorised with SSE2/AVX2/NEON), 64 bits.
 
-The rejected alternatives: XXH3-64 (half the speed here, though without a hardware
-dependency), CRC32 (zlib) and the protocol-1 striped sums (5x slower); a torch reduction on the
-host, whose OpenMP workers spin after the reduction and starve gloo's threads on a 2-core machine.
+Neither is faster everywhere (``python -m benchmarks.checksums``, 64 MiB, one thread): on the
+2-core Intel Xeon the first digests were measured on, CRC32C 20.5 GB/s and XXH3 14.6; on the
+2-core AMD EPYC of later sessions, CRC32C 5.9-15 and XXH3 13-35.5 (2.0-2.4x). So a publisher
+measures both once per process (:func:`choose`, a few milliseconds over a buffer in cache) and
+names its choice in every Announce; the members compute what it names. ``WEIGHTSYNC_DIGEST``
+(or ``Publisher(digest=)``) pins one.
+
+Both read the bucket in place through a ``ctypes`` view of the tensor's memory (no copy, no
+numpy) and release the GIL for large inputs, so the control threads keep running while a bucket
+is checked.
+
+CUDA buckets reduce on the device (stripe sums) and bring only the sums over, digested with the
+named function: a device-to-host copy of every bucket would cost more than the transfer it guards.
+Both ends of a channel hold their buckets on the same kind of device, so both compute the same.
+
+Rejected: CRC32 (zlib), XXH64 and the protocol-1 striped sums (2-5x slower than the better of
+the two); a torch reduction on the host, whose OpenMP workers spin after the reduction and
+starve gloo's threads on a 2-core machine.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
+import os
+import time
+from collections.abc import Callable
 
 import crc32c
 import torch
+import xxhash
 
 STRIPES = 16  # a CUDA bucket is read as this many equal stripes of 8-byte words
+DEFAULT = "crc32c"  # what an Announce without a name means (protocol 2 to 10)
+ENV = "WEIGHTSYNC_DIGEST"
+_PROBE_BYTES = 4 << 20
+
+
+def _crc32c(view: ctypes.Array[ctypes.c_char], seed: int = 0) -> int:
+    return int(crc32c.crc32c(view, seed))
+
+
+def _xxh3(view: ctypes.Array[ctypes.c_char], seed: int = 0) -> int:
+    return int(xxhash.xxh3_64_intdigest(view, seed))
+
+
+#: name on the wire -> fn(bytes-like, seed) -> int
+KINDS: dict[str, Callable[..., int]] = {"crc32c": _crc32c, "xxh3": _xxh3}
 
 
 def _host_view(buf: torch.Tensor) -> ctypes.Array[ctypes.c_char]:
@@ -32,17 +61,57 @@ def _host_view(buf: torch.Tensor) -> ctypes.Array[ctypes.c_char]:
     return (ctypes.c_char * buf.numel()).from_address(buf.data_ptr())
 
 
-def checksum(buf: torch.Tensor) -> int:
-    """A 32-bit digest (CRC32C) of a flat, contiguous uint8 bucket."""
+def checksum(buf: torch.Tensor, kind: str = DEFAULT) -> int:
+    """The digest ``kind`` (a name in ``KINDS``) of a flat, contiguous uint8 bucket."""
     if buf.dtype != torch.uint8 or buf.dim() != 1 or not buf.is_contiguous():
         raise ValueError(f"checksum takes a flat contiguous uint8 bucket, got {buf.dtype} {tuple(buf.shape)}")
+    fn = KINDS.get(kind)
+    if fn is None:
+        raise ValueError(f"unknown digest {kind[:32]!r}; known: {sorted(KINDS)}")
     if not buf.is_cuda:
-        return int(crc32c.crc32c(_host_view(buf)))
+        return fn(_host_view(buf))
     grid = STRIPES * 8
     n = buf.numel() // grid * grid
     head = buf[:n] if buf.data_ptr() % 8 == 0 else buf[:n].clone()
     words = head.view(torch.int64).view(STRIPES, -1)
     sums = torch.cat([words.sum(1), words.sum(0)]).cpu()
     tail = buf[n:].cpu()
-    digest = crc32c.crc32c(_host_view(sums.view(torch.uint8)))
-    return int(crc32c.crc32c(_host_view(tail), digest))
+    # the tail's digest is seeded with the sums' (both functions take a 64-bit seed)
+    return fn(_host_view(tail), fn(_host_view(sums.view(torch.uint8))))
+
+
+def resolve(kind: str) -> str:
+    """A publisher's digest setting as a name in ``KINDS``: ``"auto"`` is :func:`choose`'s."""
+    if kind == "auto":
+        return choose()
+    if kind not in KINDS:
+        raise ValueError(f"digest must be 'auto' or one of {sorted(KINDS)}, got {kind!r}")
+    return kind
+
+
+def rates(nbytes: int = _PROBE_BYTES, reps: int = 3) -> dict[str, float]:
+    """Each digest's bytes per second over one buffer of ``nbytes`` (best of ``reps``)."""
+    buf = bytearray(os.urandom(1 << 12)) * (nbytes >> 12)
+    view = (ctypes.c_char * len(buf)).from_buffer(buf)
+    out = {}
+    for name, fn in KINDS.items():
+        fn(view)
+        best = float("inf")
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn(view)
+            best = min(best, time.perf_counter() - t0)
+        out[name] = len(buf) / max(best, 1e-9)
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def choose() -> str:
+    """The faster digest on this CPU, measured once per process (``WEIGHTSYNC_DIGEST`` pins one)."""
+    pinned = os.environ.get(ENV, "")
+    if pinned:
+        if pinned not in KINDS:
+            raise ValueError(f"{ENV}={pinned!r}: not one of {sorted(KINDS)}")
+        return pinned
+    measured = rates()
+    return max(measured, key=measured.__getitem__)

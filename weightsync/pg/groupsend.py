@@ -9,6 +9,7 @@ of the two a version takes is decided per version by who is in it, not per membe
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -56,7 +57,8 @@ class GroupSend:
         # point to point: each member is sent its gathered share of the staged bytes ("full")
         self._wire, self._form = out.buckets, ("full", -1)
         device = out.buckets[0].device if out.buckets else self._ctx.buckets.device
-        fanout = slicing.Fanout(members, plans, self._gathers.for_plans(plans, device), checksum)
+        fanout = slicing.Fanout(members, plans, self._gathers.for_plans(plans, device),
+                                 functools.partial(checksum, kind=out.digest))
         self._fanout = fanout
         out.afters.append(lambda i: fanout.done(i, out.checksum))
         return {"direct": True}

@@ -153,6 +153,7 @@ class Outgoing:
     point_to_point: bool = False
     hooked: bool = False  # a part wrapped ``before``: the buckets must be walked even with nobody driving
     encoding: str = "full"  # the version's encoding on the wire, for parts that carry it (:meth:`encoded`)
+    digest: str = "crc32c"  # the per-bucket digest's function (format.checksum.KINDS), named in the Announce
     base: Base | None = None  # what a delta may be relative to (the retained version), else None
     #: ``"auto"``: full versions reached this channel's group faster than deltas lately (the Sender's
     #: measurement), so the encoder need not make one

@@ -142,11 +142,11 @@ class DeltaEncoder:
                 out.full_reason = f"sampled, the delta would be about {guess / max(total, 1):.0%} of the version"
                 return WirePlan(out.buckets, encoding=FULL)
 
-        def one(i: int) -> tuple[delta.Encoded, int]:  # torch's ops, zstd and CRC32C let go of the GIL
+        def one(i: int) -> tuple[delta.Encoded, int]:  # torch's ops, zstd and the digests let go of the GIL
             lo, hi = out.ranges[i]
             bucket = out.buckets[i]
             enc = delta.encode(bucket, base.flat[lo:hi], delta.segments(out.manifest, lo, hi), auto=self.auto)
-            return enc, checksum(bucket) if out.checksum and bucket.numel() else 0
+            return enc, checksum(bucket, out.digest) if out.checksum and bucket.numel() else 0
 
         done = list(_pool().map(one, range(len(out.ranges))))
         wire = [enc.wire.to(out.buckets[i].device) for i, (enc, _sum) in enumerate(done)]

@@ -56,6 +56,7 @@ class Entry(msgspec.Struct, kw_only=True):
     peers: tuple[str, ...] = ()
     encoding: str = ""  # a version's buckets: how they went on the wire, and the base a delta was against
     base: int = -1
+    digest: str = ""  # an announce: the function of its Seal's digests ("" when it has none)
     state: str = SCHEDULED
     t_scheduled: float = 0.0
     t_started: float = 0.0

@@ -36,6 +36,7 @@ from weightsync.control.framing import MAX_FRAME
 from weightsync.control.rendezvous import KeyValue
 from weightsync.control.server import ControlServer
 from weightsync.errors import Closed, SyncTimeout, WeightSyncError
+from weightsync.format import checksum as checksums
 from weightsync.format import layout
 from weightsync.membership import ranks
 from weightsync.membership.membership import MemberInfo, Membership, StragglerPolicy
@@ -99,6 +100,10 @@ class Publisher:
             :class:`LocalProcessOrchestrator`); without one, dropped members are not replaced.
         checksum: send per-bucket digests; a subscriber never makes a version readable whose
             buckets do not match (default on: computed while the next bucket is on the wire).
+        digest: which function (``"crc32c"`` or ``"xxh3"``; both ends compute what the Announce
+            names). ``"auto"`` (the default): the faster one on this CPU, measured once per
+            process in a few milliseconds (``$WEIGHTSYNC_DIGEST`` pins one); ``pub.digest`` says
+            which.
         pipeline: send a host snapshot while it is being taken (bucket i leaves once its bytes
             are copied; ``put`` still returns after the whole snapshot). Default: on where this
             process may use at least 4 CPUs. With fewer, the copies of the send and of same-host
@@ -138,8 +143,9 @@ class Publisher:
                  orchestrator: Orchestrator | None = None, checksum: bool = True,
                  pipeline: bool | None = None, rank: int | None = None, world_size: int | None = None,
                  group: Any = None, lane_address: str | None = None, encoding: str = AUTO,
-                 activation: str = "each") -> None:
+                 activation: str = "each", digest: str = "auto") -> None:
         lifecycle.validate_name("channel name", name)
+        digest = checksums.resolve(digest)
         if not known(encoding):
             raise ValueError(f"encoding {encoding!r} is neither built in nor registered")
         if activation not in ACTIVATIONS:
@@ -203,7 +209,7 @@ class Publisher:
                               on_change=self._notify_members, on_evicted=self._replacements.member_dropped,
                               planes=self._planes.names, plane_objects=self._planes.objects,
                               buckets=self._planes.buckets,
-                              tally=self._tally, encoding=encoding)
+                              tally=self._tally, encoding=encoding, digest=digest)
         self._last_version: int | None = None
         self._put_lock: asyncio.Lock | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -366,6 +372,11 @@ class Publisher:
     @checksum.setter
     def checksum(self, on: bool) -> None:
         self._sender.checksum = bool(on)
+
+    @property
+    def digest(self) -> str:
+        """The per-bucket digest function every Announce names (``"crc32c"`` or ``"xxh3"``)."""
+        return self._sender.digest
 
     @property
     def evicted(self) -> list[MemberInfo]:

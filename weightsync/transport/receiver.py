@@ -70,7 +70,7 @@ from weightsync.errors import (
     WeightSyncError,
 )
 from weightsync.format import layout, sharding, slicing
-from weightsync.format.checksum import checksum
+from weightsync.format.checksum import KINDS, checksum
 from weightsync.options import UNBOUNDED, Deadlines
 from weightsync.planes import encoding
 from weightsync.planes.dataplane import DataPlane, GenerationSpec, MemberContext, Transfer, plane_spec
@@ -438,7 +438,10 @@ class Receiver:
                 raise ProtocolError(f"announced {announce.num_buckets} buckets, layout has {len(ranges)}")
             sums: list[int] = []
             last = [time.monotonic()]
-            verify = announce.checksum
+            verify, kind = announce.checksum, announce.digest
+            if verify and kind not in KINDS:
+                raise ProtocolError(f"version {announce.version} is sealed with digest {kind[:32]!r}, "
+                                    f"which this member does not have (it has {sorted(KINDS)})")
             try:  # the wire form the plane receives; decoded into the slot's buckets before each digest
                 wire = encoding.decoder(announce.encoding).plan(announce, buckets, self._base())
             except KeyError:
@@ -455,7 +458,7 @@ class Receiver:
                 if decode is not None:
                     decode(i)
                 if verify:
-                    sums.append(checksum(buckets[i]) if buckets[i].numel() else 0)
+                    sums.append(checksum(buckets[i], kind) if buckets[i].numel() else 0)
                 if placer is not None:
                     placer.place(i)
                 last[0] = time.monotonic()

@@ -150,10 +150,11 @@ class Sender:
                  slot_device: torch.device, on_change: Callable[[], None],
                  on_evicted: Callable[[MemberInfo], None], planes: tuple[str, ...] = ("group",),
                  plane_objects: dict[str, Any] | None = None, buckets: BucketBuffers | None = None,
-                 tally: PublisherTally | None = None, encoding: str = "full") -> None:
+                 tally: PublisherTally | None = None, encoding: str = "full", digest: str = "crc32c") -> None:
         self.channel = channel
         self.settings = settings
         self.checksum = settings.checksum  # per version: the publisher may turn it off and on
+        self.digest = digest  # which function (format.checksum.KINDS), named in every Announce
         self.encoding = encoding  # how versions go on the wire where a plane carries it (transport.encoding)
         self.lanes: tuple[str, ...] = ()  # a sharded publisher's rank 0: the other ranks' addresses
         self.deadlines = Deadlines(settings)
@@ -399,7 +400,8 @@ class Sender:
         out = Outgoing(job.version, gen, seq, slices, ranges, job.manifest, job.assembly, job.flat, job.progress,
                        self.settings.bucket_bytes, verify, self.deadlines.bucket, self._generation_broken,
                        before=before, point_to_point=direct, encoding="full" if full else job.encoding or self.encoding,
-                       base=None if full else self._base(job), prefer_full=self._chooser.prefer_full())
+                       base=None if full else self._base(job), prefer_full=self._chooser.prefer_full(),
+                       digest=self.digest)
         by = side.split(members)
         try:
             fields = side.prepare(out, by)
@@ -415,11 +417,12 @@ class Sender:
         # one Announce per part: each names what its members read (a segment, point to point, the encoding)
         announce = _wire.Announce(generation=gen, seq=seq, version=job.version, manifest=job.manifest,
                                   bucket_bytes=self.settings.bucket_bytes, num_buckets=len(ranges),
-                                  resend=job.resends > 0, checksum=verify, assembly=job.assembly)
+                                  resend=job.resends > 0, checksum=verify, assembly=job.assembly, digest=out.digest)
         job.resends += 1
         job.started = job.started or time.monotonic()
         entry = self._rec.record("announce", generation=gen, version=job.version, nbytes=job.manifest.total_bytes,
                                  peers=members, encoding="delta" if self._sent_delta else "full",
+                                 digest=out.digest if verify else "",
                                  base=out.base.version if self._sent_delta and out.base else -1).start()
         sums: list[int] = []  # the staged buckets' digests (the Seal's, and what names this version as a base)
         try:
@@ -432,7 +435,7 @@ class Sender:
                 # for it now: the transfer is abandoned and re-sent to the rest, not left to time out
                 if verify:
                     staged = out.staged_digests  # an encoder that read every staged bucket took them already
-                    out.afters.append(lambda i: sums.append(staged[i] if staged else checksum(slices[i])))
+                    out.afters.append(lambda i: sums.append(staged[i] if staged else checksum(slices[i], out.digest)))
                 side.move(out, by)
                 if verify:  # a sliced member checks exactly what it was sent; everyone else the buckets
                     own = side.digests(by)
