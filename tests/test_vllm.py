@@ -69,7 +69,9 @@ def tp_report(tmp_path_factory: pytest.TempPathFactory) -> driver.TensorParallel
 
 
 @pytest.fixture(scope="module")
-def patch_report(tmp_path_factory: pytest.TempPathFactory) -> driver.PatchReport:
+def patch_report(tmp_path_factory: pytest.TempPathFactory, run_transport: str) -> driver.PatchReport:
+    # what changed is found in the member's slots, whatever the wire carried: engine-side, run once
+    once_per_suite(run_transport)
     return msgspec.json.decode(run_driver("patches", tmp_path_factory.mktemp("vllm-patches")),
                                type=driver.PatchReport)
 
