@@ -15,7 +15,7 @@ from tests.fakes import FakeControl, FakePlane, FakeTable
 from weightsync import _wire
 from weightsync._errors import PeerFailure
 from weightsync.format import layout
-from weightsync.membership.generations import Generations
+from weightsync.membership.generations import Generations, lane_order
 from weightsync.membership.membership import Membership
 from weightsync.options import ChannelOptions, Deadlines
 from weightsync.recorder.analyze import analyze, render
@@ -606,3 +606,35 @@ def test_the_engine_table_counts_each_member_once_per_version_and_keeps_a_few_ve
     # who loads again: the minority, and on a tie the later reporter (checked against nothing before)
     assert disagrees({"x": 2, "y": 1}, "y") and not disagrees({"x": 2, "y": 1}, "x")
     assert disagrees({"x": 1, "y": 1}, "y") and not disagrees({"x": 1}, "x")
+
+
+def _uplinks(orders: list[tuple[str, ...]]) -> dict[str, float]:
+    """Versions' worth of bytes each member forwards when every lane (1/len(orders) of a version)
+    is broadcast down gloo's binomial tree in its order (rank r forwards to r + 2^k for every
+    2^k > r, while that is a rank: the tree of GroupPlane.broadcast_parent)."""
+    out: dict[str, float] = {}
+    for order in orders:
+        n = len(order)
+        for pos, member in enumerate(order):
+            rank, children = pos + 1, 0
+            step = 1 << rank.bit_length()
+            while rank + step <= n:
+                children, step = children + 1, step * 2
+            out[member] = out.get(member, 0.0) + children / len(orders)
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_lanes_put_different_generators_first_so_no_one_relays_in_every_lane(world: int) -> None:
+    for n in (3, 4, 5, 8, 12, 16, 32, 128):
+        joined = tuple(f"gen{i}" for i in reversed(range(n)))  # any join order
+        orders = [lane_order(joined, rank, world) for rank in range(world)]
+        assert all(sorted(o) == sorted(joined) for o in orders)  # each lane's group: every member once
+        assert orders == [lane_order(tuple(sorted(joined)), rank, world) for rank in range(world)]  # order-free
+        relaying = {m: sum(1 for o in orders if _uplinks([o])[m] > 0) for m in joined}
+        assert max(relaying.values()) < world, (n, relaying)
+        if world == 2:
+            assert max(relaying.values()) == 1
+        same = _uplinks([tuple(sorted(joined))] * world)  # every lane in one order: the same relays
+        assert max(_uplinks(orders).values()) <= max(same.values()) / 2, (n, world)
+    assert lane_order(("b", "a", "c"), 0, 1) == ("b", "a", "c")  # one lane keeps its join order

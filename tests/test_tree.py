@@ -17,7 +17,9 @@ LAYERS = {
 PUBLIC = ("weightsync", "weightsync.fr", "weightsync.testing", "weightsync.prometheus", "weightsync.integrations",
           "weightsync.bench", "weightsync.demo")
 #: benchmarks that measure an internal itself, and why
-INTERNAL_OK = {"benchmarks/control_plane.py": "it measures the control frames' format (an outsider speaking it)"}
+INTERNAL_OK = {"benchmarks/control_plane.py": "it measures the control frames' format (an outsider speaking it)",
+               "benchmarks/lanes.py": "it turns the lanes' relay rotation off, to measure what the rotation buys",
+               "benchmarks/checksums.py": "it measures the digest functions and says which one a publisher picks"}
 
 
 def _layer(module: str) -> int | None:

@@ -86,6 +86,28 @@ class Rendezvous(Protocol):
     def begin_generation(self, generation: int) -> None: ...
 
 
+#: a sharded publisher's lanes put different members first in their groups (:func:`lane_order`);
+#: benchmarks/lanes.py turns it off to measure what it buys
+ROTATE_LANES = True
+
+
+def lane_order(group: tuple[str, ...], rank: int, world: int) -> tuple[str, ...]:
+    """The order of lane ``rank``'s group (of ``world`` lanes): position i is rank i + 1.
+
+    gloo broadcasts down a binomial tree, where the first ranks relay (of 8, ranks 1-3 forward
+    to 3, 1 and 1 others). Every lane's group holds the same generators, so in the same order
+    the same ones would relay in every lane, and their uplinks would carry two versions' worth
+    of bytes while the rest send nothing. Each lane starts its sorted order ``rank / world`` of
+    the way round instead: at 2 lanes no generator relays in both, at 4 none in more than two.
+    One lane (an unsharded publisher) keeps the join order.
+    """
+    if world <= 1 or len(group) < 2 or not ROTATE_LANES:
+        return group
+    ordered = sorted(group)
+    k = rank * len(ordered) // world
+    return tuple(ordered[k:] + ordered[:k])
+
+
 class Generations:
     """Owned and called by the publisher's sender thread only.
 
@@ -111,6 +133,7 @@ class Generations:
         self.plane = plane
         self.settings = settings
         self.lanes: tuple[str, ...] = ()  # a sharded publisher's other ranks, told to each newcomer
+        self.lane = (0, 1)  # this publisher's (rank, world size): whose turn it is to relay (lane_order)
         self.deadlines = Deadlines(settings)
         self._recorder = recorder
         self._rec = recorder.scope(channel, PUBLISHER)
@@ -141,8 +164,9 @@ class Generations:
         return self._transport.get(member, "group")
 
     def group_of(self, members: Iterable[str]) -> tuple[str, ...]:
-        """The members (in order) that form the data plane's group; the others' planes join none."""
-        return tuple(m for m in members if self._in_group(m))
+        """The members (in order: :func:`lane_order`) that form the data plane's group; the others'
+        planes join none."""
+        return lane_order(tuple(m for m in members if self._in_group(m)), *self.lane)
 
     def next_seq(self) -> int:
         """The sequence number of the next command in the current generation."""

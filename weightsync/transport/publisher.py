@@ -209,7 +209,8 @@ class Publisher:
                               on_change=self._notify_members, on_evicted=self._replacements.member_dropped,
                               planes=self._planes.names, plane_objects=self._planes.objects,
                               buckets=self._planes.buckets,
-                              tally=self._tally, encoding=encoding, digest=digest)
+                              tally=self._tally, encoding=encoding, digest=digest,
+                              lane=(self.rank, self.world_size))
         self._last_version: int | None = None
         self._put_lock: asyncio.Lock | None = None
         self._loop: asyncio.AbstractEventLoop | None = None

@@ -150,13 +150,15 @@ class Sender:
                  slot_device: torch.device, on_change: Callable[[], None],
                  on_evicted: Callable[[MemberInfo], None], planes: tuple[str, ...] = ("group",),
                  plane_objects: dict[str, Any] | None = None, buckets: BucketBuffers | None = None,
-                 tally: PublisherTally | None = None, encoding: str = "full", digest: str = "crc32c") -> None:
+                 tally: PublisherTally | None = None, encoding: str = "full", digest: str = "crc32c",
+                 lane: tuple[int, int] = (0, 1)) -> None:
         self.channel = channel
         self.settings = settings
         self.checksum = settings.checksum  # per version: the publisher may turn it off and on
         self.digest = digest  # which function (format.checksum.KINDS), named in every Announce
         self.encoding = encoding  # how versions go on the wire where a plane carries it (transport.encoding)
         self.lanes: tuple[str, ...] = ()  # a sharded publisher's rank 0: the other ranks' addresses
+        self.lane = lane  # (rank, world size) of a sharded publisher's rank; (0, 1) unsharded
         self.deadlines = Deadlines(settings)
         self.staging = staging
         self.membership = membership
@@ -218,6 +220,7 @@ class Sender:
                                  stopped=self.aborting.is_set, on_change=self._generation_formed,
                                  on_evicted=self._record_evicted, pump=self._pump, in_group=side.in_group)
         self._gens.lanes = self.lanes  # set_lanes may come later (rank 0 of a sharded publisher)
+        self._gens.lane = self.lane
         try:
             self._run(self._gens)
             self.state = SenderState.STOPPED

@@ -1,0 +1,191 @@
+"""Lanes that share relays against lanes that do not, on an emulated cluster (needs root).
+
+    python -m benchmarks.lanes [--lanes 2,4] [--generators 8] [--rate 200] [--mib 32] [--reps 3]
+
+A sharded trainer of W ranks (W Publishers with ``rank=``/``world_size=`` in this process, each
+owning 1/W of the version) pushes to N generator processes, each in its own network namespace
+behind a link of ``--rate`` Mbit/s each way (benchmarks/netns.py). Every lane is its own gloo
+group holding every generator, and gloo broadcasts down a binomial tree whose first ranks relay.
+Two orders side by side, each with a fresh cluster, publishers and generators:
+
+- ``same``: every lane's group in one order (``generations.ROTATE_LANES = False``): the same
+  generators relay in every lane, and the first one's uplink carries two versions' worth at N=8;
+- ``rotated``: what weightsync does (``generations.lane_order``): lane r starts its order r/W of
+  the way round, so at W=2 no generator relays in both lanes.
+
+Per point: the median, over ``--reps`` pushes after one warm-up, of the time from the ranks'
+common start until every rank's version reached every generator; and the model's figure for
+it (each generator's uplink and downlink at the rate: the larger of the bytes it receives and the
+bytes it forwards, over the rate). Prints the table, writes ``lanes.json`` and ``lanes.png``.
+Target (issue 28): rotated no slower than same at every W, and faster where the model says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import msgspec
+import torch
+
+import weightsync as ws
+from benchmarks import netns, report
+from weightsync.membership import generations
+
+REPO = Path(__file__).resolve().parent.parent
+ORDERS = ("same", "rotated")
+
+
+class Point(msgspec.Struct):
+    lanes: int
+    generators: int
+    order: str
+    rate_mbit: float
+    nbytes: int
+    seconds: float  # median time until every rank's part reached every generator
+    samples: list[float]
+    model_seconds: float  # the busiest generator link's bytes over the rate
+    max_uplink_versions: float  # the most any generator forwards, in versions
+
+
+class Result(msgspec.Struct):
+    when: str
+    cpu: str
+    cores: int
+    points: list[Point]
+    targets: dict[str, bool]
+
+
+def uplinks(n: int, world: int, rotate: bool) -> float:
+    """The most versions' worth of bytes any of ``n`` generators forwards over ``world`` lanes."""
+    names = tuple(f"gen{i}" for i in range(n))
+    sent = dict.fromkeys(names, 0.0)
+    for rank in range(world):
+        order = generations.lane_order(names, rank, world) if rotate else names
+        for pos, member in enumerate(order):
+            r, step = pos + 1, 1 << (pos + 1).bit_length()
+            while r + step <= n:  # gloo's binomial tree: r forwards to r + 2^k for every 2^k > r
+                sent[member] += 1 / world
+                step *= 2
+    return max(sent.values())
+
+
+async def push(cluster: netns.Cluster, world: int, n: int, nbytes: int, reps: int, tmp: Path) -> list[float]:
+    env = {k: v for k, v in os.environ.items() if k != "GLOO_SOCKET_IFNAME"}
+    env.update(PYTHONPATH=str(REPO), TORCH_CPP_LOG_LEVEL="ERROR")
+    # slow members are recorded, not evicted: this measures the transfer (with one order for every
+    # lane, a generator under a busy relay was scored 16-35x slower than the rest and evicted)
+    kw = {"timeout": 120.0, "bucket_bytes": 4 << 20, "encoding": "full", "lane_address": f"{cluster.trainer_ip}:0",
+          "policy": ws.StragglerPolicy(on_slow="keep")}
+    first = ws.Publisher("lanes", address=f"{cluster.trainer_ip}:0", rank=0, world_size=world, **kw)
+    starting = asyncio.create_task(first.start())
+    address = None
+    while address is None:  # rank 0 listens before its start returns (that waits for the other ranks)
+        try:
+            address = first.address
+        except RuntimeError:
+            await asyncio.sleep(0.01)
+    pubs = [first] + [ws.Publisher("lanes", address=address, rank=r, world_size=world, **kw) for r in range(1, world)]
+    try:
+        await asyncio.gather(starting, *(p.start() for p in pubs[1:]))
+        for i in range(n):
+            spec = {"role": "follower", "channel": "lanes", "address": address, "member": f"gen{i}",
+                    "timeout": 120.0, "transport": "group", "result": str(tmp / f"w{world}-g{i}.json")}
+            cluster.popen(i, [sys.executable, "-m", "benchmarks.workers", msgspec.json.encode(spec).decode()],
+                          env=env, cwd=REPO, stdout=subprocess.DEVNULL)
+        await asyncio.gather(*(p.wait_subscribers(n, timeout=120) for p in pubs))
+        part = nbytes // world // 4
+        owners = {f"w{r}": r for r in range(world)}
+        samples = []
+        for version in range(reps + 1):
+            sd = {f"w{r}": torch.full((part,), float(version)) for r in range(world)}
+            began = time.monotonic()
+            handles = await asyncio.gather(*(p.put(sd, version=version, owners=owners) for p in pubs))
+            reports = await asyncio.gather(*(h.delivered(timeout=600) for h in handles))
+            took = time.monotonic() - began
+            short = [r.members for r in reports if len(r.members) != n]
+            assert not short, f"version {version} reached only {short}: {[p.evicted for p in pubs]}"
+            if version:
+                samples.append(took)
+        return samples
+    finally:
+        await asyncio.gather(*(p.aclose() for p in pubs), return_exceptions=True)
+
+
+def measure(lanes: list[int], n: int, rate: float, nbytes: int, reps: int) -> list[Point]:
+    points = []
+    with tempfile.TemporaryDirectory(prefix="ws-lanes-") as tmp:
+        for world in lanes:
+            for order in ORDERS:
+                generations.ROTATE_LANES = order == "rotated"
+                with netns.Cluster([rate] * n) as cluster:
+                    samples = asyncio.run(push(cluster, world, n, nbytes, reps, Path(tmp)))
+                up = uplinks(n, world, order == "rotated")
+                model = max(1.0, up) * nbytes * 8 / (rate * 1e6)
+                points.append(Point(world, n, order, rate, nbytes, statistics.median(samples), samples, model, up))
+                print(f"  W={world} {order:>8}: {points[-1].seconds:7.2f} s (model {model:5.2f} s, "
+                      f"busiest uplink {up:.2f} versions)", flush=True)
+    generations.ROTATE_LANES = True
+    return points
+
+
+def plot(result: Result, out: str, json_path: Path) -> None:
+    plt = report.pyplot()
+    if plt is None:
+        return
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    worlds = sorted({p.lanes for p in result.points})
+    for k, order in enumerate(ORDERS):
+        pts = [next(p for p in result.points if p.lanes == w and p.order == order) for w in worlds]
+        xs = [i + (k - 0.5) * 0.35 for i in range(len(worlds))]
+        ax.bar(xs, [p.seconds for p in pts], width=0.35, label=f"{order} (measured)")
+        ax.plot(xs, [p.model_seconds for p in pts], "k_", markersize=18)
+    ax.set_xticks(range(len(worlds)), [f"W={w}" for w in worlds])
+    ax.set(ylabel="seconds to every generator", title=f"{result.points[0].generators} generators, "
+           f"{result.points[0].rate_mbit:.0f} Mbit/s links (bars: measured, marks: model)")
+    ax.legend(fontsize=8)
+    report.save(fig, out, "lanes", json_path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.lanes", description=__doc__.splitlines()[0])
+    parser.add_argument("--lanes", default="2,4")
+    parser.add_argument("--generators", type=int, default=8)
+    parser.add_argument("--rate", type=float, default=200.0, help="each generator's link, Mbit/s each way")
+    parser.add_argument("--mib", type=int, default=32)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--out", default="benchmarks/results")
+    args = parser.parse_args(argv)
+    reason = netns.unavailable()
+    if reason is not None:
+        print(f"cannot build the emulated cluster here: {reason}")
+        return 1
+    lanes = [int(x) for x in args.lanes.split(",")]
+    points = measure(lanes, args.generators, args.rate, args.mib << 20, args.reps)
+    by = {(p.lanes, p.order): p for p in points}
+    targets = {}
+    for w in lanes:
+        same, rotated = by[(w, "same")], by[(w, "rotated")]
+        targets[f"W={w}: rotated no slower than same"] = rotated.seconds <= same.seconds * 1.05
+        if rotated.model_seconds < 0.8 * same.model_seconds:
+            targets[f"W={w}: rotated at most 0.8x same (the model: "
+                    f"{rotated.model_seconds / same.model_seconds:.2f}x)"] = rotated.seconds <= 0.8 * same.seconds
+    print(f"{'W':>3} {'order':>8} {'seconds':>8} {'model':>7} {'rotated/same':>13}")
+    for p in points:
+        ratio = p.seconds / by[(p.lanes, "same")].seconds
+        print(f"{p.lanes:3d} {p.order:>8} {p.seconds:8.2f} {p.model_seconds:7.2f} {ratio:13.2f}")
+    result = Result(time.strftime("%Y-%m-%d %H:%M"), report.cpu_name(), os.cpu_count() or 0, points, targets)
+    path = report.write_json(args.out, "lanes", result)
+    plot(result, args.out, path)
+    return report.verdict(targets)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
