@@ -139,3 +139,20 @@ def test_activation_bench_measures_both_modes(tmp_path: Path) -> None:
     assert [r["activation"] for r in report] == ["each", "all"]
     assert all(len(r["spread_ms"]) == 2 and len(r["recorded_spread_ms"]) == 2 for r in report)
     assert (tmp_path / "activation.png").stat().st_size > 10_000
+
+
+@pytest.mark.netns
+def test_lanes_bench_measures_both_orders_on_the_emulated_cluster(tmp_path: Path) -> None:
+    from benchmarks import netns  # noqa: PLC0415 - only here
+
+    if netns.unavailable():
+        pytest.skip(f"no emulated cluster here: {netns.unavailable()}")
+    out = run("-m", "benchmarks.lanes", "--lanes", "2", "--generators", "3", "--mib", "2", "--reps", "1",
+              "--rate", "1000", "--out", str(tmp_path))
+    assert out.returncode in (0, 1), out.stderr[-3000:]  # 1: a target missed at this toy size
+    report = msgspec.json.decode((tmp_path / "lanes.json").read_bytes())
+    assert [(p["lanes"], p["order"]) for p in report["points"]] == [(2, "same"), (2, "rotated")]
+    assert all(p["seconds"] > 0 and len(p["samples"]) == 1 for p in report["points"])
+    # 3 generators: one order makes the first forward to the third in both lanes; rotated, half of it
+    assert [p["max_uplink_versions"] for p in report["points"]] == [1.0, 0.5]
+    assert (tmp_path / "lanes.png").stat().st_size > 10_000
