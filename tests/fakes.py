@@ -23,6 +23,7 @@ class FakeControl:
         self.bound: set[str] = set()
         self.released: list[tuple[str, str]] = []
         self.scopes: dict[str, Any] = {}  # member -> the rendezvous keys it may touch (its last grant)
+        self.probes: list[int] = []  # the sizes of the probe rounds asked for
 
     def send(self, incarnation: str, message: Any) -> bool:
         self.outbox[incarnation].put(message)
@@ -36,9 +37,16 @@ class FakeControl:
         self.released.append((member_id, reason))
 
     def probe(self, nbytes: int) -> None:
-        """No links here to time."""
+        """No links here to time: the round is only noted."""
+        self.probes.append(nbytes)
 
-    def link_seconds(self, member_id: str) -> tuple[float, int] | None:
+    def settle_probes(self, timeout: float) -> bool:
+        return True
+
+    def begin_transfer(self) -> None:
+        """No probes to void."""
+
+    def link_seconds(self, member_id: str) -> tuple[float, float, int] | None:
         return None
 
     def grant(self, member_id: str, scope: Any) -> None:

@@ -503,6 +503,27 @@ def test_a_member_that_reports_zero_own_time_cannot_make_an_honest_one_slow() ->
     assert set(slow.slow_members(policy, {"a": 0.1, "b": 0.1, "slow": 1.0})) == {"slow"}
 
 
+def test_a_member_is_judged_on_what_its_link_took_at_least_against_what_the_others_took_at_most() -> None:
+    """On fast links a probe's bytes are often all buffered before a member's reader wakes, so its
+    own measure comes out near 0: four equal links measured 0.6 s, 0.01 s, 0.01 s, 0.01 s at
+    least (the publisher's round trips: about 0.6 s each), and the honest 0.6 was scored 17x
+    slow and evicted on the emulated cluster. The others count at most what they took."""
+    from weightsync.membership.membership import StragglerPolicy
+
+    policy = StragglerPolicy(slow_factor=3.0, slow_floor=0.05, window=3, on_slow="evict")
+    four = _members("a", "b", "c", "d")
+    low = {"a": 0.6, "b": 0.01, "c": 0.01, "d": 0.01}
+    high = {"a": 0.62, "b": 0.6, "c": 0.61, "d": 0.6}
+    assert all(four.slow_members(policy, low, high) == {} for _ in range(6))
+    alone = _members("a", "b", "c", "d")  # against the others' lower bounds, the honest one looked slow
+    assert [set(alone.slow_members(policy, low)) for _ in range(3)] == [set(), set(), {"a"}]
+    slow = _members("a", "b", "c", "d")  # a link really slower than the policy allows is still found
+    low, high = {"a": 6.0, "b": 0.01, "c": 0.01, "d": 0.01}, {"a": 6.1, "b": 0.6, "c": 0.6, "d": 0.6}
+    for _ in range(2):
+        assert slow.slow_members(policy, low, high) == {}
+    assert set(slow.slow_members(policy, low, high)) == {"a"}
+
+
 def test_relay_suspects_blame_the_relay_whose_children_were_fed_bad_bytes() -> None:
     """gloo's binomial tree over the publisher (0) and members 1..n: 3 and 5 hear from 1, 6 from 2."""
     from weightsync.membership.generations import relay_suspects

@@ -377,3 +377,35 @@ async def test_a_publishers_digest_is_named_to_its_members_and_proves_every_vers
         assert subs[0].statistics().checksum_failures == 0
     finally:
         await close(pub, subs)
+
+
+async def test_a_link_probe_counts_only_if_answered_before_the_next_version_moves() -> None:
+    """A probe that shares a link with a version's buckets times the buckets, not the link (a
+    relay receiving first was scored 8x slow and evicted on the emulated cluster): the sender
+    waits, bounded, for the last round's answers before it announces, and an answer to a probe
+    written before a transfer began does not count."""
+    pub, subs = await channel(2, name="probes")
+    control = pub._control
+    try:
+        loop = asyncio.get_running_loop()
+        control.probe(64 << 10)
+        assert await loop.run_in_executor(None, control.settle_probes, 10.0)  # every member answered
+        times = {s.member_id: control.link_seconds(s.member_id) for s in subs}
+        assert all(t is not None and t[2] == 64 << 10 and t[0] <= t[1] for t in times.values()), times
+        # a round asked for and then overtaken by a transfer is never written: nothing to wait for
+        written = control._probe_seq
+        control.probe(64 << 10)
+        control.begin_transfer()
+        assert await loop.run_in_executor(None, control.settle_probes, 0.0)
+        # the control loop runs its callbacks in order: once this one ran, so had the round
+        await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(asyncio.sleep(0), control._loop))
+        assert control._probe_seq == written
+        assert {s.member_id: control.link_seconds(s.member_id) for s in subs} == times
+        # versions still go, and the next round is timed again
+        sd = mixed_state_dict(3, mib=1)
+        await (await pub.put(sd, version=0)).delivered(timeout=30)
+        control.probe(32 << 10)
+        assert await loop.run_in_executor(None, control.settle_probes, 10.0)
+        assert all(control.link_seconds(s.member_id)[2] == 32 << 10 for s in subs)
+    finally:
+        await close(pub, subs)

@@ -67,7 +67,11 @@ MAX_BACKLOG = 512 << 20
 MAX_REFUSALS = 64  # store ops refused on one connection before it is closed (a member that keeps trying)
 
 
-PROBE_WINDOW = 3  # a member's link time: the fastest of its last three probes
+# a member's link time, from its last three probes, each on a quiet link (no version moving:
+# begin_transfer) and bounded both ways: the member times it from its first bytes to its last, which
+# can only come out shorter than the link (bytes already buffered when a busy reader wakes, near 0
+# on fast links), and the publisher from writing it to the answer, which can only come out longer
+PROBE_WINDOW = 3
 
 
 @dataclass(eq=False)
@@ -84,8 +88,8 @@ class Link:
     bound: bool = False  # the Sender accepted it as this member's current incarnation
     closed: bool = False
     reported: bool = False
-    probes: dict[int, float] = field(default_factory=dict)  # probe seq -> when it was written
-    link_times: deque[float] = field(default_factory=lambda: deque(maxlen=PROBE_WINDOW))
+    probes: dict[int, tuple[float, int]] = field(default_factory=dict)  # probe seq -> (when written, quiet epoch)
+    link_times: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=PROBE_WINDOW))  # (low, high)
     transport: str = "group"  # "shm": a same-host member that reads the publisher's shared memory
     want: tuple[_wire.Want, ...] | None = None  # a sliced member's boxes (it receives point to point)
     scope: Scope | None = None  # the rendezvous keys it may touch (its current generation's), set by grant()
@@ -126,6 +130,12 @@ class ControlServer:
         self._probe_seq = 0
         self._probe_bytes = 0
         self._lock = threading.Lock()
+        # probes time a link only while no version moves: a probe is written in a quiet epoch and
+        # counts only if its answer comes before the next transfer begins (begin_transfer)
+        self._quiet = threading.Condition()
+        self._epoch = 0
+        self._round_pending = False  # a probe round was asked for and is not written yet
+        self._unanswered: set[str] = set()  # incarnations whose probe of this epoch is unanswered
         self._copied = threading.Condition()  # a same-host member copied a ring bucket (wait_copied)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._server: asyncio.AbstractServer | None = None
@@ -230,21 +240,42 @@ class ControlServer:
         return link.last_heard, not link.closed
 
     def probe(self, nbytes: int) -> None:
-        """Send every bound member a Probe carrying ``nbytes``; its answer times that link."""
+        """Send every bound member a Probe carrying ``nbytes``; its answer times that link (if it
+        comes before the next :meth:`begin_transfer`)."""
         if self._loop is None or nbytes <= 0:
             return
+        with self._quiet:
+            self._round_pending, epoch = True, self._epoch
         try:
-            self._loop.call_soon_threadsafe(self._probe_all, nbytes)
+            self._loop.call_soon_threadsafe(self._probe_all, nbytes, epoch)
         except RuntimeError:
-            pass
+            with self._quiet:
+                self._round_pending = False
+                self._quiet.notify_all()
 
-    def link_seconds(self, member_id: str) -> tuple[float, int] | None:
-        """(the fastest recent probe's arrival time at the member, its pad's size), or None."""
+    def settle_probes(self, timeout: float) -> bool:
+        """Sender thread, before a transfer: wait until the last round of probes was answered, at
+        most ``timeout``, so the next version's bytes do not share the links with them (a probe
+        behind a bucket measures the bucket). True when every answer came."""
+        with self._quiet:
+            return self._quiet.wait_for(lambda: not self._round_pending and not self._unanswered, timeout)
+
+    def begin_transfer(self) -> None:
+        """A version starts to move: answers to probes written before now no longer count."""
+        with self._quiet:
+            self._epoch += 1
+            self._round_pending = False
+            self._unanswered.clear()
+
+    def link_seconds(self, member_id: str) -> tuple[float, float, int] | None:
+        """What a recent probe took on ``member_id``'s link at least and at most (the largest of
+        the member's own measures, the smallest of the round trips), and the probes' size; or None."""
         with self._lock:
             link = self._members.get(member_id)
         if link is None or not link.link_times:
             return None
-        return min(link.link_times), self._probe_bytes
+        times = list(link.link_times)
+        return max(low for low, _ in times), min(high for _, high in times), self._probe_bytes
 
     def stale(self) -> bool:
         """True when the control loop itself has not run lately (a stalled process): no verdicts."""
@@ -259,19 +290,25 @@ class ControlServer:
             self._rec.record("control", peers=(link.member_id,)).fail("stopped reading its connection")
             self._drop(link, "stopped reading")
 
-    def _probe_all(self, nbytes: int) -> None:
-        if nbytes != self._probe_bytes:  # another size: older times measured something else
-            self._probe_bytes = nbytes
-            for link in list(self._links.values()):
-                link.link_times.clear()
+    def _probe_all(self, nbytes: int, epoch: int) -> None:
+        with self._quiet:
+            if epoch != self._epoch:  # a transfer began before this round was written: not now
+                return
+            self._round_pending = False
+            if nbytes != self._probe_bytes:  # another size: older times measured something else
+                self._probe_bytes = nbytes
+                for link in list(self._links.values()):
+                    link.link_times.clear()
+            with self._lock:
+                links = [link for link in self._links.values() if link.bound and not link.closed]
+            self._unanswered = {link.incarnation for link in links}
+            self._quiet.notify_all()
         pad = bytes(nbytes)
-        with self._lock:
-            links = [link for link in self._links.values() if link.bound and not link.closed]
         for link in links:
             self._probe_seq += 1
             if len(link.probes) > 4 * PROBE_WINDOW:  # unanswered ones: a member that does not care
                 link.probes.clear()
-            link.probes[self._probe_seq] = time.monotonic()
+            link.probes[self._probe_seq] = (time.monotonic(), epoch)
             self._write(link, _wire.Probe(self._probe_seq, pad))
 
     def wait_copied(self, members: tuple[str, ...], generation: int, seq: int, bucket: int, timeout: float,
@@ -310,6 +347,9 @@ class ControlServer:
         link.closed = True
         with self._lock:
             self._links.pop(link.incarnation, None)
+        with self._quiet:  # nobody waits for its probe's answer
+            self._unanswered.discard(link.incarnation)
+            self._quiet.notify_all()
         self._table.forget(link.incarnation)  # its rendezvous waits end with it
         if link.bound:
             self.engines.forget(link.member_id)  # its engine's reports no longer count
@@ -408,7 +448,12 @@ class ControlServer:
                 # reply can only speak for a probe sent on its own connection, about itself
                 sent = link.probes.pop(message.seq, None)
                 if sent is not None and message.member_id == link.member_id:
-                    link.link_times.append(min(max(message.seconds, 0.0), time.monotonic() - sent))
+                    with self._quiet:
+                        if sent[1] == self._epoch:  # no version moved since it was written
+                            rtt = time.monotonic() - sent[0]
+                            link.link_times.append((min(max(message.seconds, 0.0), rtt), rtt))
+                            self._unanswered.discard(link.incarnation)
+                            self._quiet.notify_all()
             elif isinstance(message, _wire.Leave):
                 if link.bound:
                     link.reported = True  # its connection closing next is a goodbye, not a death

@@ -229,20 +229,23 @@ class Membership:
                     self.receive_seconds.setdefault(member, deque(maxlen=32)).append(seconds.get(member, 0.0))
                     self._own.setdefault(member, deque(maxlen=32)).append(own.get(member, 0.0))
 
-    def slow_members(self, policy: StragglerPolicy, own: dict[str, float]) -> dict[str, float]:
+    def slow_members(self, policy: StragglerPolicy, own: dict[str, float],
+                     reference: dict[str, float] | None = None) -> dict[str, float]:
         """Members flagged slow on the last ``policy.window`` versions; member -> its ratio now.
 
-        ``own`` is this version's own-time per member; each is scored against the *upper* median
-        of the others, so a uniformly slow network flags nobody, and a member that reports less
-        than it took (an insider claiming 0 s) cannot make an honest one look slow: with at least
-        two others, the reference is one of theirs at or above the middle, never the liar's. With
-        a single other member there is no majority to tell a slow member from a lying one, so
-        nobody is scored (docs/security.md).
+        ``own`` is this version's score per member (what it took at least); each is scored against
+        the *upper* median of the others' ``reference`` (what each took at most; default ``own``),
+        so a uniformly slow network flags nobody, and a member that reports less than it took (an
+        insider claiming 0 s) cannot make an honest one look slow: with at least two others, the
+        reference is one of theirs at or above the middle, never the liar's. With a single other
+        member there is no majority to tell a slow member from a lying one, so nobody is scored
+        (docs/security.md).
         """
+        reference = own if reference is None else reference
         flagged: dict[str, float] = {}
         with self._lock:
             for member, mine in own.items():
-                others = sorted(t for m, t in own.items() if m != member)
+                others = sorted(max(reference.get(m, t), t) for m, t in own.items() if m != member)
                 if len(others) < 2 or member not in self.members:
                     continue
                 typical = others[len(others) // 2]  # the upper median: one low report cannot pull it down

@@ -60,6 +60,9 @@ from weightsync.transport.staging import BucketBuffers, Job, Staging, bucket_sli
 
 PROBE_FROM = 256 << 10  # versions smaller than this are not worth timing links for
 PROBE_MAX = 128 << 10
+#: before a version moves, the last probes may take this long to be answered: a probe that shares
+#: a link with a version's buckets times the buckets (a relay receiving first was scored 8x slow)
+PROBE_SETTLE = 0.2
 
 log = logging.getLogger("weightsync.publisher")
 PUBLISHER = "publisher"
@@ -422,6 +425,8 @@ class Sender:
                                   bucket_bytes=self.settings.bucket_bytes, num_buckets=len(ranges),
                                   resend=job.resends > 0, checksum=verify, assembly=job.assembly, digest=out.digest)
         job.resends += 1
+        self.control.settle_probes(PROBE_SETTLE)
+        self.control.begin_transfer()
         job.started = job.started or time.monotonic()
         entry = self._rec.record("announce", generation=gen, version=job.version, nbytes=job.manifest.total_bytes,
                                  peers=members, encoding="delta" if self._sent_delta else "full",
@@ -571,8 +576,9 @@ class Sender:
         """Record receive times and act on members the policy finds slow.
 
         A member's score is the larger of its own time (what it spent outside the collective)
-        and its link's time for a version this size, extrapolated from the fastest of its last
-        probes and capped at its whole receive time. The broadcast is a tree, so a slow link's
+        and its link's time for a version this size, extrapolated from what its recent probes
+        took at least and capped at its whole receive time; it is compared with the others' at
+        most (their probes' round trips). The broadcast is a tree, so a slow link's
         wait lands on other members' collective time too: only the probe, which goes straight
         to each member, says whose link it is. The next round of probes goes out now, sized at
         1/32 of the version (at most 128 KiB; none below 256 KiB, where links do not matter).
@@ -580,27 +586,34 @@ class Sender:
         timings = gens.last_timings
         own = {m: timings[m][1] for m in acked if m in timings}
         self.membership.note_delivered(acked, version, {m: timings[m][0] for m in own}, own)
-        score = dict(own)
+        score, reference = dict(own), dict(own)
         assert self.side is not None
         part_of = self.side.part_of
         for member in own:
             if part_of(member).moves_alone:
                 continue  # its bytes never cross a link: the copy is all in its own time
-            probed = self.control.link_seconds(member)
-            if probed is not None and probed[1] > 0:
-                seconds, probe_bytes = probed
+            # a sharded publisher's lanes share every link: one lane's probe would time the
+            # others' buckets, so its members are scored on their own time alone
+            probed = self.control.link_seconds(member) if self.lane[1] == 1 else None
+            if probed is not None and probed[2] > 0:
+                low, high, probe_bytes = probed
                 # never more than its whole receive took: on fast links the extrapolation is
-                # mostly latency and scheduling noise, which this bounds
-                link = min(seconds * nbytes / probe_bytes, timings[member][0])
-                score[member] = max(score[member], link)
-        if nbytes >= PROBE_FROM:
+                # mostly latency and scheduling noise, which this bounds. A member is judged on
+                # what its link took at least, and counts for the others as what it took at most:
+                # a probe whose bytes were all buffered before a busy reader woke (near 0 s) never
+                # makes another member's honest measure look slow
+                scale = nbytes / probe_bytes
+                score[member] = max(score[member], min(low * scale, timings[member][0]))
+                reference[member] = max(reference[member], min(high * scale, timings[member][0]))
+        if nbytes >= PROBE_FROM and self.lane[1] == 1:
             self.control.probe(min(PROBE_MAX, nbytes // 32))
         # a member is compared with members of its own plane only: copies out of shared memory
         # are an order of magnitude faster than any socket
         flagged: dict[str, float] = {}
         for part in {part_of(m) for m in score}:
             flagged.update(self.membership.slow_members(
-                self.policy, {m: t for m, t in score.items() if part_of(m) is part}))
+                self.policy, {m: t for m, t in score.items() if part_of(m) is part},
+                {m: t for m, t in reference.items() if part_of(m) is part}))
         for member, ratio in flagged.items():
             self._rec.record("slow", version=version,
                                   peers=(member,)).fail(f"{ratio:.1f}x the others' receive time")
