@@ -104,6 +104,22 @@ def test_cost_model_tree_is_gloos_binomial_broadcast_and_its_wire_term_adds_up()
     assert wire_seconds(2, int(s), int(b), r, root_bps=r) == pytest.approx(2 * one)
 
 
+def test_cost_model_lanes_count_what_each_generator_relays_in_every_lane() -> None:
+    from benchmarks.cost_model import lane_seconds, uplinks
+
+    # of 8, rank 1 forwards to 3 and 5: two versions' worth with one lane, or with lanes in one order
+    assert uplinks(8, 1) == uplinks(8, 2, rotate=False) == uplinks(8, 4, rotate=False) == pytest.approx(2.0)
+    assert uplinks(8, 2) == pytest.approx(1.0) and uplinks(8, 4) == pytest.approx(0.75)  # lanes take turns
+    assert uplinks(2, 4) == 0.0  # two generators: both hear from the root, nobody relays
+    s, b, r = 8e6, 2e6, 1e8
+    one, fill = s * 8 / r, 2 * b * 8 / r  # of 8, the deepest path (0-1-3-7) has two hops past the first
+    assert lane_seconds(8, 2, int(s), int(b), r, rotate=False) == pytest.approx(2 * one + fill)
+    assert lane_seconds(8, 2, int(s), int(b), r) == pytest.approx(one + fill)  # the downlink sets the pace
+    assert lane_seconds(8, 8, int(s), int(b), r) == pytest.approx(one + 2 * (s / 8) * 8 / r)  # a lane < a bucket
+    # one lane from a trainer whose own link is the limit: its 2 children share it
+    assert lane_seconds(2, 1, int(s), int(b), r, trainer_bps=r) == pytest.approx(2 * one)
+
+
 def test_sharded_bench_runs_every_mode_and_measures_every_rank(tmp_path: Path) -> None:
     out = run("-m", "benchmarks.sharded", "--mib", "4", "--ranks", "1", "2", "--versions", "1", "--bucket-mib", "1",
               "--sliced", "--out", str(tmp_path))
