@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import subprocess
+import sys
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,6 +23,8 @@ import weightsync as ws
 from tests.statedicts import digest
 from weightsync.format import delta, layout
 from weightsync.planes import shm
+
+REPO = Path(__file__).resolve().parent.parent
 
 pytestmark = [pytest.mark.timeout(120)]
 
@@ -112,6 +117,27 @@ def test_the_codec_rebuilds_every_bit(auto: bool, bucket: int) -> None:
         assert torch.equal(out, cur[lo:hi])
         sent += enc.wire.numel()
     assert sent < manifest.total_bytes  # and it was smaller
+
+
+def test_the_codec_needs_no_numpy() -> None:
+    """numpy is not a dependency of weightsync, nor of torch: the codec read tensors through
+    ``.numpy()``, so every delta failed where numpy was not installed."""
+    code = (
+        "import sys; sys.modules['numpy'] = None\n"  # import numpy fails, as where it is not installed
+        "import torch\n"
+        "from tests.test_delta import _codec_case\n"
+        "from weightsync.format import delta, layout\n"
+        "manifest, base, cur = _codec_case()\n"
+        "for lo, hi in layout.bucket_ranges(manifest.total_bytes, 1 << 16):\n"
+        "    segs = delta.segments(manifest, lo, hi)\n"
+        "    for auto in (True, False):\n"
+        "        enc = delta.encode(cur[lo:hi], base[lo:hi], segs, auto=auto)\n"
+        "        out = torch.zeros(hi - lo, dtype=torch.uint8)\n"
+        "        delta.decode(enc.wire, base[lo:hi], out, segs)\n"
+        "        assert torch.equal(out, cur[lo:hi])\n"
+        "print('ok')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
 
 
 def test_the_codec_refuses_what_is_not_a_delta_of_this_bucket() -> None:

@@ -36,6 +36,7 @@ import torch
 
 from weightsync._wire import Manifest
 from weightsync.format import layout
+from weightsync.format.checksum import _host_view
 
 SAME, SPARSE, XOR, RAW = 0, 1, 2, 3
 MAGIC = 0x5753_4454_0001  # "WSDT", format 1
@@ -109,7 +110,8 @@ def _planes(values: torch.Tensor) -> bytes:
     raw = values.contiguous().view(torch.uint8)
     if size > 1:
         raw = raw.view(-1, size).t().contiguous()
-    return _compressor().compress(raw.cpu().numpy().tobytes())
+    host = raw.cpu().contiguous()
+    return _compressor().compress(_host_view(host)) if host.numel() else _compressor().compress(b"")
 
 
 def _unplanes(data: memoryview, count: int, dtype: torch.dtype) -> torch.Tensor:
@@ -234,8 +236,8 @@ def decode(wire: torch.Tensor, base: torch.Tensor, out: torch.Tensor, segs: Sequ
     if table[0] != MAGIC or table[1] != len(segs):
         raise DeltaError(f"a delta bucket's table names {table[1]} segments (magic {table[0]:#x}), "
                          f"the layout has {len(segs)}")
-    host = wire.cpu()
-    data = memoryview(host.numpy().data)
+    host = wire.cpu().contiguous()  # read in place (numpy is not a dependency): valid while ``host`` lives
+    data = memoryview(_host_view(host)).cast("B") if host.numel() else memoryview(b"")
     at = 8 * n_head
     for j, seg in enumerate(segs):
         mode, k, la, lb = table[2 + 4 * j: 6 + 4 * j]
