@@ -395,7 +395,10 @@ class Sender:
         self._wait_snapshot(job)
         assert self.side is not None
         side = self.side
-        members = tuple(self.membership.members)
+        # in the generation's group order first: point-to-point sends address members by their rank
+        # there (position + 1), and a sharded publisher's lanes order their groups (lane_order)
+        group = gens.group_of(self.membership.members)
+        members = group + tuple(m for m in self.membership.members if m not in group)
         gen, seq = self.membership.generation, gens.next_seq()
         ranges = (layout.bucket_ranges(job.manifest.total_bytes, self.settings.bucket_bytes) if job.assembly is None
                   else sharding.bucket_plan(job.manifest, self.settings.bucket_bytes))
