@@ -592,14 +592,17 @@ class Sender:
         score, reference = dict(own), dict(own)
         assert self.side is not None
         part_of = self.side.part_of
-        for member in own:
-            if part_of(member).moves_alone:
-                continue  # its bytes never cross a link: the copy is all in its own time
-            # a sharded publisher's lanes share every link: one lane's probe would time the
-            # others' buckets, so its members are scored on their own time alone
-            probed = self.control.link_seconds(member) if self.lane[1] == 1 else None
-            if probed is not None and probed[2] > 0:
-                low, high, probe_bytes = probed
+        # a sharded publisher's lanes share every link: one lane's probe would time the others'
+        # buckets, so its members are scored on their own time alone
+        linked = [m for m in own if not part_of(m).moves_alone] if self.lane[1] == 1 else []
+        probed = {m: p for m in linked if (p := self.control.link_seconds(m)) is not None and p[2] > 0}
+        for part in {part_of(m) for m in linked}:
+            mine = [m for m in linked if part_of(m) is part]
+            if any(m not in probed for m in mine):
+                continue  # links are compared only when every member's was timed (none is judged
+                # on a probe against others judged on their own time alone)
+            for member in mine:
+                low, high, probe_bytes = probed[member]
                 # never more than its whole receive took: on fast links the extrapolation is
                 # mostly latency and scheduling noise, which this bounds. A member is judged on
                 # what its link took at least, and counts for the others as what it took at most:
@@ -607,7 +610,7 @@ class Sender:
                 # makes another member's honest measure look slow
                 scale = nbytes / probe_bytes
                 score[member] = max(score[member], min(low * scale, timings[member][0]))
-                reference[member] = max(reference[member], min(high * scale, timings[member][0]))
+                reference[member] = max(own[member], min(high * scale, timings[member][0]))
         if nbytes >= PROBE_FROM and self.lane[1] == 1:
             self.control.probe(min(PROBE_MAX, nbytes // 32))
         # a member is compared with members of its own plane only: copies out of shared memory
