@@ -512,16 +512,26 @@ def test_a_member_is_judged_on_what_its_link_took_at_least_against_what_the_othe
 
     policy = StragglerPolicy(slow_factor=3.0, slow_floor=0.05, window=3, on_slow="evict")
     four = _members("a", "b", "c", "d")
+    own = dict.fromkeys("abcd", 0.005)
+
+    def bounds(low: dict[str, float], high: dict[str, float]) -> dict[str, tuple[float, float]]:
+        return {m: (low[m], high[m]) for m in low}
+
     low = {"a": 0.6, "b": 0.01, "c": 0.01, "d": 0.01}
     high = {"a": 0.62, "b": 0.6, "c": 0.61, "d": 0.6}
-    assert all(four.slow_members(policy, low, high) == {} for _ in range(6))
+    assert all(four.slow_members(policy, own, bounds(low, high)) == {} for _ in range(6))
     alone = _members("a", "b", "c", "d")  # against the others' lower bounds, the honest one looked slow
     assert [set(alone.slow_members(policy, low)) for _ in range(3)] == [set(), set(), {"a"}]
     slow = _members("a", "b", "c", "d")  # a link really slower than the policy allows is still found
     low, high = {"a": 6.0, "b": 0.01, "c": 0.01, "d": 0.01}, {"a": 6.1, "b": 0.6, "c": 0.6, "d": 0.6}
     for _ in range(2):
-        assert slow.slow_members(policy, low, high) == {}
-    assert set(slow.slow_members(policy, low, high)) == {"a"}
+        assert slow.slow_members(policy, own, bounds(low, high)) == {}
+    assert set(slow.slow_members(policy, own, bounds(low, high))) == {"a"}
+    # the others' loose upper bounds on their links never hide a member slow on its own time
+    busy = _members("a", "b", "c", "d")
+    slow_own = {"a": 1.0, "b": 0.1, "c": 0.1, "d": 0.1}
+    loose = bounds(dict.fromkeys("abcd", 0.01), dict.fromkeys("abcd", 2.0))
+    assert [set(busy.slow_members(policy, slow_own, loose)) for _ in range(3)] == [set(), set(), {"a"}]
 
 
 def test_relay_suspects_blame_the_relay_whose_children_were_fed_bad_bytes() -> None:

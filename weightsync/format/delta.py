@@ -110,8 +110,8 @@ def _planes(values: torch.Tensor) -> bytes:
     raw = values.contiguous().view(torch.uint8)
     if size > 1:
         raw = raw.view(-1, size).t().contiguous()
-    host = raw.cpu().contiguous()
-    return _compressor().compress(_host_view(host)) if host.numel() else _compressor().compress(b"")
+    host = raw.cpu()  # contiguous already: read in place (numpy is not a dependency)
+    return _compressor().compress(_host_view(host) if host.numel() else b"")
 
 
 def _unplanes(data: memoryview, count: int, dtype: torch.dtype) -> torch.Tensor:

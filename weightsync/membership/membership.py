@@ -230,31 +230,38 @@ class Membership:
                     self._own.setdefault(member, deque(maxlen=32)).append(own.get(member, 0.0))
 
     def slow_members(self, policy: StragglerPolicy, own: dict[str, float],
-                     reference: dict[str, float] | None = None) -> dict[str, float]:
+                     link: dict[str, tuple[float, float]] | None = None) -> dict[str, float]:
         """Members flagged slow on the last ``policy.window`` versions; member -> its ratio now.
 
-        ``own`` is this version's score per member (what it took at least); each is scored against
-        the *upper* median of the others' ``reference`` (what each took at most; default ``own``),
-        so a uniformly slow network flags nobody, and a member that reports less than it took (an
-        insider claiming 0 s) cannot make an honest one look slow: with at least two others, the
-        reference is one of theirs at or above the middle, never the liar's. With a single other
-        member there is no majority to tell a slow member from a lying one, so nobody is scored
-        (docs/security.md).
+        ``own`` is this version's own time per member, scored against the *upper* median of the
+        others', so a uniformly slow network flags nobody, and a member that reports less than it
+        took (an insider claiming 0 s) cannot make an honest one look slow: with at least two
+        others, the reference is one of theirs at or above the middle, never the liar's. With a
+        single other member there is no majority to tell a slow member from a lying one, so
+        nobody is scored (docs/security.md).
+
+        ``link`` (when every member's link was timed): per member what its link took at least and
+        at most for this version. A member is also slow when its link's least is past the upper
+        median of the others' most: it surely took longer than they surely did. The two are
+        compared apart, so others' loose upper bounds on their links never hide a slow own time.
         """
-        reference = own if reference is None else reference
         flagged: dict[str, float] = {}
         with self._lock:
             for member, mine in own.items():
-                others = sorted(max(reference.get(m, t), t) for m, t in own.items() if m != member)
+                others = [m for m in own if m != member]
                 if len(others) < 2 or member not in self.members:
                     continue
-                typical = others[len(others) // 2]  # the upper median: one low report cannot pull it down
-                if mine > policy.slow_factor * typical + policy.slow_floor:
-                    self._slow_streak[member] = self._slow_streak.get(member, 0) + 1
-                else:
-                    self._slow_streak[member] = 0
+                ratio, slow = 0.0, False
+                criteria = [(mine, [own[m] for m in others])]
+                if link is not None and all(m in link for m in own):
+                    criteria.append((link[member][0], [link[m][1] for m in others]))
+                for score, theirs in criteria:
+                    typical = sorted(theirs)[len(theirs) // 2]  # the upper median: one low report cannot pull it down
+                    if score > policy.slow_factor * typical + policy.slow_floor:
+                        slow, ratio = True, max(ratio, score / max(typical, 1e-6))
+                self._slow_streak[member] = self._slow_streak.get(member, 0) + 1 if slow else 0
                 if self._slow_streak[member] >= policy.window:
-                    flagged[member] = mine / max(typical, 1e-6)
+                    flagged[member] = ratio
         return flagged
 
     def last_versions(self) -> dict[str, tuple[int | None, float | None]]:

@@ -578,10 +578,10 @@ class Sender:
     def _score(self, gens: Generations, acked: set[str], version: int, nbytes: int) -> None:
         """Record receive times and act on members the policy finds slow.
 
-        A member's score is the larger of its own time (what it spent outside the collective)
-        and its link's time for a version this size, extrapolated from what its recent probes
-        took at least and capped at its whole receive time; it is compared with the others' at
-        most (their probes' round trips). The broadcast is a tree, so a slow link's
+        A member is slow on its own time (what it spent outside the collective) against the
+        others', or on its link's time for a version this size: extrapolated from what its
+        recent probes took at least, capped at its whole receive time, against what the others'
+        took at most (their probes' round trips). The broadcast is a tree, so a slow link's
         wait lands on other members' collective time too: only the probe, which goes straight
         to each member, says whose link it is. The next round of probes goes out now, sized at
         1/32 of the version (at most 128 KiB; none below 256 KiB, where links do not matter).
@@ -589,37 +589,34 @@ class Sender:
         timings = gens.last_timings
         own = {m: timings[m][1] for m in acked if m in timings}
         self.membership.note_delivered(acked, version, {m: timings[m][0] for m in own}, own)
-        score, reference = dict(own), dict(own)
+        links: dict[str, tuple[float, float]] = {}
         assert self.side is not None
         part_of = self.side.part_of
         # a sharded publisher's lanes share every link: one lane's probe would time the others'
         # buckets, so its members are scored on their own time alone
         linked = [m for m in own if not part_of(m).moves_alone] if self.lane[1] == 1 else []
-        probed = {m: p for m in linked if (p := self.control.link_seconds(m)) is not None and p[2] > 0}
-        for part in {part_of(m) for m in linked}:
-            mine = [m for m in linked if part_of(m) is part]
-            if any(m not in probed for m in mine):
-                continue  # links are compared only when every member's was timed (none is judged
-                # on a probe against others judged on their own time alone)
-            for member in mine:
-                low, high, probe_bytes = probed[member]
+        for member in linked:
+            probed = self.control.link_seconds(member)
+            if probed is not None and probed[2] > 0:
+                low, high, probe_bytes = probed
                 # never more than its whole receive took: on fast links the extrapolation is
                 # mostly latency and scheduling noise, which this bounds. A member is judged on
-                # what its link took at least, and counts for the others as what it took at most:
-                # a probe whose bytes were all buffered before a busy reader woke (near 0 s) never
-                # makes another member's honest measure look slow
-                scale = nbytes / probe_bytes
-                score[member] = max(score[member], min(low * scale, timings[member][0]))
-                reference[member] = max(own[member], min(high * scale, timings[member][0]))
+                # what its link took at least against what the others' took at most: a probe whose
+                # bytes were all buffered before a busy reader woke (near 0 s) never makes another
+                # member's honest measure look slow
+                scale, whole = nbytes / probe_bytes, timings[member][0]
+                links[member] = (min(low * scale, whole), min(high * scale, whole))
         if nbytes >= PROBE_FROM and self.lane[1] == 1:
             self.control.probe(min(PROBE_MAX, nbytes // 32))
         # a member is compared with members of its own plane only: copies out of shared memory
         # are an order of magnitude faster than any socket
         flagged: dict[str, float] = {}
-        for part in {part_of(m) for m in score}:
-            flagged.update(self.membership.slow_members(
-                self.policy, {m: t for m, t in score.items() if part_of(m) is part},
-                {m: t for m, t in reference.items() if part_of(m) is part}))
+        for part in {part_of(m) for m in own}:
+            mine = {m: t for m, t in own.items() if part_of(m) is part}
+            # links are compared only when every member's was timed (none is judged on a probe
+            # against others judged on their own time alone)
+            timed = {m: links[m] for m in mine if m in links} if all(m in links for m in mine) else None
+            flagged.update(self.membership.slow_members(self.policy, mine, timed))
         for member, ratio in flagged.items():
             self._rec.record("slow", version=version,
                                   peers=(member,)).fail(f"{ratio:.1f}x the others' receive time")
