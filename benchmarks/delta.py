@@ -1,7 +1,7 @@
 """Delta versions against full ones, side by side in one run, on a trained Llama (issue 23).
 
     python -m benchmarks.delta [--layers 8] [--hidden 2048] [--lrs 1e-6,3e-6,1e-4] [--steps 3]
-                               [--planes group,group@1000,shm] [--out benchmarks/results]
+                               [--planes group,group@1000,shm] [--no-overlap] [--out benchmarks/results]
 
 A Hugging Face Llama (random init, built here: no download; the defaults make about 1 GiB of
 bf16) with fp32 master weights is trained with AdamW on random tokens. After every step its
@@ -331,9 +331,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--planes", default="group,group@1000,shm",
                         help="group (this host), group@MBIT (emulated remote hosts, needs root), shm")
+    parser.add_argument("--no-overlap", action="store_true",
+                        help="make each delta whole before its first bucket goes (planes.delta.OVERLAP = False)")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args(argv)
     args.lrs = [float(x) for x in args.lrs.split(",")]
+    if args.no_overlap:
+        from weightsync.planes import delta as delta_plane
+
+        delta_plane.OVERLAP = False
     try:
         from transformers import LlamaConfig
     except ImportError as err:

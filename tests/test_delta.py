@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import subprocess
 import sys
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ import torch
 
 import weightsync as ws
 from tests.statedicts import digest
+from weightsync._errors import ProtocolError
 from weightsync.format import delta, layout
 from weightsync.planes import shm
 
@@ -29,6 +31,7 @@ REPO = Path(__file__).resolve().parent.parent
 pytestmark = [pytest.mark.timeout(120)]
 
 FAST = {"timeout": 5.0, "heartbeat_interval": 0.25, "bucket_bytes": 1 << 17}
+SMALL_BUCKETS = 1 << 15  # the Trainer's bf16 version in six buckets
 
 
 class Trainer:
@@ -314,6 +317,103 @@ async def test_a_corrupted_delta_is_refused_and_the_member_gets_it_full() -> Non
             assert "m1" in pub.members and "m0" in pub.members
         finally:
             await asyncio.gather(honest.aclose(), hit.aclose())
+
+
+@pytest.mark.asyncio
+async def test_a_delta_moves_its_first_buckets_while_the_later_ones_are_encoded(monkeypatch: Any) -> None:
+    """The encoder makes bucket i while the ones before it are on the wire and being decoded: here
+    no bucket past the second may be encoded until a member decoded the first one. Were the whole
+    version encoded before its Announce (it told every wire bucket's length), nothing would move
+    and the encodes would give up waiting."""
+    decoded, waited, at = threading.Event(), [], threading.local()
+    encode, decode, segments = delta.encode, delta.decode, delta.segments
+
+    def noting_segments(manifest: Any, lo: int, hi: int) -> Any:  # what the encoder asks right before a bucket
+        at.lo = lo
+        return segments(manifest, lo, hi)
+
+    def gated_encode(*args: Any, **kwargs: Any) -> Any:
+        if at.lo >= 2 * SMALL_BUCKETS:  # every bucket after the second (a member has two in flight)
+            waited.append(decoded.wait(timeout=20))
+        return encode(*args, **kwargs)
+
+    def noting_decode(*args: Any, **kwargs: Any) -> None:
+        decode(*args, **kwargs)
+        decoded.set()
+
+    trainer = Trainer(1e-3, seed=9)
+    async with ws.Publisher("pipelined", encoding="delta", **{**FAST, "bucket_bytes": SMALL_BUCKETS}) as pub:
+        async with one_member(pub) as sub:
+            await (await pub.put(trainer.master, version=0, dtype=torch.bfloat16))
+            trainer.step()
+            monkeypatch.setattr(delta, "encode", gated_encode)
+            monkeypatch.setattr(delta, "decode", noting_decode)
+            monkeypatch.setattr(delta, "segments", noting_segments)
+            report = await (await pub.put(trainer.master, version=1, dtype=torch.bfloat16))
+            assert report.encodings == {"m0": "delta"}
+            assert same(await sub.get(min_version=1, timeout=10), trainer.bf16())
+            assert len(waited) >= 3 and all(waited)  # buckets 2.., each made once the first was decoded
+            assert 0 < report.wire_bytes < report.nbytes  # the lengths told add up to what went
+
+
+@pytest.mark.asyncio
+async def test_an_encoder_that_fails_mid_version_fails_the_put_and_nobody_else(monkeypatch: Any) -> None:
+    """Bucket 2's encode raises (a bug in the encoder, memory): the put fails with it, the members
+    waiting for bucket 2's length hear the version was given up on, and the next version arrives."""
+    encode, segments, calls, at = delta.encode, delta.segments, [], threading.local()
+
+    def noting_segments(manifest: Any, lo: int, hi: int) -> Any:  # what the encoder asks right before a bucket
+        at.lo = lo
+        return segments(manifest, lo, hi)
+
+    def failing_encode(*args: Any, **kwargs: Any) -> Any:
+        calls.append(at.lo)
+        if at.lo == 2 * SMALL_BUCKETS:
+            raise MemoryError("the encoder ran out")
+        return encode(*args, **kwargs)
+
+    trainer = Trainer(1e-3, seed=10)
+    async with ws.Publisher("encoder-bug", encoding="delta", **{**FAST, "bucket_bytes": SMALL_BUCKETS}) as pub:
+        subs = await members(pub, ["group", "group"])
+        try:
+            await pub.wait_subscribers(2, timeout=20)
+            await (await pub.put(trainer.master, version=0, dtype=torch.bfloat16))
+            trainer.step()
+            monkeypatch.setattr(delta, "encode", failing_encode)
+            monkeypatch.setattr(delta, "segments", noting_segments)
+            with pytest.raises(ws.WeightSyncError, match="the encoder ran out"):
+                await (await pub.put(trainer.master, version=1, dtype=torch.bfloat16))
+            assert 2 * SMALL_BUCKETS in calls
+            monkeypatch.setattr(delta, "encode", encode)
+            trainer.step()
+            report = await (await pub.put(trainer.master, version=2, dtype=torch.bfloat16))
+            assert set(report.members) == {"m0", "m1"} and set(pub.members) == {"m0", "m1"}
+            for sub in subs:
+                assert same(await sub.get(min_version=2, timeout=10), trainer.bf16())
+                assert sub.statistics().checksum_failures == 0
+        finally:
+            await asyncio.gather(*(s.aclose() for s in subs))
+
+
+def test_a_member_refuses_a_wire_bucket_told_longer_than_any_delta_of_it() -> None:
+    from weightsync import _wire
+    from weightsync.planes.delta import DeltaDecoder
+
+    items = [("w", torch.zeros(1000, dtype=torch.bfloat16))]
+    manifest = layout.build_manifest(items)
+    flat = _flat(items, manifest)
+    announce = _wire.Announce(generation=1, seq=1, version=1, manifest=manifest, bucket_bytes=1 << 20, num_buckets=1,
+                              encoding="delta", wire_later=True, base=0, base_digest=b"x")
+    most = delta.longest(delta.segments(manifest, 0, manifest.total_bytes))
+    for told, fits in ((most, True), (most + 1, False), (-1, False), (1 << 40, False)):
+        plan = DeltaDecoder().plan(announce, [flat], None, lambda _i, n=told: n)
+        assert plan.before is not None
+        if fits:
+            plan.before(0)
+            assert plan.wire[0].numel() == most
+        else:
+            with pytest.raises(ProtocolError, match="at most"):
+                plan.before(0)
 
 
 @pytest.mark.asyncio

@@ -70,6 +70,7 @@ async def subscriber(spec: dict) -> dict:
                 last = w.version
     return {"member": spec["member"], "order": order, "digests": {str(k): v for k, v in seen.items()},
             "transport": sub.transport, "error": error,
+            "checksum_failures": sub.statistics().checksum_failures,
             # the kernel's own count, not the library's: the most memory this process ever held
             "rss_baseline_mib": baseline, "rss_peak_mib": _status_mib("VmHWM")}
 
@@ -171,10 +172,13 @@ async def sharded_trainer(spec: dict) -> dict:
                 fh.write(pub.address or "")
             os.replace(spec["address_file"] + ".tmp", spec["address_file"])
         await pub.wait_subscribers(spec.get("subscribers", 1), timeout=60)
+        encodings: dict[str, dict[str, str]] = {}  # per version: what each member got of this rank's lane
         for version in range(spec["versions"]):
             with torch.no_grad():
                 for p in model.parameters():
-                    p.to_local().add_(1)
+                    local = p.to_local().view(-1)
+                    # "nudge": one element in 17 of each shard moves (an RL step: deltas apply), else every one
+                    (local[version % 17::17] if spec.get("nudge") else local).add_(1)
             sd = dict(model.state_dict())
             sd["shared.replicated"] = replicated + version
             sd["plain.step"] = torch.tensor([version, rank * 0], dtype=torch.int32)
@@ -191,14 +195,15 @@ async def sharded_trainer(spec: dict) -> dict:
                 os.kill(os.getpid(), signal.SIGSTOP if spec.get("die_by") == "stop" else signal.SIGKILL)
             try:
                 handle = await pub.put(sd, version=version, dtype=cast, copy=not spec.get("nocopy"))
-                await handle.delivered(timeout=60)
+                report = await handle.delivered(timeout=60)
+                encodings[str(version)] = dict(report.encodings)
             except ws.WeightSyncError as err:
                 error = f"{type(err).__name__}: {err}"
                 break
         if spec.get("dump_at_end"):
             process_recorder().dump(reason="trainer finished")
     dist.destroy_process_group()
-    return {"rank": rank, "expected": expected, "error": error, "full_bytes": sent_full}
+    return {"rank": rank, "expected": expected, "error": error, "full_bytes": sent_full, "encodings": encodings}
 
 
 async def pp_trainer(spec: dict) -> dict:

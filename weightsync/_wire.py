@@ -10,7 +10,7 @@ number and, once admitted, a MAC under the member's session key::
 
     server -> client   Challenge (first, unauthenticated: a fresh nonce)
     client -> server   Join      (answers it: member id, fingerprint, its own nonce, a proof)
-    server -> client   Admit | Deny, then Go, Announce, Seal, Commit, Reconfigure, Shutdown, Beat,
+    server -> client   Admit | Deny, then Go, Announce, WireSizes, Seal, Commit, Reconfigure, Shutdown, Beat,
                        StoreResult, Probe, EngineTally
     client -> server   Ready, Ack, Leave, Beat, StoreOp, ProbeReply, EngineReport
 
@@ -26,13 +26,14 @@ from typing import Union
 
 import msgspec
 
-PROTOCOL_VERSION = 11  # 2: settings in Admit; CRC32C. 3: link probes. 4: same-host shm. 5: sharded (lanes).
+PROTOCOL_VERSION = 12  # 2: settings in Admit; CRC32C. 3: link probes. 4: same-host shm. 5: sharded (lanes).
 # 6: sliced members (Join.want, point-to-point buckets: Announce.direct)
 # 7: tied tensors sent once (Manifest.ties); Challenge.open
 # 8: each member's Announce names the version's encoding on the wire (Announce.encoding, .wire)
 # 9: deltas: Announce.base, .base_digest (the version a delta is against, and its digest)
 # 10: fleet-wide activation: ChannelSettings.activation, Commit, Ack.exposed; EngineReport, EngineTally
 # 11: Announce.digest (the Seal's digest function, chosen by the publisher's CPU: format.checksum)
+# 12: Announce.wire_later, WireSizes (a delta's wire buckets are sized as they are encoded, while earlier ones move)
 
 
 class TensorSpec(msgspec.Struct, frozen=True, array_like=True):
@@ -209,7 +210,8 @@ class Announce(msgspec.Struct, frozen=True, tag="announce"):
     assembly: Assembly | None = None  # a sharded version: where this lane's bytes go in the full one
     direct: bool = False  # the buckets come point to point from rank 0, each member's own (Join.want) or whole
     encoding: str = "full"  # how the buckets are encoded on the wire (weightsync.planes.encoding)
-    wire: tuple[int, ...] = ()  # each bucket's bytes on the wire; empty: the layout's (as staged)
+    wire: tuple[int, ...] = ()  # each bucket's bytes on the wire; empty: the layout's (as staged)...
+    wire_later: bool = False  # ...or told bucket by bucket in WireSizes, each before its bucket moves
     base: int = -1  # a delta: the version it is against (the member's readable one), else -1
     base_digest: bytes = b""  # ...and that version's digest (planes.encoding.base_digest)
     digest: str = "crc32c"  # the function of the Seal's per-bucket digests (format.checksum.KINDS)
@@ -225,6 +227,18 @@ class Seal(msgspec.Struct, frozen=True, tag="seal"):
     version: int
     checksums: tuple[int, ...]
     abandoned: bool = False  # the publisher gave up on this version: no checksums follow
+
+
+class WireSizes(msgspec.Struct, frozen=True, tag="wire_sizes"):
+    """The lengths of wire buckets ``first``, ``first + 1``, ... of version `version` (an Announce
+    with ``wire_later``), each sent before its bucket moves: the publisher encodes a bucket while
+    the ones before it are on the wire. Point to point on the control connection, never relayed."""
+
+    generation: int
+    seq: int
+    version: int
+    first: int
+    sizes: tuple[int, ...]
 
 
 class Commit(msgspec.Struct, frozen=True, tag="commit"):
@@ -345,8 +359,8 @@ class EngineTally(msgspec.Struct, frozen=True, tag="engine_tally"):
 
 
 ClientMessage = Union[Join, Ready, Ack, Leave, Beat, StoreOp, ProbeReply, Copied, EngineReport]
-ServerMessage = Union[Challenge, Admit, Deny, Go, Announce, Abandon, Seal, Reconfigure, Shutdown, Beat, StoreResult,
-                      Probe, Commit, EngineTally]
+ServerMessage = Union[Challenge, Admit, Deny, Go, Announce, Abandon, Seal, WireSizes, Reconfigure, Shutdown, Beat,
+                      StoreResult, Probe, Commit, EngineTally]
 
 
 _encoder = msgspec.msgpack.Encoder()

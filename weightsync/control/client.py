@@ -5,7 +5,7 @@
 thread ``ws-<channel>-control``, which sorts what arrives:
 
 - commands (Admit, Deny, Go, Announce, Reconfigure, Shutdown) into :attr:`commands`;
-- Seals into :attr:`seals`;
+- Seals (and a delta's WireSizes, which come before its Seal) into :attr:`seals`;
 - rendezvous answers to the thread waiting in :meth:`call_store`;
 - Beats only refresh :attr:`last_heard`.
 
@@ -258,7 +258,7 @@ class ControlClient:
                 call[1].append(message)
                 call[0].set()
             return
-        if isinstance(message, _wire.Seal):
+        if isinstance(message, (_wire.Seal, _wire.WireSizes)):  # a version's in-band words, in order
             self.seals.put(message)
             return
         if isinstance(message, _wire.Challenge):

@@ -222,6 +222,12 @@ def encode(cur: torch.Tensor, base: torch.Tensor, segs: Sequence[Segment], *, au
     return Encoded(wire, changed, elements, tuple(modes))
 
 
+def longest(segs: Sequence[Segment]) -> int:
+    """The most bytes a bucket of ``segs`` takes on the wire: its table and every segment as it is
+    (every other mode is kept only where it is smaller). What a member bounds a told size by."""
+    return 8 * (2 + 4 * len(segs)) + sum(seg.hi - seg.lo for seg in segs)
+
+
 def _bytes(data: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
 

@@ -266,9 +266,27 @@ class Placer:
                 _scatter(self._full, piece.blocks, a - spec.offset, b - spec.offset, src[a - lo : b - lo])
 
 
+    def gather(self, i: int, other: torch.Tensor) -> torch.Tensor:
+        """Bucket ``i``'s lane bytes as they lie in ``other``, another full version in the same
+        layout (a member's readable one: what a lane's delta is against). A view where bucket i
+        lies in one run of the full layout, else a copy."""
+        lo, hi = self._ranges[i]
+        if not self.scattered[i]:
+            target = self.targets[i]
+            start = target.storage_offset() - self._full.storage_offset()
+            return other[start : start + hi - lo]
+        out = torch.empty(hi - lo, dtype=torch.uint8, device=other.device)
+        for spec, piece in zip(self._lane.tensors, self._pieces, strict=True):
+            a, b = max(lo, spec.offset), min(hi, spec.offset + spec.nbytes)
+            if a < b:
+                _scatter(other, piece.blocks, a - spec.offset, b - spec.offset, out[a - lo : b - lo], gather=True)
+        return out
+
+
 def _scatter(full: torch.Tensor, blocks: Sequence[tuple[int, int, int, int]], a: int, b: int,
-             src: torch.Tensor) -> None:
-    """Copy a piece's lane bytes ``[a, b)`` (given in ``src``) to their places in ``full``."""
+             src: torch.Tensor, gather: bool = False) -> None:
+    """Copy a piece's lane bytes ``[a, b)`` (given in ``src``) to their places in ``full``;
+    ``gather``: the other way, from their places in ``full`` into ``src``."""
     base = 0  # the piece's lane offset of the current block
     for offset, run, count, stride in blocks:
         size = run * count
@@ -277,16 +295,25 @@ def _scatter(full: torch.Tensor, blocks: Sequence[tuple[int, int, int, int]], a:
             row, col = divmod(lo - base, run)
             if col == 0 and hi - lo >= run:  # whole rows at once
                 rows = (hi - lo) // run
-                dst = full.as_strided((rows, run), (stride, 1), offset + row * stride)
-                dst.copy_(src[lo - a : lo - a + rows * run].view(rows, run))
+                placed = full.as_strided((rows, run), (stride, 1), offset + row * stride)
+                lane = src[lo - a : lo - a + rows * run].view(rows, run)
+                _move(placed, lane, gather)
                 lo += rows * run
                 continue
             n = min(run - col, hi - lo)
             start = offset + row * stride + col
-            full[start : start + n].copy_(src[lo - a : lo - a + n])
+            placed, lane = full[start : start + n], src[lo - a : lo - a + n]
+            _move(placed, lane, gather)
             lo += n
         base += size
 
+
+
+def _move(placed: torch.Tensor, lane: torch.Tensor, gather: bool) -> None:
+    if gather:
+        lane.copy_(placed)
+    else:
+        placed.copy_(lane)
 
 
 def local_box(value: Any) -> tuple[torch.Tensor, tuple[slice, ...]]:

@@ -170,10 +170,11 @@ class DedicatedGroup:
             return
         pending: list[tuple[int, list[Any], Any, float]] = []  # (bucket, works, recorder entry, deadline)
         try:
-            for i, tensor in enumerate(transfer.buckets):
+            for i in range(len(transfer.buckets)):
                 if len(pending) >= depth:
                     self._finish_oldest(pending, transfer)
                 own_hook(transfer.before, i, "preparing")
+                tensor = transfer.buckets[i]  # after its hook: a delta's wire bucket exists once encoded (or sized)
                 limit = transfer.deadline(tensor.numel() * max(fan, 1))
                 entry = self._rec.record(op, generation=self.generation, version=transfer.version, bucket=i,
                                          nbytes=tensor.numel(), encoding=transfer.encoding,

@@ -52,8 +52,8 @@ class GroupSend:
         if not (plans or out.point_to_point):  # one broadcast, in the version's encoding
             wire = out.encoded(members)
             self._wire, self._form = wire.wire, (wire.encoding, wire.base)
-            return {"direct": False, "encoding": wire.encoding, "wire": wire.sizes, "base": wire.base,
-                    "base_digest": wire.base_digest}
+            return {"direct": False, "encoding": wire.encoding, "wire": wire.sizes, "wire_later": wire.later,
+                    "base": wire.base, "base_digest": wire.base_digest}
         # point to point: each member is sent its gathered share of the staged bytes ("full")
         self._wire, self._form = out.buckets, ("full", -1)
         device = out.buckets[0].device if out.buckets else self._ctx.buckets.device

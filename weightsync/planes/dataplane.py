@@ -166,6 +166,9 @@ class Outgoing:
     #: the staged buckets' digests, when the encoder took them while it read the buckets (the Sender's
     #: after-bucket checksum then reads them instead of the buckets again)
     staged_digests: list[int] | None = None
+    #: tells the members of an encoded version wire buckets ``first``, ``first + 1``...'s lengths
+    #: (a plan made ``later``: each before its bucket moves); set by the Sender
+    tell_sizes: Callable[[int, tuple[int, ...]], None] = lambda _first, _sizes: None
     _wire: WirePlan | None = None
 
     def wrap(self, outer: Callable[[Callable[[int], None]], Callable[[int], None]]) -> None:
@@ -176,6 +179,18 @@ class Outgoing:
     def after(self, i: int) -> None:
         for hook in self.afters:
             hook(i)
+
+    def wire_bytes(self) -> int | None:
+        """What the encoded version put on the wire per member reached, once moved (None: not encoded)."""
+        plan = self._wire
+        if plan is None or plan.encoding == "full":
+            return None
+        return sum(plan.told) if plan.later else sum(plan.sizes) if plan.sizes else None
+
+    def close(self) -> None:
+        """The version is done with (moved or given up on): an encoder still at work stops."""
+        if self._wire is not None and self._wire.close is not None:
+            self._wire.close()
 
     def encoded(self, receivers: tuple[str, ...]) -> WirePlan:
         """The version in its encoding for ``receivers`` (planned once, by the first part that carries

@@ -8,8 +8,9 @@ reconstructed bytes'. Each bucket is encoded by :mod:`weightsync.format.delta`.
 
 - ``"delta"``: every segment as its smallest delta form (sparse, XOR, or as it is);
 - ``"auto"``: sparse where it is small, as it is where a segment's sampled change is dense, and
-  the whole version as ``"full"`` where the delta would not halve its bytes (decoding one costs
-  a copy of the base and the wire is fast enough on one host that a smaller saving lost time).
+  the whole version as ``"full"`` where its sampled delta would not halve its bytes (decoding
+  one costs a copy of the base and the wire is fast enough on one host that a smaller saving
+  lost time). The sample decides before any bucket is made: buckets go as they are made.
 
 Where the version goes ``"full"`` instead (the plan's ``encoding``), with no delta made:
 
@@ -17,7 +18,11 @@ Where the version goes ``"full"`` instead (the plan's ``encoding``), with no del
 - a member in the version that is not known to hold the base (a newcomer, a replacement, a
   member that rejoined or missed the base, or whose last delta failed);
 - checksums off (nothing would prove the reconstruction), ``copy=False`` (no snapshot to
-  compare, and none kept as the next base), a sharded rank's lane.
+  compare, and none kept as the next base).
+
+A sharded rank's lane goes as a delta against that rank's own retained part (each rank encodes
+its own shards); a member rebuilds it against the same part of its readable version, gathered
+from the whole slot where the lane's bytes lie (``sharding.Placer.gather``).
 
 A member that cannot decode (no such base, a corrupted or forged delta) still takes part in the
 whole transfer, then refuses the version as corrupt; the publisher re-sends it ``"full"`` in the
@@ -29,14 +34,14 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
 import torch
 
-from weightsync._errors import ChecksumMismatch
-from weightsync.format import delta, layout
+from weightsync._errors import ChecksumMismatch, ProtocolError
+from weightsync.format import delta, layout, sharding
 from weightsync.format.checksum import checksum
 from weightsync.planes.encoding import AUTO, DELTA, FULL, Base, EncodingSpec, WirePlan
 
@@ -59,6 +64,9 @@ def _pool() -> ThreadPoolExecutor:
 
 
 WORTH = 0.5  # auto: a version whose delta is more than this share of its bytes goes full
+#: buckets go as they are made (False: the whole version is made before its first bucket goes, as
+#: before protocol 12; for benchmarks.delta's side-by-side comparison only)
+OVERLAP = True
 
 
 def why_full(out: Any, base: Base | None, to: Sequence[str]) -> str:
@@ -69,8 +77,8 @@ def why_full(out: Any, base: Base | None, to: Sequence[str]) -> str:
         return f"the base {base.version} is not older"
     if out.snapshot is None:
         return "copy=False"
-    if out.assembly is not None:
-        return "a sharded lane"
+    if base.assembly != out.assembly:
+        return "the sharded layout changed"
     if not out.checksum:
         return "checksums are off"
     if base.manifest != out.manifest:
@@ -142,42 +150,80 @@ class DeltaEncoder:
                 out.full_reason = f"sampled, the delta would be about {guess / max(total, 1):.0%} of the version"
                 return WirePlan(out.buckets, encoding=FULL)
 
-        def one(i: int) -> tuple[delta.Encoded, int]:  # torch's ops, zstd and the digests let go of the GIL
+        made = [began]  # when the last bucket was made (the encode time: not the wire's pace)
+
+        def one(i: int) -> tuple[torch.Tensor, int]:  # torch's ops, zstd and the digests let go of the GIL
             lo, hi = out.ranges[i]
             bucket = out.buckets[i]
             enc = delta.encode(bucket, base.flat[lo:hi], delta.segments(out.manifest, lo, hi), auto=self.auto)
-            return enc, checksum(bucket, out.digest) if out.checksum and bucket.numel() else 0
+            digest = checksum(bucket, out.digest) if out.checksum and bucket.numel() else 0
+            made.append(time.monotonic())
+            return enc.wire.to(bucket.device), digest
 
-        done = list(_pool().map(one, range(len(out.ranges))))
-        wire = [enc.wire.to(out.buckets[i].device) for i, (enc, _sum) in enumerate(done)]
-        out.staged_digests = [digest for _enc, digest in done]  # the staged bytes': valid whatever goes
-        out.encode_seconds = time.monotonic() - began
-        sizes = tuple(w.numel() for w in wire)
-        if self.auto and sum(sizes) > WORTH * total:
-            out.full_reason = f"the delta is {sum(sizes) / max(total, 1):.0%} of the version"
-            return WirePlan(out.buckets, encoding=FULL)
-        return WirePlan(wire, sizes, encoding=DELTA, base=base.version, base_digest=base.digest)
+        # every bucket is encoded on the pool at once, in order; bucket i goes once it is made, while
+        # the ones after it are still being made and the members decode the ones before it
+        n = len(out.ranges)
+        jobs = [_pool().submit(one, i) for i in range(n)]
+        if not OVERLAP:
+            wait(jobs, timeout=out.deadline(total))
+        wire: list[torch.Tensor] = [_NOTHING] * n
+        out.staged_digests = [0] * n  # the staged bytes': valid whatever goes
+        plan = WirePlan(wire, encoding=DELTA, base=base.version, base_digest=base.digest, later=True)
+
+        def encode(i: int) -> None:
+            if i < len(plan.told):
+                return  # made and told already (a re-walk of the hooks)
+            lo, hi = out.ranges[i]
+            first, sizes = i, []
+            for j in range(i, n):  # bucket i, and every later one made by now: one WireSizes for them all
+                if j > i and not jobs[j].done():
+                    break
+                wire[j], out.staged_digests[j] = jobs[j].result(timeout=out.deadline(hi - lo))
+                sizes.append(wire[j].numel())
+            plan.told.extend(sizes)
+            if len(plan.told) == n:
+                out.encode_seconds = max(made) - began
+            out.tell_sizes(first, tuple(sizes))
+
+        def close() -> None:  # the rest is not wanted (a version given up on): its base may be reused
+            for job in jobs:
+                job.cancel()
+            wait(jobs, timeout=max(out.deadline(out.bucket_bytes), 1.0))
+
+        plan.hook, plan.close = encode, close
+        return plan
+
+
+_NOTHING = torch.empty(0, dtype=torch.uint8)  # a wire bucket not made yet
 
 
 class DeltaDecoder:
-    def plan(self, announce: Any, buckets: Sequence[torch.Tensor], base: Base | None = None) -> WirePlan:
+    def plan(self, announce: Any, buckets: Sequence[torch.Tensor], base: Base | None = None,
+             sizes: Callable[[int], int] | None = None) -> WirePlan:
         manifest = announce.manifest
-        ranges = layout.bucket_ranges(manifest.total_bytes, announce.bucket_bytes)
-        if len(announce.wire) != len(buckets) or len(ranges) != len(buckets):
-            raise ChecksumMismatch(f"version {announce.version}: a delta of {len(announce.wire)} wire buckets "
-                                   f"for {len(buckets)} buckets")
+        ranges = (layout.bucket_ranges(manifest.total_bytes, announce.bucket_bytes) if announce.assembly is None
+                  else sharding.bucket_plan(manifest, announce.bucket_bytes))
+        if len(ranges) != len(buckets) or not announce.wire_later or sizes is None:
+            raise ChecksumMismatch(f"version {announce.version}: a delta whose wire buckets are not told as they "
+                                   f"go, or of {len(ranges)} buckets for {len(buckets)}")
         refused = ""
-        if announce.assembly is not None:
-            refused = "a sharded lane is never sent a delta"
-        elif base is None:
+        if base is None:
             refused = "this member holds no base version"
         elif (base.version, base.digest) != (announce.base, announce.base_digest):
             refused = f"this member holds version {base.version}, not the base {announce.base} (or not its bytes)"
-        elif base.manifest != manifest:
+        elif base.manifest != manifest or base.assembly != announce.assembly:
             refused = "the base is in another layout"
         device = buckets[0].device if buckets else torch.device("cpu")
-        wire = [torch.empty(n, dtype=torch.uint8, device=device) for n in announce.wire]
+        wire: list[torch.Tensor] = [_NOTHING] * len(buckets)
         problems: list[str] = []
+
+        def size(i: int) -> None:  # bucket i's told length, bounded by what a delta of it can take
+            lo, hi = ranges[i]
+            told, most = sizes(i), delta.longest(delta.segments(manifest, lo, hi))
+            if not 0 <= told <= most:  # the publisher's word, on our own connection: not a relay's
+                raise ProtocolError(f"version {announce.version}: wire bucket {i} told as {told} bytes, "
+                                    f"a delta of it takes at most {most}")
+            wire[i] = torch.empty(told, dtype=torch.uint8, device=device)
 
         def decode(i: int) -> None:
             if refused or problems:
@@ -185,15 +231,17 @@ class DeltaDecoder:
             assert base is not None
             lo, hi = ranges[i]
             try:
-                delta.decode(wire[i], base.flat[lo:hi], buckets[i], delta.segments(manifest, lo, hi))
+                held = base.flat[lo:hi] if base.part is None else base.part(i)
+                delta.decode(wire[i], held, buckets[i], delta.segments(manifest, lo, hi))
             except delta.DeltaError as err:
                 problems.append(f"bucket {i}: {err}")
+            wire[i] = _NOTHING  # decoded: its bytes are not held to the end of the version
 
         def check() -> None:
             if refused or problems:
                 raise ChecksumMismatch(refused or problems[0])
 
-        return WirePlan(wire, hook=decode, check=check)
+        return WirePlan(wire, hook=decode, check=check, later=True, before=size)
 
 
 SPECS = (EncodingSpec(DELTA, DeltaEncoder(auto=False), DeltaDecoder()),

@@ -13,14 +13,20 @@ point to point are sent gathered staged bytes), the Sender asks ``encoder(name).
 
 - ``wire``: the tensors the plane moves, one per bucket (the staged buckets for ``"full"``);
 - ``sizes``: each wire bucket's length, told in the Announce before any byte moves (empty when
-  they are the staged buckets' lengths), so a member can size what it receives into;
-- ``encode(i)``: fills wire bucket i; it runs after bucket i is staged (packed, or copied by a
-  pipelined snapshot) and before the plane issues it, on the sender thread.
+  they are the staged buckets' lengths), so a member can size what it receives into; or
+  ``later``: the lengths are told bucket by bucket as the encoder makes them (``tell_sizes`` of
+  the Outgoing: WireSizes messages, each before its bucket moves), so bucket i is encoded while
+  the ones before it are on the wire;
+- ``encode(i)``: fills wire bucket i (``wire[i]`` is read after it); it runs after bucket i is
+  staged (packed, or copied by a pipelined snapshot) and before the plane issues it, on the
+  sender thread; ``close()``: the version is done with (sent or given up), stop encoding.
 
-Member side, ``decoder(name).plan(announce, buckets)``, where ``buckets`` are the slot's (where the
-decoded bytes belong): ``wire`` (what the plane receives into; the slot's buckets for
-``"full"``) and ``decode(i)``: runs once wire bucket i is in, before the member's digest of
-bucket i.
+Member side, ``decoder(name).plan(announce, buckets, base)``, where ``buckets`` are the slot's
+(where the decoded bytes belong), and for an Announce with ``wire_later`` a fourth argument,
+``sizes``: ``sizes(i)`` waits for wire bucket i's told length. It returns
+``wire`` (what the plane receives into; the slot's buckets for ``"full"``), ``before(i)``: sizes
+wire bucket i before it is received (``later``), and ``decode(i)``: runs once wire bucket i is
+in, before the member's digest of bucket i.
 
 What an encoding may assume: the manifest (names, dtypes, offsets; every dtype's element size
 is whole bytes), the staged bytes of this version on the publisher's device, and, on the member,
@@ -34,7 +40,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -60,6 +66,11 @@ class WirePlan:
     #: member: runs once every bucket is in; raises ChecksumMismatch for a version that could not
     #: be decoded (a decode hook never raises mid-transfer: the collective must complete)
     check: Callable[[], None] | None = None
+    #: the wire buckets' lengths are told as they are made (see the module docstring), not in ``sizes``
+    later: bool = False
+    told: list[int] = field(default_factory=list)  # publisher, ``later``: the lengths told so far
+    before: Callable[[int], None] | None = None  # member, ``later``: sizes wire bucket i before it moves
+    close: Callable[[], None] | None = None  # publisher: the version is done with; stop encoding
 
 
 @dataclass(frozen=True)
@@ -75,6 +86,12 @@ class Base:
     manifest: Any
     digest: bytes
     holders: frozenset[str] = frozenset()  # publisher: the members that acknowledged it whole
+    #: a sharded lane's base: the Assembly it was sent under (its full layout, where the lane's
+    #: bytes lie in it), which the version must share; ``manifest`` is then the lane's
+    assembly: Any = None
+    #: member, a sharded lane: wire bucket i's base bytes, gathered from ``flat`` (the whole
+    #: readable version); None: ``flat[lo:hi]``
+    part: Callable[[int], torch.Tensor] | None = None
 
 
 def base_digest(version: int, checksums: Sequence[int]) -> bytes:
@@ -92,7 +109,8 @@ class Encoder(Protocol):
 
 
 class Decoder(Protocol):
-    def plan(self, announce: Any, buckets: Sequence[torch.Tensor], base: Base | None = None) -> WirePlan: ...
+    def plan(self, announce: Any, buckets: Sequence[torch.Tensor], base: Base | None = None,
+             sizes: Callable[[int], int] | None = None) -> WirePlan: ...
 
 
 @dataclass(frozen=True)
@@ -112,7 +130,8 @@ class _FullEncoder:
 class _FullDecoder:
     """...straight into the member's slot."""
 
-    def plan(self, announce: Any, buckets: Sequence[torch.Tensor], base: Base | None = None) -> WirePlan:
+    def plan(self, announce: Any, buckets: Sequence[torch.Tensor], base: Base | None = None,
+             sizes: Callable[[int], int] | None = None) -> WirePlan:
         return WirePlan(buckets)
 
 

@@ -83,6 +83,7 @@ from weightsync.transport.slots import SlotPair
 #: what a receive may fail with and still be acknowledged (as failed): the wire, not a bug
 RECEIVE_FAILURES = (PeerFailure, Cancelled, ProtocolError, ControlFailure, LocalFailure)
 PRE_ADMISSION_BEAT = 0.25  # seconds between beats until the publisher's interval is known
+SIZE_SLICE = 0.25  # seconds between looks for an Abandon while waiting for a wire bucket's length
 CONNECT_BACKOFF = (0.05, 1.0)  # first and longest pause between tries to reach a publisher not up yet
 
 log = logging.getLogger("weightsync.subscriber")
@@ -100,6 +101,15 @@ class _Staged(NamedTuple):
     nbytes: int
     began: float  # monotonic: when its receive started
     digest: bytes | None  # its base digest (what a delta against it names); None: not a base
+
+
+class _Held(NamedTuple):
+    """What this member (a lane: this lane's part of it) verified of a version a delta may be against."""
+
+    version: int
+    digest: bytes  # planes.encoding.base_digest over its buckets' digests
+    manifest: Any = None  # a lane: its own manifest, and the Assembly it came under
+    assembly: Any = None
 
 
 class ReceiverState(enum.Enum):
@@ -152,7 +162,7 @@ class Receiver:
         self._rec = recorder.scope(channel, member_id if lane == 0 else f"{member_id}@rank{lane}")
         self._plane: DataPlane | None = None
         self._clean_shutdown = False
-        self._held: tuple[int, bytes] | None = None  # the readable version a delta may be against, and its digest
+        self._held: _Held | None = None  # the readable version a delta may be against (a lane: its part of it)
         # activation "all": the verified version waiting in the receiving slot for its Commit
         self._staged: _Staged | None = None
         self.tally = tally or SubscriberTally()
@@ -443,7 +453,11 @@ class Receiver:
                 raise ProtocolError(f"version {announce.version} is sealed with digest {kind[:32]!r}, "
                                     f"which this member does not have (it has {sorted(KINDS)})")
             try:  # the wire form the plane receives; decoded into the slot's buckets before each digest
-                wire = encoding.decoder(announce.encoding).plan(announce, buckets, self._base())
+                decoder = encoding.decoder(announce.encoding)
+                told = self._told_sizes(announce, ranges)  # only a decoder of such versions is asked with it
+                lane_base = self._base(placer if isinstance(placer, sharding.Placer) else None)
+                wire = (decoder.plan(announce, buckets, lane_base) if told is None
+                        else decoder.plan(announce, buckets, lane_base, told))
             except KeyError:
                 raise ProtocolError(f"version {announce.version} is in encoding {announce.encoding[:32]!r}, "
                                     "which this member does not have") from None
@@ -467,7 +481,8 @@ class Receiver:
             # anything new in our queue mid-transfer means the publisher gave up on this version
             moving = time.monotonic()
             try:
-                self._plane.move(Transfer(announce.version, wire.wire, self.deadlines.bucket, after=after,
+                self._plane.move(Transfer(announce.version, wire.wire, self.deadlines.bucket, before=wire.before,
+                                          after=after,
                                           cancelled=lambda: self.aborting.is_set()
                                           or not self._client.commands.empty(), announce=announce,
                                           encoding=announce.encoding, base=announce.base))
@@ -486,6 +501,9 @@ class Receiver:
                 self._verify(announce, sums)
                 sealing = time.monotonic() - moving - in_move
             if assembly is not None:
+                # this lane's part, verified: a base for the next one once the whole version is readable
+                self._held = (_Held(announce.version, encoding.base_digest(announce.version, sums), manifest, assembly)
+                              if verify else None)
                 if self._slots.part_done(self.lane, assembly.world, announce.version, epoch):
                     self._rec.record("publish", generation=announce.generation, version=announce.version,
                                      nbytes=assembly.manifest.total_bytes).complete()
@@ -524,7 +542,7 @@ class Receiver:
     def _expose(self, staged: _Staged) -> None:
         """The verified version in the receiving slot becomes readable, atomically."""
         self._slots.publish(staged.version)
-        self._held = None if staged.digest is None else (staged.version, staged.digest)
+        self._held = None if staged.digest is None else _Held(staged.version, staged.digest)
         self._rec.record("publish", generation=staged.generation, version=staged.version,
                          nbytes=staged.nbytes).complete()
         log.debug("%s: version %d readable (%d bytes)", self.member_id, staged.version, staged.nbytes)
@@ -550,13 +568,22 @@ class Receiver:
         except ControlFailure:
             pass
 
-    def _base(self) -> encoding.Base | None:
-        """The readable slot as a delta's base, when this member holds a whole version it verified.
-        Only this thread swaps the slots, so it stays put while a delta is decoded against it."""
-        slot = self._slots.readable
-        if self._held is None or slot.version != self._held[0] or slot.flat is None or slot.manifest is None:
+    def _base(self, placer: sharding.Placer | None = None) -> encoding.Base | None:
+        """The readable slot as a delta's base, when this member holds a whole version it verified
+        (a lane, ``placer``: when it verified its own part of the readable version; its bytes are
+        gathered from where they lie in the slot). Only a receiver swaps the slots, and a lane's
+        only once every lane is done with the next version, so the base stays put while a delta
+        is decoded against it."""
+        slot, held = self._slots.readable, self._held
+        if held is None or slot.version != held.version or slot.flat is None or slot.manifest is None:
             return None
-        return encoding.Base(slot.version, slot.flat[: slot.manifest.total_bytes], slot.manifest, self._held[1])
+        whole = slot.flat[: slot.manifest.total_bytes]
+        if held.assembly is None:
+            return None if placer is not None else encoding.Base(slot.version, whole, slot.manifest, held.digest)
+        if placer is None or slot.manifest != held.assembly.manifest:
+            return None
+        return encoding.Base(slot.version, whole, held.manifest, held.digest, assembly=held.assembly,
+                             part=lambda i: placer.gather(i, whole))
 
     def _sliced_targets(self, announce: _wire.Announce,
                         ranges: list[tuple[int, int]]) -> tuple[slicing.SlicePlacer, list[torch.Tensor], int]:
@@ -593,6 +620,42 @@ class Receiver:
             self._client.send(ack)
         except ControlFailure:
             pass
+
+    def _told_sizes(self, announce: _wire.Announce, ranges: list[tuple[int, int]]) -> Callable[[int], int] | None:
+        """For an Announce with ``wire_later``: ``size(i)`` waits for wire bucket i's length, told in a
+        WireSizes on our own connection before that bucket moves (the publisher encodes a bucket while
+        the ones before it are on the wire); None otherwise."""
+        if not announce.wire_later:
+            return None
+        assert self.deadlines is not None
+        bound = self.deadlines.bucket
+        told: dict[int, int] = {}
+        key = (announce.generation, announce.seq)
+
+        def size(i: int) -> int:
+            lo, hi = ranges[i] if i < len(ranges) else (0, 0)
+            deadline = time.monotonic() + bound(hi - lo)
+            while i not in told:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise PeerFailure(f"version {announce.version}: wire bucket {i}'s length did not come "
+                                      f"within {bound(hi - lo):.1f}s")
+                if self.aborting.is_set() or not self._client.commands.empty():
+                    raise Cancelled(f"version {announce.version} was given up on")
+                try:
+                    word = self._client.seals.get(timeout=min(left, SIZE_SLICE))
+                except queue.Empty:
+                    continue
+                if isinstance(word, _wire.Wake):
+                    raise StoreUnreachable(self._client.close_reason)
+                if isinstance(word, _wire.WireSizes) and (word.generation, word.seq) == key:
+                    told.update(zip(range(word.first, word.first + len(word.sizes)), word.sizes, strict=True))
+                elif isinstance(word, _wire.Seal) and (word.generation, word.seq) == key:
+                    raise ProtocolError(f"version {announce.version}'s Seal came before wire bucket {i}'s length")
+                # older versions' words (given up on) are skipped, as _verify skips their Seals
+            return told[i]
+
+        return size
 
     def _verify(self, announce: _wire.Announce, sums: list[int]) -> None:
         """Compare our buckets' digests with the publisher's Seal; raises ChecksumMismatch."""

@@ -412,17 +412,19 @@ class Sender:
                        base=None if full else self._base(job), prefer_full=self._chooser.prefer_full(),
                        digest=self.digest)
         by = side.split(members)
+        # an encoder that sizes its wire buckets as it makes them tells the members each one's length
+        out.tell_sizes = lambda first, sizes: gens.tell(out.receivers, _wire.WireSizes(
+            generation=gen, seq=seq, version=job.version, first=first, sizes=sizes))
         try:
             fields = side.prepare(out, by)
         except LocalFailure as err:
+            out.close()
             self._rec.record("send", generation=gen, version=job.version).fail(err)
             raise _PutFailed(str(err)) from err
-        forms = self._forms(job, by, fields)
-        job.encode_seconds += out.encode_seconds
         if out.full_reason:
             log.debug("channel %r: version %d goes full, not %r: %s", self.channel, job.version, out.encoding,
                       out.full_reason)
-        self._sent_delta = any(f[0] != "full" for f in forms.values())
+        self._sent_delta = any(f.get("encoding", "full") != "full" for f in fields.values())
         # one Announce per part: each names what its members read (a segment, point to point, the encoding)
         announce = _wire.Announce(generation=gen, seq=seq, version=job.version, manifest=job.manifest,
                                   bucket_bytes=self.settings.bucket_bytes, num_buckets=len(ranges),
@@ -462,9 +464,13 @@ class Sender:
             raise _PutFailed(str(err)) from err
         except (PeerFailure, Cancelled, ControlFailure) as err:
             return self._abandon(gens, job, gen, seq, members, err)
+        finally:
+            out.close()
+            job.encode_seconds += out.encode_seconds
+        forms = self._forms(job, by, fields, out.wire_bytes())
         job.members_done |= acked
-        if verify and job.assembly is None and job.flat is not None and len(sums) == len(ranges):
-            job.digests = tuple(sums)  # what names this version as the next one's base
+        if verify and job.flat is not None and len(sums) == len(ranges):
+            job.digests = tuple(sums)  # what names this version (a lane: this rank's part) as the next one's base
         sliced = side.digests(by)  # keyed by every sliced member in the version
         commits = self.settings.activation == "all"  # acked means staged: held only once committed
         holders = dict.fromkeys((m for m in acked if m not in sliced), job.version)  # a sliced one holds its share
@@ -509,16 +515,18 @@ class Sender:
         if base is None or base.flat is None or not base.digests or job is base:
             return None
         holders = frozenset(m for m, v in self._holds.items() if v == base.version)
-        return Base(base.version, base.flat, base.manifest, base_digest(base.version, base.digests), holders)
+        return Base(base.version, base.flat, base.manifest, base_digest(base.version, base.digests), holders,
+                    assembly=base.assembly)
 
-    def _forms(self, job: Job, by: dict[Any, tuple[str, ...]], fields: dict[Any, dict[str, Any]]
-               ) -> dict[str, tuple[str, int]]:
-        """Per member in this attempt: the encoding its part sends, and the bytes that puts on the wire."""
+    def _forms(self, job: Job, by: dict[Any, tuple[str, ...]], fields: dict[Any, dict[str, Any]],
+               encoded: int | None) -> dict[str, tuple[str, int]]:
+        """Per member in this attempt: the encoding its part sends, and the bytes that put on the wire
+        (``encoded``: an encoded version's, once moved)."""
         forms: dict[str, tuple[str, int]] = {}
         for part, to in by.items():
             got = fields[part]
             name = got.get("encoding", "full")
-            size = sum(got["wire"]) if got.get("wire") else job.manifest.total_bytes
+            size = encoded if name != "full" and encoded is not None else job.manifest.total_bytes
             for member in to:
                 forms[member] = (name, size)
         return forms
