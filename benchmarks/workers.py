@@ -48,12 +48,26 @@ def baseline(spec: dict) -> WorkerResult:
 
 
 async def subscriber(spec: dict) -> WorkerResult:
-    """Follow the channel until the last version, measuring this process's event-loop lag."""
+    """Follow the channel until the last version, measuring this process's event-loop lag.
+
+    With ``plan`` ([nominal MiB, versions] in put order) and a store: copy every version into this
+    generator's own model tensors (``get_into``), as the baselines broadcast into theirs, and count
+    it on the store (``done/ws/<version>/<member>``): the bench's time to all ends there for every contender."""
     meter = LagMeter()
     meter.start()
+    store = (dist.TCPStore(spec["host"], spec["port"], is_master=False, timeout=dt.timedelta(seconds=120))
+             if spec.get("plan") else None)
     async with ws.Subscriber(spec.get("channel", "bench"), address=spec["address"], member_id=spec["member"],
                              timeout=120, transport=spec.get("transport")) as sub:
-        await sub.get(min_version=spec["last_version"], timeout=3600)
+        if store is None:
+            await sub.get(min_version=spec["last_version"], timeout=3600)
+        version = 0
+        for mib, count in spec.get("plan") or []:
+            model = make_state_dict(mib)  # the generator's model tensors: the same layout the trainer puts
+            for _ in range(count):
+                await sub.get_into(model, min_version=version, timeout=3600)
+                store.set(f"done/ws/{version}/{spec['member']}", b"1")
+                version += 1
     p99 = await meter.stop()
     lags = sorted(meter.samples)
     return WorkerResult(lag_p99_ms=p99, lag_max_ms=lags[-1] * 1e3 if lags else 0.0)
