@@ -15,7 +15,8 @@ state dict (seeded: every generator checks it bit for bit):
 - ``put_nocopy`` ``await pub.put(sd, copy=False)`` overlapped with a synthetic training step of
                  ``--step-ms``, then ``await handle.released()``.
 
-Per mode: the trainer's stall, the time until every generator has the version, GB/s, and the
+Per mode: the trainer's stall, the time until every generator has the version in its own model
+tensors (checked bit for bit, for every contender), GB/s, and the
 ratios to ``packed``. NCCL on GPUs (each rank takes ``cuda:LOCAL_RANK``), gloo on CPUs. Rank 0
 prints a table and a one-line verdict and writes ``bench.json`` and, with matplotlib,
 ``bench.png`` under ``--out`` (default ``./weightsync-bench``). Exit 1 when a version arrived
@@ -198,8 +199,10 @@ def run_baselines(rank: int, n: int, sizes: list[int], reps: int, device: torch.
 
 # weightsync -----------------------------------------------------------------------------------------
 async def trainer_weightsync(n: int, sizes: list[int], reps: int, step_ms: float, device: torch.device,
-                             ctrl: Any, listen: str, progress: Any) -> list[Row]:
-    """Rank 0: a Publisher (its address and a fresh secret go to the generators over ``ctrl``)."""
+                             ctrl: Any, listen: str, progress: Any, group: Any) -> list[Row]:
+    """Rank 0: a Publisher (its address and a fresh secret go to the generators over ``ctrl``).
+    A version's time to all ends, as the baselines' does, at the barrier (``group``: this round's
+    ranks) every generator enters once the bytes are in its own model tensors and checked."""
     token = secrets.token_hex(16)
     channel = f"bench-{n}"
     rows = []
@@ -214,9 +217,12 @@ async def trainer_weightsync(n: int, sizes: list[int], reps: int, step_ms: float
             for mode in WS_MODES:
                 stalls, to_all = [], []
                 for rep in range(reps + 1):  # rep 0 warms up
-                    began, t0 = time.time(), time.perf_counter()
+                    await asyncio.to_thread(dist.barrier, group=group)  # the generators cleared their models
+                    t0 = time.perf_counter()
                     handle = await pub.put(sd, version=version, copy=mode == "put")
                     stall = time.perf_counter() - t0
+                    # ends once every generator has it in its model, checked (gloo: beside a NCCL transfer)
+                    in_models = asyncio.ensure_future(asyncio.to_thread(_barrier_at, group))
                     if mode == "put_nocopy":
                         await asyncio.sleep(step_ms / 1e3)  # forward + backward, on the accelerator
                         t1 = time.perf_counter()
@@ -225,10 +231,11 @@ async def trainer_weightsync(n: int, sizes: list[int], reps: int, step_ms: float
                     report = await handle.delivered(timeout=600)
                     if report.superseded or len(report.members) != n:
                         raise RuntimeError(f"version {version} reached {list(report.members)} only")
+                    done = await in_models - t0
                     version += 1
                     if rep:
                         stalls.append(stall)
-                        to_all.append(report.delivered_at - began)  # stamped by the sender as it decided
+                        to_all.append(done)
                 rows.append(_row(mode, nbytes(sd), n, stalls, to_all, True))
                 progress(rows[-1])
             del sd
@@ -236,8 +243,10 @@ async def trainer_weightsync(n: int, sizes: list[int], reps: int, step_ms: float
 
 
 async def generator_weightsync(rank: int, member: bool, sizes: list[int], reps: int, device: torch.device,
-                               ctrl: Any, transport: str = "auto") -> list[bool]:
-    """Ranks 1..n: a Subscriber reading every version and checking each bit for bit."""
+                               ctrl: Any, transport: str = "auto", group: Any = None) -> list[bool]:
+    """Ranks 1..n: a Subscriber copying every version into this generator's own model tensors
+    (``get_into``, as the baselines broadcast or unpack into theirs), checking it bit for bit, then
+    entering ``group``'s barrier: where the trainer's time to all ends."""
     channel, address, token = _bcast_text("", ctrl).split()
     if not member:  # a rank beyond this round's subscriber count
         return []
@@ -246,15 +255,28 @@ async def generator_weightsync(rank: int, member: bool, sizes: list[int], reps: 
                              device=device if device.type == "cuda" else None, transport=transport) as sub:
         version = 0
         for mib in sizes:
-            expected = _digest(make_state_dict(mib, seed=SEED))
+            truth = make_state_dict(mib, seed=SEED)
+            expected = _digest(truth)
+            model = {k: torch.empty_like(v, device=device) for k, v in truth.items()}  # the generator's own
+            del truth
             for _mode in WS_MODES:
                 ok = True
                 for _rep in range(reps + 1):
-                    weights = await sub.get(min_version=version, timeout=600)
-                    ok = ok and weights.version == version and _digest(dict(weights.items())) == expected
+                    for t in model.values():
+                        t.zero_()  # what is there must be this version, not the last one
+                    await asyncio.to_thread(dist.barrier, group=group)  # as the baselines: cleared before the clock
+                    got = await sub.get_into(model, min_version=version, timeout=600)
+                    ok = ok and got == version and _digest(model) == expected
+                    await asyncio.to_thread(dist.barrier, group=group)
                     version += 1
                 exact.append(ok)
     return exact
+
+
+def _barrier_at(group: Any) -> float:
+    """When ``group``'s barrier let this rank through."""
+    dist.barrier(group=group)
+    return time.perf_counter()
 
 
 def _row(mode: str, size: int, n: int, stalls: list[float], to_all: list[float], exact: bool) -> Row:
@@ -428,15 +450,19 @@ def spmd(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:
     try:
         for n in subs:
             group: Any = dist.new_group(ranks=list(range(n + 1)), timeout=TIMEOUT)  # every rank takes part in making it
+            # weightsync's rounds meet on gloo: a barrier waits beside the channel's own (NCCL) transfer
+            marks: Any = group if not cuda else dist.new_group(ranks=list(range(n + 1)), backend="gloo",
+                                                               timeout=TIMEOUT)
             if rank <= n:
                 run_baselines(rank, n, sizes, args.reps, device, args.packed_mib << 20, group, progress)
             dist.barrier(group=ctrl)
             if rank == 0:
-                asyncio.run(trainer_weightsync(n, sizes, args.reps, args.step_ms, device, ctrl, listen, progress))
+                asyncio.run(trainer_weightsync(n, sizes, args.reps, args.step_ms, device, ctrl, listen, progress,
+                                               marks))
                 exact = [True] * (len(sizes) * len(WS_MODES))
             else:
                 exact = asyncio.run(generator_weightsync(rank, rank <= n, sizes, args.reps, device, ctrl,
-                                                           args.transport))
+                                                           args.transport, marks))
             flags = torch.tensor([int(all(exact))], dtype=torch.int64)
             dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=ctrl)
             if rank == 0 and not flags.item():
