@@ -11,7 +11,9 @@ Modes, each pushing the same LLM-shaped state dict from a trainer to N generator
 - ``ws_nocrc``  ``ws_copy`` with per-bucket checksums off (``Publisher(checksum=False)``): what
                 the default-on corruption check costs, measured beside it;
 - ``ws_nocopy`` ``await pub.put(sd, copy=False)`` overlapped with a synthetic training step of
-                ``--step-ms`` (slept: it stands for accelerator time), then ``await released()``.
+                ``--step-ms`` (slept: it stands for accelerator time), then
+                ``await released(spill=True)``: what is not sent by then is copied, and the
+                tensors are let go (the optimizer step need not wait for the wire).
 
 Per mode: the trainer-visible stall, the time until every generator has the version in its own
 model tensors, GB/s, event-loop lag p99 on the trainer and on the generators, and the physical
@@ -204,7 +206,7 @@ async def run_weightsync(sizes: list[int], n: int, reps: int, step_ms: float, tm
                         else:
                             await asyncio.sleep(step_ms / 1e3)  # forward + backward on the accelerator
                             t1 = time.perf_counter()
-                            await handle.released(timeout=600)  # optimizer.step() may now run
+                            await handle.released(timeout=600, spill=True)  # optimizer.step() may now run
                             stall = put_time + (time.perf_counter() - t1)
                         report = await delivery
                         acked = delivered_at[0] - t0

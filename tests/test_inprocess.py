@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import statistics
+import threading
 import time
 
 import pytest
@@ -99,6 +100,53 @@ async def test_copy_false_released_then_delivered() -> None:
         assert pub.peak_snapshots() == 0
     finally:
         await close(pub, subs)
+
+
+class _Gate(ws.testing.Hooks):
+    """Holds a member after bucket 1 of ``version`` until ``opened``: a transfer that outlasts a step."""
+
+    def __init__(self, version: int) -> None:
+        self.version, self.reached, self.opened = version, threading.Event(), threading.Event()
+
+    def after_bucket(self, version: int, index: int, bucket: torch.Tensor, seconds: float) -> None:
+        if version == self.version and index == 1:
+            self.reached.set()
+            self.opened.wait(timeout=60)
+
+
+async def test_copy_false_spill_lets_the_tensors_go_while_the_transfer_is_held() -> None:
+    """The trainer's next optimizer step cannot wait for a slow member: ``released(spill=True)``
+    copies what is not packed yet and lets the tensors go at once; the member still gets exactly
+    the version that was put, though the caller zeroed its tensors meanwhile."""
+    pub = ws.Publisher("spill", bucket_bytes=1 << 16, **FAST)
+    await pub.start()
+    gate = _Gate(5)
+    sub = ws.Subscriber("spill", address=pub.address, member_id="spill-g0", timeout=FAST["timeout"])
+    inject(sub, gate)
+    await sub.start()
+    try:
+        await pub.wait_subscribers(1, timeout=10)
+        sd = mixed_state_dict(5, mib=1)  # 16 buckets
+        expected = digests(sd)
+        handle = await pub.put(sd, version=5, copy=False)
+        assert await asyncio.to_thread(gate.reached.wait, 30)  # under way, and held at bucket 1
+        await handle.released(timeout=10, spill=True)
+        assert not handle.done()  # let go while the member still holds the transfer up
+        for t in sd.values():
+            t.zero_()
+        gate.opened.set()
+        report = await handle.delivered(timeout=30)
+        assert report.members == ("spill-g0",)
+        assert digests(await sub.get(min_version=5, timeout=5)) == expected
+        # the next version, released the usual way: no spill left over from the last one
+        sd = mixed_state_dict(6, mib=1)
+        handle = await pub.put(sd, version=6, copy=False)
+        await handle.released(timeout=10)
+        await handle.delivered(timeout=30)
+        assert digests(await sub.get(min_version=6, timeout=5)) == digests(mixed_state_dict(6, mib=1))
+    finally:
+        gate.opened.set()
+        await close(pub, [sub])
 
 
 async def test_manifest_mismatch_leaves_destination_untouched() -> None:

@@ -274,11 +274,17 @@ def test_the_blocking_api_pushes_and_reads_without_an_event_loop() -> None:
             assert next(updates).version == 2
             pub.put({"w": torch.ones(8), "step": torch.tensor(3)}, version=3)
             assert next(updates).version == 3
+            borrowed = {"w": torch.full((8,), 4.0), "step": torch.tensor(4)}
+            handle = pub.put(borrowed, version=4, copy=False)
+            handle.released(timeout=10, spill=True)  # copy=False, let go early: the same as the async one
+            borrowed["w"].zero_()
+            handle.delivered(timeout=10)
+            assert sub.get(min_version=4, timeout=10)["w"][0].item() == 4.0
             with pytest.raises(ws.SyncTimeout):  # the same errors as the asynchronous API
                 sub.get(min_version=99, timeout=0.2)
             with pytest.raises(ValueError, match="strictly increase"):
                 pub.put({"w": torch.ones(8), "step": torch.tensor(0)}, version=1)
-            assert pub.statistics().versions_put == 4
+            assert pub.statistics().versions_put == 5
     with pytest.raises(ws.Closed):  # closed: like the asynchronous publisher
         pub.put({"w": torch.ones(8)})
 

@@ -100,10 +100,11 @@ class BlockingPutHandle:
         return self._bridge.call(self._handle.delivered(timeout, min_members=min_members), timeout,
                                  f"version {self.version}'s delivery")
 
-    def released(self, timeout: float | None = None) -> None:
-        """With ``copy=False``: returns once the caller may change its tensors again."""
+    def released(self, timeout: float | None = None, *, spill: bool = False) -> None:
+        """With ``copy=False``: returns once the caller may change its tensors again (``spill``: see
+        :meth:`weightsync.PutHandle.released`)."""
         check_timeout("timeout", timeout)
-        self._bridge.call(self._handle.released(timeout), timeout, f"version {self.version}'s release")
+        self._bridge.call(self._handle.released(timeout, spill=spill), timeout, f"version {self.version}'s release")
 
     def done(self) -> bool:
         return self._handle.done()

@@ -13,7 +13,8 @@ state dict (seeded: every generator checks it bit for bit):
                  packing one while the other is on the wire;
 - ``put``        ``await pub.put(sd)``: returns after the snapshot, the transfer runs behind;
 - ``put_nocopy`` ``await pub.put(sd, copy=False)`` overlapped with a synthetic training step of
-                 ``--step-ms``, then ``await handle.released()``.
+                 ``--step-ms``, then ``await handle.released(spill=True)`` (what is not sent
+                 by then is copied, so the optimizer step need not wait for the wire).
 
 Per mode: the trainer's stall, the time until every generator has the version in its own model
 tensors (checked bit for bit, for every contender), GB/s, and the
@@ -226,7 +227,7 @@ async def trainer_weightsync(n: int, sizes: list[int], reps: int, step_ms: float
                     if mode == "put_nocopy":
                         await asyncio.sleep(step_ms / 1e3)  # forward + backward, on the accelerator
                         t1 = time.perf_counter()
-                        await handle.released(timeout=600)  # optimizer.step() may now run
+                        await handle.released(timeout=600, spill=True)  # optimizer.step() may now run
                         stall += time.perf_counter() - t1
                     report = await handle.delivered(timeout=600)
                     if report.superseded or len(report.members) != n:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Generator, Iterator, Mapping
+from collections.abc import Callable, Generator, Iterator, Mapping
 from typing import Any, NamedTuple, TypeVar
 
 import msgspec
@@ -110,6 +110,7 @@ class PutHandle:
         self._loop = loop
         self._delivered: asyncio.Future[DeliveryReport] = loop.create_future()
         self._released: asyncio.Future[None] = loop.create_future()
+        self._spill: Callable[[], None] | None = None  # copy=False: copy what is not sent yet, let go
 
     async def delivered(self, timeout: float | None = None, *, min_members: int = 0) -> DeliveryReport:
         """The DeliveryReport; SyncTimeout if it is not known within ``timeout`` seconds.
@@ -128,9 +129,17 @@ class PutHandle:
                                channel=self.channel, version=self.version)
         return report
 
-    async def released(self, timeout: float | None = None) -> None:
-        """With ``copy=False``: resolves once the caller may change its tensors again."""
+    async def released(self, timeout: float | None = None, *, spill: bool = False) -> None:
+        """With ``copy=False``: resolves once the caller may change its tensors again.
+
+        ``spill=True``: the caller needs them back now (its next optimizer step) and the transfer
+        is not done: what is not packed for the wire yet is copied at once into memory of the
+        publisher's (at most one snapshot, freed when the version is sent) and the tensors are
+        released after that copy; the rest of the version goes from the copy. Without it, the
+        tensors are released once the last bucket was packed from them."""
         check_timeout("timeout", timeout)
+        if spill and self._spill is not None and not self._released.done():
+            await asyncio.to_thread(self._spill)  # a copy: not on the event loop
         await wait_future(self._released, timeout, "release", channel=self.channel, version=self.version)
 
     def done(self) -> bool:

@@ -79,7 +79,7 @@ class Snapshots:
                 self._fail_displaced(displaced, job.version, err)
                 raise
         else:
-            job.items = items
+            job.items, job.device = items, self._slot_device
         displaced = self._staging.commit(job) or displaced
         self._committed(job.version)
         self._done(entry, displaced)

@@ -119,11 +119,49 @@ class Job:
     # copy=False: set by the sender thread once the caller's tensors are packed for the last
     # time; the sender reads it (never the asyncio future) to decide whether it may re-send
     released: threading.Event = field(default_factory=threading.Event)
+    # copy=False, ``released(spill=True)``: the caller wants its tensors back before the transfer is
+    # done. What is not packed yet is copied at once into ``spill`` (the version's bytes from
+    # ``spill_at``) and the tensors are released; later buckets are packed from that copy
+    device: torch.device | None = None  # where the buckets are packed
+    spill: torch.Tensor | None = None
+    spill_at: int = 0
+    packed: int = 0  # the bytes packed from the caller's tensors so far
+    pack_lock: threading.Lock = field(default_factory=threading.Lock)  # packing, and spilling, one at a time
+
+    def __post_init__(self) -> None:
+        self.handle._spill = self.spill_rest  # noqa: SLF001 - the handle's released(spill=True)
 
     def release(self) -> None:
         """Sender thread: the caller may change its tensors again (resolves ``handle.released``)."""
         self.released.set()
         self.handle.release_threadsafe()
+
+    def spill_rest(self) -> None:
+        """Any thread (``handle.released(spill=True)``): copy what is not packed yet out of the
+        caller's tensors, then release them. Nothing when they were released already."""
+        with self.pack_lock:
+            if self.released.is_set() or self.spill is not None or self.items is None:
+                return
+            end = self.manifest.total_bytes
+            spill = torch.empty(end - self.packed, dtype=torch.uint8, device=self.device)
+            layout.pack_range(spill, self.packed, end, self.manifest, self.items)
+            self.spill, self.spill_at = spill, self.packed
+            self.release()
+
+    def pack(self, out: torch.Tensor, lo: int, hi: int) -> None:
+        """Sender thread: bytes ``[lo, hi)`` of a copy=False version into ``out``, from the caller's
+        tensors, or from the spilled copy once they were let go."""
+        with self.pack_lock:
+            if self.spill is not None and lo >= self.spill_at:
+                out[: hi - lo].copy_(self.spill[lo - self.spill_at : hi - self.spill_at])
+            else:
+                assert self.items is not None
+                layout.pack_range(out, lo, hi, self.manifest, self.items)
+                self.packed = hi
+            if hi >= self.manifest.total_bytes:
+                self.spill = None  # the last bucket: the copy is not needed past it
+                if not self.released.is_set():
+                    self.release()
 
 
 Allocate = Callable[[int, torch.device, bool], torch.Tensor]
@@ -321,14 +359,11 @@ def bucket_slices(job: Job, ranges: list[tuple[int, int]], buffers: BucketBuffer
 
         return slices, copied
     bufs = buffers.get(min(bucket_bytes, job.manifest.total_bytes))
-    items = job.items
-    assert items is not None
+    assert job.items is not None or job.spill is not None
 
-    def pack(i: int) -> None:
+    def pack(i: int) -> None:  # the same buffers whatever the source (same-host rings read them)
         lo, hi = ranges[i]
-        layout.pack_range(bufs[i % 2], lo, hi, job.manifest, items)
-        if i == len(ranges) - 1:
-            job.release()
+        job.pack(bufs[i % 2], lo, hi)
 
     return [bufs[i % 2][: hi - lo] for i, (lo, hi) in enumerate(ranges)], pack
 

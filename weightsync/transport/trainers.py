@@ -168,6 +168,7 @@ class TrainerRanks:
         """A handle that resolves once every rank's part of ``handle``'s version was delivered."""
         assert self._loop is not None
         outer = PutHandle(self.channel, handle.version, self._loop)
+        outer._spill = handle._spill  # released(spill=True) on the whole: this rank's own part  # noqa: SLF001
         task = self._loop.create_task(self._settle_whole(handle, outer))
         self._settling.add(task)
         task.add_done_callback(self._settling.discard)
