@@ -13,7 +13,7 @@ import torch
 
 from tests.fakes import FakeControl, FakePlane, FakeTable
 from weightsync import _wire
-from weightsync._errors import PeerFailure
+from weightsync._errors import LocalFailure, PeerFailure
 from weightsync.format import layout
 from weightsync.membership.generations import Generations, lane_order
 from weightsync.membership.membership import Membership
@@ -280,6 +280,29 @@ def test_released_is_known_to_the_sender_before_the_loop_runs() -> None:
         assert job.released.is_set()
         assert not job.handle._released.done()  # the loop has not run: the old check saw "not released"
         loop.run_until_complete(asyncio.wait_for(job.handle.released(), 5))
+    finally:
+        loop.close()
+
+
+def test_a_spilled_version_never_packs_the_released_tensors_again() -> None:
+    """``released(spill=True)`` copies what is not packed yet and lets the tensors go; a re-send
+    racing it (an attempt that failed, retried from bucket 0) must not read the tensors the caller
+    may already be changing: it fails, and the bytes past the spill still come from the copy."""
+    loop = asyncio.new_event_loop()
+    try:
+        items = [("w", torch.arange(64, dtype=torch.float32))]
+        manifest = layout.build_manifest(items)
+        job = Job(version=1, manifest=manifest, handle=PutHandle("ch", 1, loop), items=items,
+                  device=torch.device("cpu"))
+        out = torch.empty(128, dtype=torch.uint8)
+        job.pack(out, 0, 128)  # the first bucket went
+        job.spill_rest()  # the caller wants its tensors back
+        assert job.released.is_set() and job.spill_at == 128
+        items[0][1].zero_()  # ...and changes them
+        job.pack(out, 128, 256)  # the rest comes from the copy
+        assert torch.equal(out.view(torch.float32), torch.arange(32, 64, dtype=torch.float32))
+        with pytest.raises(LocalFailure, match="released"):
+            job.pack(out, 0, 128)  # a re-send from the start: refused, never the zeroed tensors
     finally:
         loop.close()
 

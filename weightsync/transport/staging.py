@@ -155,6 +155,9 @@ class Job:
             if self.spill is not None and lo >= self.spill_at:
                 out[: hi - lo].copy_(self.spill[lo - self.spill_at : hi - self.spill_at])
             else:
+                if self.released.is_set():  # a re-send raced a spill: those bytes are the caller's again
+                    raise LocalFailure(f"version {self.version}: its tensors were released (spilled from byte "
+                                       f"{self.spill_at}); bytes {lo}-{hi} can no longer be sent")
                 assert self.items is not None
                 layout.pack_range(out, lo, hi, self.manifest, self.items)
                 self.packed = hi
