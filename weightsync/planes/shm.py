@@ -28,6 +28,17 @@ What keeps it safe (the group path's guarantees, here):
 - members map at most :data:`MAPPED` segments and unmap the rest, so a member holds at most
   that many of the publisher's buffers alive (in steady state, the very two it stages in);
   a member unmaps everything when it stops (evicted, closed, or the publisher gone).
+
+Reads in place (protocol 13). A snapshot (not a ``copy=False`` ring, not a sharded lane's part)
+is not copied at all: the member's receiving slot becomes a read-only view of the segment
+(:meth:`ShmPlane.view`), its buckets are digested where they lie, and that view is the readable
+version ``get``/``get_into`` copy from and ``stream``/``load`` hand out. What keeps the bytes
+still: the publisher's staging does not write a buffer again while a member's last acknowledged
+version lives in it (it parks the buffer and takes another, within a bound; past the bound it
+evicts the holder, as a frozen reader). What proves it: the segment's epoch, which the
+publisher bumps before writing a buffer again; every read of an in-place version checks it at
+its end and is refused if it moved. A mapping is never closed under a view: it goes when the
+last tensor on it does.
 """
 
 from __future__ import annotations
@@ -266,11 +277,31 @@ class ShmPlane:
         return found[1], found[2]
 
     def _unmap(self, token: bytes) -> None:
-        mapping, _, _ = self._mapped.pop(token)
-        try:
-            mapping.close()
-        except BufferError:  # a view still refers to it: it goes when that view does
-            pass
+        # never closed here: a slot or a reader may hold a view of it (torch keeps the mapping
+        # object alive, not its pages); it is unmapped when the last reference goes
+        self._mapped.pop(token)
+
+    def view(self, ref: _wire.ShmRef, nbytes: int) -> tuple[torch.Tensor, Callable[[], bool]]:
+        """The announced snapshot's ``nbytes`` as a read-only tensor on the segment, and a guard:
+        True while the segment's epoch is still the announced one (nothing rewrote it)."""
+        if ref.ring:
+            raise ProtocolError("a copy=False ring is copied out bucket by bucket, never read in place")
+        _, size = self._segment(ref)
+        if ref.offset < 0 or ref.offset + nbytes > size:
+            raise ProtocolError(f"{nbytes} bytes at {ref.offset} overrun the {size}-byte segment")
+        mapping = self._mapped[ref.token][0]
+        if nbytes == 0:
+            flat = torch.empty(0, dtype=torch.uint8)
+        else:
+            with warnings.catch_warnings():  # read-only: torch warns that it must not be written
+                warnings.simplefilter("ignore")
+                flat = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes, offset=HEADER + ref.offset)
+        epoch = ref.epoch
+
+        def unchanged() -> bool:
+            return _EPOCH.unpack_from(mapping, EPOCH_AT)[0] == epoch
+
+        return flat, unchanged
 
     def move(self, transfer: Transfer) -> None:
         announce = transfer.announce
@@ -297,7 +328,8 @@ class ShmPlane:
             try:
                 self._await_ready(ref, ref.offset + done + bucket.numel(), transfer)
                 self._check_epoch(ref, transfer.version)
-                _copy(bucket, src, transfer.cancelled)
+                if bucket.numel() and bucket.data_ptr() != src:  # else read in place: nothing to copy
+                    _copy(bucket, src, transfer.cancelled)
             except BaseException as err:
                 if entry is not None:
                     entry.fail(err)
