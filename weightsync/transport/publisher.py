@@ -333,7 +333,7 @@ class Publisher:
 
     def peak_snapshots(self) -> int:
         """The most staging buffers ever held at once: at most ``max_snapshots``, one more with
-        deltas (the base) and one more while a same-host member reads a version in place."""
+        deltas (the base) and up to two more while same-host members read versions in place."""
         return self._staging.peak_buffers
 
     async def wait_subscribers(self, n: int, timeout: float | None = None) -> tuple[str, ...]:
