@@ -233,3 +233,34 @@ async def test_a_reader_still_on_the_older_version_keeps_it_from_being_written()
         assert (await two.delivered(timeout=30)).members == ("m",)
         w2 = await sub.get(min_version=2, timeout=10)
         assert digests(w2) == digests(sds[2])
+
+
+@pytest.mark.asyncio
+async def test_an_insider_on_the_host_cannot_write_a_segment_honest_members_read_in_place() -> None:
+    """A member that lies opens the publisher's snapshot through /proc read-write (as any process of
+    the same user can) and tries to change it: the seal refuses a writable mapping and write();
+    the honest member's version stays what the trainer put."""
+    import mmap
+    import os
+
+    sd = model(3, mib=4)
+    async with ws.Publisher("sealed", timeout=10, bucket_bytes=4 * MIB, encoding="full") as pub, \
+            ws.Subscriber("sealed", address=pub.address, member_id="m", timeout=10, transport="shm") as sub:
+        await pub.wait_subscribers(1, timeout=20)
+        await (await pub.put(sd, version=3)).delivered(timeout=30)
+        w = await sub.get(min_version=3, timeout=10)
+        assert sub._slots.readable.guard is not None  # noqa: SLF001 - read in place
+        pool = pub._planes.segments  # noqa: SLF001
+        fds = [entry[0] for entry in pool._segments.values()]  # noqa: SLF001
+        assert fds and all(entry[3] for entry in pool._segments.values())  # noqa: SLF001 - every one sealed
+        for fd in fds:
+            handle = os.open(f"/proc/{os.getpid()}/fd/{fd}", os.O_RDWR)
+            try:
+                with pytest.raises(PermissionError):
+                    mmap.mmap(handle, 4096, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+                with pytest.raises(PermissionError):
+                    os.pwrite(handle, b"\xff" * 64, 4096)
+            finally:
+                os.close(handle)
+        again = await sub.get(timeout=10)
+        assert digests(again) == digests(sd) == digests(w)

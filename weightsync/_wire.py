@@ -96,6 +96,9 @@ class ShmRef(msgspec.Struct, frozen=True):
     # a copy=False version through two bucket slots of ``ring`` bytes: bucket i is at (i % 2) * ring,
     # written once every same-host member said it copied bucket i - 2 (``Copied``)
     ring: int = 0
+    # sealed against writes by anyone but the publisher's own mapping (F_SEAL_FUTURE_WRITE): only
+    # then may a member read it in place (no other process can change what it verified)
+    sealed: bool = False
 
 
 class Piece(msgspec.Struct, frozen=True, array_like=True):

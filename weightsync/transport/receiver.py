@@ -551,8 +551,8 @@ class Receiver:
         """A same-host snapshot this member reads where it lies (planes.shm): its view and guard."""
         ref = getattr(announce, "segment", None)
         view = getattr(self._plane, "view", None)
-        if (not isinstance(ref, _wire.ShmRef) or ref.ring or view is None or announce.encoding != "full"
-                or self.device.type != "cpu"):
+        if (not isinstance(ref, _wire.ShmRef) or ref.ring or not ref.sealed or view is None
+                or announce.encoding != "full" or self.device.type != "cpu"):
             return None
         return view(ref, announce.manifest.total_bytes)
 
