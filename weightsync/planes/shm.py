@@ -40,8 +40,8 @@ evicts the holder, as a frozen reader). Nobody else can write it: every segment 
 lies included, can open it through /proc but neither map it writable nor ``write()`` it (on a
 kernel without that seal the Announce says ``sealed=False`` and members copy, as before). What
 proves the publisher did not write it again: the segment's epoch, bumped before any rewrite;
-every read of an in-place version checks it at its end and is refused if it moved. A mapping is never closed under a view: it goes when the
-last tensor on it does.
+every read of an in-place version checks it at its end and is refused if it moved. A mapping
+is never closed under a view: it goes when the last tensor on it does.
 """
 
 from __future__ import annotations
@@ -130,7 +130,8 @@ class SegmentPool:
     def __init__(self, channel: str) -> None:
         self.channel = channel
         self._lock = threading.Lock()
-        self._segments: dict[int, tuple[int, bytes, torch.Tensor, bool]] = {}  # data pointer -> fd, token, whole, sealed
+        # data pointer -> fd, token, whole, sealed
+        self._segments: dict[int, tuple[int, bytes, torch.Tensor, bool]] = {}
         self._door_token = secrets.token_bytes(16)
         self._door_fd = -1
         self._door: torch.Tensor | None = None
