@@ -61,8 +61,8 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy
 
 # the suite asks for the process group (its --transport fixture, tests/conftest.py); the end-to-end
-# modules run again with the default users get, where generators on this host copy out of shared
-# memory (the examples always run as users run them: test_examples once)
+# modules run again with the default users get, where generators on this host read shared
+# memory in place (the examples always run as users run them: test_examples once)
 AUTO_TESTS := tests/test_inprocess.py tests/test_multiprocess.py tests/test_guarantees.py tests/test_lifecycle.py \
 	tests/test_sharding.py
 

@@ -223,7 +223,10 @@ async def test_latest_wins_bounded_memory_no_torn_versions() -> None:
         reports = [await h.delivered(timeout=30) for h in handles]
         await asyncio.wait_for(done.wait(), 30)
         await task
-        assert pub.peak_snapshots() <= 3  # pending, in flight, and the base the in-flight delta is against
+        # pending, in flight, and the base the in-flight delta is against; same-host members reading
+        # in place (--transport auto) may keep two more parked: staging's bound
+        in_place = any(s.transport == "shm" for s in subs)
+        assert pub.peak_snapshots() <= (pub._staging.limit() if in_place else 3)  # noqa: SLF001
         assert any(r.superseded for r in reports)  # the publisher outran the wire
         assert not reports[-1].superseded and set(reports[-1].members) == {s.member_id for s in subs}
         assert seen == sorted(seen) and len(set(seen)) == len(seen)

@@ -26,7 +26,7 @@ from typing import Union
 
 import msgspec
 
-PROTOCOL_VERSION = 12  # 2: settings in Admit; CRC32C. 3: link probes. 4: same-host shm. 5: sharded (lanes).
+PROTOCOL_VERSION = 13  # 2: settings in Admit; CRC32C. 3: link probes. 4: same-host shm. 5: sharded (lanes).
 # 6: sliced members (Join.want, point-to-point buckets: Announce.direct)
 # 7: tied tensors sent once (Manifest.ties); Challenge.open
 # 8: each member's Announce names the version's encoding on the wire (Announce.encoding, .wire)
@@ -34,6 +34,7 @@ PROTOCOL_VERSION = 12  # 2: settings in Admit; CRC32C. 3: link probes. 4: same-h
 # 10: fleet-wide activation: ChannelSettings.activation, Commit, Ack.exposed; EngineReport, EngineTally
 # 11: Announce.digest (the Seal's digest function, chosen by the publisher's CPU: format.checksum)
 # 12: Announce.wire_later, WireSizes (a delta's wire buckets are sized as they are encoded, while earlier ones move)
+# 13: same-host members read snapshots in place; the publisher parks a buffer a member still reads (Ack.still_read)
 
 
 class TensorSpec(msgspec.Struct, frozen=True, array_like=True):
@@ -95,6 +96,9 @@ class ShmRef(msgspec.Struct, frozen=True):
     # a copy=False version through two bucket slots of ``ring`` bytes: bucket i is at (i % 2) * ring,
     # written once every same-host member said it copied bucket i - 2 (``Copied``)
     ring: int = 0
+    # sealed against writes by anyone but the publisher's own mapping (F_SEAL_FUTURE_WRITE): only
+    # then may a member read it in place (no other process can change what it verified)
+    sealed: bool = False
 
 
 class Piece(msgspec.Struct, frozen=True, array_like=True):
@@ -291,6 +295,8 @@ class Ack(msgspec.Struct, frozen=True, tag="ack"):
     error: str = ""
     corrupt: bool = False  # not ok because the bytes arrived but did not match the Seal
     exposed: bool = False  # activation "all": the answer to a Commit (the version is now readable here)
+    # a same-host member: the older version it still reads in place (a reader holds it), -1 none
+    still_read: int = -1
 
 
 class Beat(msgspec.Struct, frozen=True, tag="beat"):

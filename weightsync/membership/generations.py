@@ -154,6 +154,7 @@ class Generations:
         self._seq = itertools.count()
         self.last_timings: dict[str, tuple[float, float]] = {}  # member -> (seconds, own seconds)
         self.last_arrivals: dict[str, float] = {}  # member -> when its ok ack arrived (monotonic)
+        self.last_still_read: dict[str, int] = {}  # member -> the older version it said it still reads in place
         self.last_corrupt: set[str] = set()  # members whose bytes arrived corrupted (last collect_acks)
 
     def register(self, member_id: str, incarnation: str, host: str = "", pid: int = 0,
@@ -327,6 +328,7 @@ class Generations:
         nacked: dict[str, str] = {}
         self.last_timings = {}
         self.last_arrivals = {}
+        self.last_still_read = {}
         self.last_corrupt = set()
         entry = self._rec.record("ack", generation=gen,
                                       version=version, peers=members).start()
@@ -336,6 +338,8 @@ class Generations:
                 acked.add(message.member_id)
                 self.last_timings[message.member_id] = (message.seconds, message.own_seconds)
                 self.last_arrivals[message.member_id] = time.monotonic()
+                if message.still_read >= 0:
+                    self.last_still_read[message.member_id] = message.still_read
             else:
                 nacked[message.member_id] = message.error or f"acked version {message.version}"
                 if message.corrupt:

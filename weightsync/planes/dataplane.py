@@ -222,6 +222,8 @@ class SendPart(Protocol):
     moves_alone: bool  # its members' receive time is all their own (no link to probe, no peer to wait on)
     drives: bool  # its ``move`` issues the buckets (runs the hooks); else it rides along
     plane: Any  # the part ``in_group``: the group plane Generations forms generations through; else None
+    # optional ``reads_in_place`` (read with getattr, default False): its members read a whole
+    # snapshot where staging keeps it, so staging parks the buffer of a version they still read
 
     def admit(self, member: str, want: Any) -> None: ...
 

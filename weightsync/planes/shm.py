@@ -28,11 +28,26 @@ What keeps it safe (the group path's guarantees, here):
 - members map at most :data:`MAPPED` segments and unmap the rest, so a member holds at most
   that many of the publisher's buffers alive (in steady state, the very two it stages in);
   a member unmaps everything when it stops (evicted, closed, or the publisher gone).
+
+Reads in place (protocol 13). A snapshot (not a ``copy=False`` ring, not a sharded lane's part)
+is not copied at all: the member's receiving slot becomes a read-only view of the segment
+(:meth:`ShmPlane.view`), its buckets are digested where they lie, and that view is the readable
+version ``get``/``get_into`` copy from and ``stream``/``load`` hand out. What keeps the bytes
+still: the publisher's staging does not write a buffer again while a member's last acknowledged
+version lives in it (it parks the buffer and takes another, within a bound; past the bound it
+evicts the holder, as a frozen reader). Nobody else can write it: every segment is sealed
+(``F_SEAL_FUTURE_WRITE``) once the publisher has mapped it, so another process, a member that
+lies included, can open it through /proc but neither map it writable nor ``write()`` it (on a
+kernel without that seal the Announce says ``sealed=False`` and members copy, as before). What
+proves the publisher did not write it again: the segment's epoch, bumped before any rewrite;
+every read of an in-place version checks it at its end and is refused if it moved. A mapping
+is never closed under a view: it goes when the last tensor on it does.
 """
 
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import mmap
 import os
 import secrets
@@ -85,9 +100,14 @@ def boot_id() -> str:
         return ""
 
 
-def _create(name: str, nbytes: int, token: bytes) -> tuple[int, torch.Tensor]:
-    """A new memfd segment of ``nbytes`` data bytes: its descriptor and the whole mapping."""
-    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+F_SEAL_FUTURE_WRITE = 0x0010  # Linux 5.1+ (not in Python's fcntl): no new writable mapping, no write()
+
+
+def _create(name: str, nbytes: int, token: bytes) -> tuple[int, torch.Tensor, bool]:
+    """A new memfd segment of ``nbytes`` data bytes: its descriptor, the whole mapping, and whether
+    it is sealed (only this mapping can write it: a same-host member, honest or not, that opens
+    it through /proc, even read-write, can neither map it writable nor write it)."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | getattr(os, "MFD_ALLOW_SEALING", 0))
     try:
         os.ftruncate(fd, HEADER + nbytes)
         whole = torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=HEADER + nbytes, dtype=torch.uint8)
@@ -95,7 +115,13 @@ def _create(name: str, nbytes: int, token: bytes) -> tuple[int, torch.Tensor]:
         os.close(fd)
         raise
     whole[: _HEAD.size] = torch.frombuffer(bytearray(_HEAD.pack(MAGIC, token, nbytes)), dtype=torch.uint8)
-    return fd, whole
+    try:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS,
+                    F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+        sealed = True
+    except (OSError, AttributeError):  # an older kernel: members copy out of it instead
+        sealed = False
+    return fd, whole, sealed
 
 
 class SegmentPool:
@@ -104,7 +130,8 @@ class SegmentPool:
     def __init__(self, channel: str) -> None:
         self.channel = channel
         self._lock = threading.Lock()
-        self._segments: dict[int, tuple[int, bytes, torch.Tensor]] = {}  # data pointer -> fd, token, whole
+        # data pointer -> fd, token, whole, sealed
+        self._segments: dict[int, tuple[int, bytes, torch.Tensor, bool]] = {}
         self._door_token = secrets.token_bytes(16)
         self._door_fd = -1
         self._door: torch.Tensor | None = None
@@ -112,7 +139,7 @@ class SegmentPool:
 
     def open(self) -> None:
         """Create the door (the publisher starts); nothing is created before."""
-        self._door_fd, self._door = _create(f"weightsync-{self.channel}-door", 0, self._door_token)
+        self._door_fd, self._door, _ = _create(f"weightsync-{self.channel}-door", 0, self._door_token)
         self._boot_id = boot_id()
 
     def offer(self) -> _wire.ShmOffer | None:
@@ -126,10 +153,10 @@ class SegmentPool:
         if device.type != "cpu":
             return torch.empty(nbytes, dtype=torch.uint8, device=device)
         token = secrets.token_bytes(16)
-        fd, whole = _create(f"weightsync-{self.channel}", nbytes, token)
+        fd, whole, sealed = _create(f"weightsync-{self.channel}", nbytes, token)
         data = whole[HEADER:]
         with self._lock:
-            self._segments[data.data_ptr()] = (fd, token, whole)
+            self._segments[data.data_ptr()] = (fd, token, whole, sealed)
         return data
 
     def ref(self, buf: torch.Tensor) -> _wire.ShmRef | None:
@@ -138,9 +165,9 @@ class SegmentPool:
             found = self._segments.get(buf.data_ptr())
         if found is None:
             return None
-        fd, token, whole = found
+        fd, token, whole, sealed = found
         epoch = int(whole[EPOCH_AT:EPOCH_AT + 8].view(torch.int64)[0])
-        return _wire.ShmRef(fd=fd, token=token, offset=0, nbytes=whole.numel() - HEADER, epoch=epoch)
+        return _wire.ShmRef(fd=fd, token=token, offset=0, nbytes=whole.numel() - HEADER, epoch=epoch, sealed=sealed)
 
     def reuse(self, buf: torch.Tensor) -> None:
         """Staging is about to write ``buf`` again: bump its epoch first, so a member still copying
@@ -174,7 +201,7 @@ class SegmentPool:
 
     def close(self) -> None:
         with self._lock:
-            fds = [fd for fd, _, _ in self._segments.values()] + [self._door_fd]
+            fds = [fd for fd, _, _, _ in self._segments.values()] + [self._door_fd]
             self._segments.clear()
             self._door_fd, self._door = -1, None
         for fd in fds:
@@ -266,11 +293,31 @@ class ShmPlane:
         return found[1], found[2]
 
     def _unmap(self, token: bytes) -> None:
-        mapping, _, _ = self._mapped.pop(token)
-        try:
-            mapping.close()
-        except BufferError:  # a view still refers to it: it goes when that view does
-            pass
+        # never closed here: a slot or a reader may hold a view of it (torch keeps the mapping
+        # object alive, not its pages); it is unmapped when the last reference goes
+        self._mapped.pop(token)
+
+    def view(self, ref: _wire.ShmRef, nbytes: int) -> tuple[torch.Tensor, Callable[[], bool]]:
+        """The announced snapshot's ``nbytes`` as a read-only tensor on the segment, and a guard:
+        True while the segment's epoch is still the announced one (nothing rewrote it)."""
+        if ref.ring:
+            raise ProtocolError("a copy=False ring is copied out bucket by bucket, never read in place")
+        _, size = self._segment(ref)
+        if ref.offset < 0 or ref.offset + nbytes > size:
+            raise ProtocolError(f"{nbytes} bytes at {ref.offset} overrun the {size}-byte segment")
+        mapping = self._mapped[ref.token][0]
+        if nbytes == 0:
+            flat = torch.empty(0, dtype=torch.uint8)
+        else:
+            with warnings.catch_warnings():  # read-only: torch warns that it must not be written
+                warnings.simplefilter("ignore")
+                flat = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes, offset=HEADER + ref.offset)
+        epoch = ref.epoch
+
+        def unchanged() -> bool:
+            return _EPOCH.unpack_from(mapping, EPOCH_AT)[0] == epoch
+
+        return flat, unchanged
 
     def move(self, transfer: Transfer) -> None:
         announce = transfer.announce
@@ -297,7 +344,8 @@ class ShmPlane:
             try:
                 self._await_ready(ref, ref.offset + done + bucket.numel(), transfer)
                 self._check_epoch(ref, transfer.version)
-                _copy(bucket, src, transfer.cancelled)
+                if bucket.numel() and bucket.data_ptr() != src:  # else read in place: nothing to copy
+                    _copy(bucket, src, transfer.cancelled)
             except BaseException as err:
                 if entry is not None:
                     entry.fail(err)

@@ -28,6 +28,7 @@ class ShmSend:
     name = "shm"
     in_group, moves_alone, drives = False, True, False
     plane = None  # joins no group
+    reads_in_place = True  # a snapshot's segment is the member's readable version (planes.shm)
 
     def __init__(self, context: PublisherContext) -> None:
         self._ctx = context

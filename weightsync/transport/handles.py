@@ -16,7 +16,7 @@ import msgspec
 import torch
 
 from weightsync._wire import Manifest
-from weightsync.errors import NotDelivered, SyncTimeout
+from weightsync.errors import NotDelivered, Superseded, SyncTimeout
 from weightsync.format import delta, layout
 from weightsync.transport.lifecycle import call_soon
 
@@ -214,12 +214,16 @@ class WeightStream:
     """
 
     def __init__(self, version: int, flat: torch.Tensor, manifest: Manifest,
-                 previous: tuple[int, torch.Tensor] | None = None) -> None:
+                 previous: tuple[int, torch.Tensor] | None = None,
+                 previous_intact: Callable[[], bool] | None = None) -> None:
         self.version = version
         self.nbytes = manifest.total_bytes
         self._flat: torch.Tensor | None = flat
         self._manifest = manifest
         self._previous = previous
+        # a previous version read in place (same host): the publisher does not keep it for us, so a
+        # comparison with it counts only if its segment was not written meanwhile
+        self._previous_intact = previous_intact
         #: the version :meth:`changes` is against (``stream(since=)`` while it is still held), else None
         self.since: int | None = None if previous is None else previous[0]
 
@@ -235,7 +239,14 @@ class WeightStream:
             lo, hi = spec.offset, spec.offset + spec.nbytes
             if not torch.equal(self._flat[lo:hi], self._previous[1][lo:hi]):
                 names.add(spec.name)
+        self._check_previous()
         return names | {name for name, source in self._manifest.ties if source in names}
+
+    def _check_previous(self) -> None:
+        if self._previous_intact is not None and not self._previous_intact():
+            raise Superseded(f"version {self.since} was written again by the publisher while this compared with it "
+                             "(read in place; the publisher keeps only the version a member reads now): load whole",
+                             version=self.since)
 
     def changes(self) -> list[TensorChange]:
         """The tensors whose bits differ from version :attr:`since`, with where (``stream(since=)``).
@@ -243,7 +254,9 @@ class WeightStream:
         A floating-point tensor comes with the flat indices of its changed elements and their new
         values (a sparse patch), unless a new value is NaN (sparse loaders take NaN for "unchanged"):
         then, as for other dtypes, whole (``indices`` None, ``values`` the flat tensor). Compared in
-        each dtype's bits. RuntimeError without a ``since`` version, or after the block."""
+        each dtype's bits. RuntimeError without a ``since`` version, or after the block; Superseded
+        when version ``since`` was read in place and the publisher wrote it again meanwhile (what it
+        said would be wrong: load the version whole)."""
         if self._previous is None:
             raise RuntimeError("changes() needs stream(since=v) while this subscriber still holds version v")
         out: list[TensorChange] = []
@@ -269,6 +282,7 @@ class WeightStream:
             if source in changed:
                 src = next(c for c in out if c.name == source)
                 out.append(TensorChange(name, src.dtype, src.shape, src.values, src.indices))
+        self._check_previous()
         return out
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:

@@ -211,6 +211,7 @@ class Publisher:
                               buckets=self._planes.buckets,
                               tally=self._tally, encoding=encoding, digest=digest,
                               lane=(self.rank, self.world_size))
+        self._staging.held, self._staging.overdue = self._sender.held, self._sender.overdue
         self._last_version: int | None = None
         self._put_lock: asyncio.Lock | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -331,7 +332,8 @@ class Publisher:
         return self._last_version
 
     def peak_snapshots(self) -> int:
-        """The most staging buffers ever held at once (never above ``max_snapshots``)."""
+        """The most staging buffers ever held at once: at most ``max_snapshots``, one more with
+        deltas (the base) and up to two more while same-host members read versions in place."""
         return self._staging.peak_buffers
 
     async def wait_subscribers(self, n: int, timeout: float | None = None) -> tuple[str, ...]:

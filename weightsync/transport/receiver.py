@@ -222,6 +222,7 @@ class Receiver:
             self.joined.set()
             if self.closing.is_set() and self.deadlines is not None:
                 self._leave()
+            self._slots.keep_own()  # the last version stays readable; no view keeps the publisher's memory
             if self._plane is not None:
                 self._plane.close()
             self._client.close("receiver stopped")
@@ -425,6 +426,7 @@ class Receiver:
         ok, error, in_move, sealing, corrupt = False, "", 0.0, 0.0, False
         checking = [0.0]  # of the time in move(), what this member spent on its own buckets
         assembly, epoch = announce.assembly, 0
+        in_place: tuple[torch.Tensor, Callable[[], bool]] | None = None
         placer: sharding.Placer | slicing.SlicePlacer | None = None
         self._staged = None  # whatever waited for a Commit is overwritten now: it was given up on
         try:
@@ -435,7 +437,9 @@ class Receiver:
             if self.want is not None:  # only our boxes, point to point, packed in our own slot layout
                 placer, buckets, epoch = self._sliced_targets(announce, ranges)
             elif assembly is None:
-                flat = self._slots.prepare(manifest, self.deadlines.readers())
+                in_place = self._in_place(announce)
+                flat = (self._slots.prepare(manifest, self.deadlines.readers()) if in_place is None
+                        else self._slots.prepare_in_place(manifest, *in_place, self.deadlines.readers()))
                 buckets = [flat[lo:hi] for lo, hi in ranges]
             else:  # this lane's part of a sharded version, straight into its places in the full slot
                 full, epoch = self._slots.prepare_part(self.lane, assembly.manifest, self.deadlines.readers())
@@ -466,13 +470,17 @@ class Receiver:
                                     f"the decoder planned {[b.numel() for b in wire.wire][:4]}")
             decode = wire.hook
 
+            faulty = type(self._hooks) is not Hooks and in_place is not None
+
             def after(i: int) -> None:  # bucket i is here; bucket i+1 is on the wire meanwhile
                 began = time.monotonic()
-                self._hooks.after_bucket(announce.version, i, wire.wire[i], began - last[0])  # faults hit the wire
+                misread = faulty and self._misread(announce.version, i, wire.wire[i], began - last[0])
+                if not faulty:
+                    self._hooks.after_bucket(announce.version, i, wire.wire[i], began - last[0])  # faults hit the wire
                 if decode is not None:
                     decode(i)
                 if verify:
-                    sums.append(checksum(buckets[i], kind) if buckets[i].numel() else 0)
+                    sums.append((checksum(buckets[i], kind) if buckets[i].numel() else 0) ^ misread)
                 if placer is not None:
                     placer.place(i)
                 last[0] = time.monotonic()
@@ -538,6 +546,22 @@ class Receiver:
         if self._plane is not None and self._plane.moves_alone:  # no peer to wait on in move (a copy)
             own = max(seconds - sealing, 0.0)
         self._acknowledge(announce, ok=ok, error=error, seconds=seconds, own=own, corrupt=corrupt)
+
+    def _in_place(self, announce: _wire.Announce) -> tuple[torch.Tensor, Callable[[], bool]] | None:
+        """A same-host snapshot this member reads where it lies (planes.shm): its view and guard."""
+        ref = getattr(announce, "segment", None)
+        view = getattr(self._plane, "view", None)
+        if (not isinstance(ref, _wire.ShmRef) or ref.ring or not ref.sealed or view is None
+                or announce.encoding != "full" or self.device.type != "cpu"):
+            return None
+        return view(ref, announce.manifest.total_bytes)
+
+    def _misread(self, version: int, index: int, bucket: torch.Tensor, seconds: float) -> int:
+        """Test faults on a bucket read in place: they act on a copy of its head (the publisher's
+        memory is read-only here); a byte they changed reads as a wrong digest (1), as it would."""
+        head = bucket[:64].clone()
+        self._hooks.after_bucket(version, index, head, seconds)
+        return int(not torch.equal(head, bucket[:64]))
 
     def _expose(self, staged: _Staged) -> None:
         """The verified version in the receiving slot becomes readable, atomically."""
@@ -615,7 +639,7 @@ class Receiver:
                      corrupt: bool = False) -> None:
         ack = _wire.Ack(generation=announce.generation, seq=announce.seq, member_id=self.member_id,
                         version=announce.version, ok=ok, seconds=seconds, own_seconds=own, error=error[:300],
-                        corrupt=corrupt)
+                        corrupt=corrupt, still_read=self._slots.still_read() if ok else -1)
         try:
             self._client.send(ack)
         except ControlFailure:

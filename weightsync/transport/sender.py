@@ -64,6 +64,8 @@ PROBE_MAX = 128 << 10
 #: a link with a version's buckets times the buckets (a relay receiving first was scored 8x slow)
 PROBE_SETTLE = 0.2
 
+IN_PLACE_KEPT = 3  # versions a same-host member that stopped acknowledging may still read in place
+
 log = logging.getLogger("weightsync.publisher")
 PUBLISHER = "publisher"
 
@@ -188,6 +190,9 @@ class Sender:
         # member -> the version it acknowledged whole last (a delta goes only to members holding its
         # base); forgotten when a member joins again, and when a delta it was sent did not apply
         self._holds: dict[str, int] = {}
+        # same-host members reading snapshots in place: the versions each may read now (the one it
+        # acknowledged last, and one it was sent but did not acknowledge); staging parks their buffers
+        self._in_place: dict[str, frozenset[int]] = {}
         self._sent_delta = False  # the last attempt sent some member a delta
         self._chooser = Chooser()  # "auto": full or delta, by what each cost this channel lately
 
@@ -290,6 +295,7 @@ class Sender:
             self.side.retain(self.membership.is_member_or_joining)
             self.side.admit(event.member_id, event.transport, event.want)
             self._holds.pop(event.member_id, None)  # a newcomer, a replacement, a rejoin: no base known
+            self._in_place.pop(event.member_id, None)
             self._gens.register(event.member_id, event.incarnation, host=event.host, pid=event.pid,
                                 transport=event.transport)
         elif isinstance(event, Leave):
@@ -312,6 +318,53 @@ class Sender:
             self._evicted.append(member)
         self.tally.evicted(member.reason)
         self._on_evicted_cb(member)
+
+    def held(self) -> frozenset[int]:
+        """Any thread (staging, under its lock): the versions channel members read in place now."""
+        members = set(self.membership.members)
+        return frozenset(v for m, versions in list(self._in_place.items()) if m in members for v in versions)
+
+    def overdue(self, version: int) -> None:
+        """Any thread (staging, over its bound): evict the members that read ``version`` in place; its
+        buffer is written again now (their reads of it fail on its epoch)."""
+        members = set(self.membership.members)
+        for member, versions in list(self._in_place.items()):
+            if version in versions and member in members:
+                self._rec.record("evict", version=version, peers=(member,)).fail(
+                    "read a same-host snapshot past staging's bound")
+                self.submit(Evict(member, "slow"))
+
+    def _note_in_place(self, job: Job, members: tuple[str, ...], acked: set[str], still_read: dict[str, int],
+                       *, staged: bool = False) -> None:
+        """After a version's acknowledgements: which versions its in-place readers may read now.
+
+        Acknowledged: this version, and the older one a reader of theirs still holds (``Ack.still_read``:
+        such a reader keeps that slot, so nothing newer is received into it before the next Ack
+        says again). Not acknowledged, or only staged (activation "all"): any version they may
+        read, this one included (the most recent :data:`IN_PLACE_KEPT`; staging bounds the rest)."""
+        if job.flat is None or job.assembly is not None or self.side is None:
+            for member in members:  # a copy into the member's own slot (a ring, a lane's part)
+                if member in acked and not staged:
+                    self._in_place.pop(member, None)
+            return
+        for member in members:
+            if not getattr(self.side.part_of(member), "reads_in_place", False):
+                continue
+            if member in acked and not staged:
+                older = still_read.get(member, -1)
+                self._in_place[member] = frozenset((job.version, older) if older >= 0 else (job.version,))
+            else:
+                known = self._in_place.get(member, frozenset()) | {job.version}
+                self._in_place[member] = frozenset(sorted(known)[-IN_PLACE_KEPT:])
+
+    def _committed_in_place(self, job: Job, members: tuple[str, ...]) -> None:
+        """Activation "all", after the Commit: a member reads this version, and its readers may still
+        hold the one it exposed before."""
+        for member in members:
+            known = self._in_place.get(member)
+            if known is not None and job.version in known:
+                older = [v for v in known if v < job.version]
+                self._in_place[member] = frozenset([job.version, *older[-1:]])
 
     # one version --------------------------------------------------------------------------
     def _send(self, gens: Generations, job: Job) -> None:
@@ -467,6 +520,8 @@ class Sender:
         finally:
             out.close()
             job.encode_seconds += out.encode_seconds
+        self._note_in_place(job, members, acked, gens.last_still_read,
+                            staged=self.settings.activation == "all")
         forms = self._forms(job, by, fields, out.wire_bytes())
         job.members_done |= acked
         if verify and job.flat is not None and len(sums) == len(ranges):
@@ -489,6 +544,7 @@ class Sender:
         arrivals = gens.last_arrivals
         if commits:
             arrivals = self._commit(gens, job, gen, seq, tuple(sorted(acked)))
+            self._committed_in_place(job, tuple(sorted(acked)))
             self._holds.update(holders)
         job.exposure_spread = max(arrivals.values()) - min(arrivals.values()) if arrivals else 0.0
         self._finish(job, t0)
@@ -555,6 +611,7 @@ class Sender:
         gens.tell(members, _wire.Seal(generation=gen, seq=seq, version=job.version, checksums=(), abandoned=True))
         acked, failed = gens.collect_acks(gen, seq, members, job.version, self.deadlines.acknowledgements())
         job.members_done |= acked
+        self._note_in_place(job, members, acked, gens.last_still_read, staged=self.settings.activation == "all")
         self._recorder.dump_on_trouble(f"version {job.version} failed: {err}")
         return failed or set(members) - acked
 

@@ -4,12 +4,21 @@ Buckets arrive straight into slices of the receiving slot (no bucket copies). Wh
 is complete and verified, the slots swap under the lock, so a reader sees either the old or
 the new version, never a torn one. Readers (``get``/``get_into`` copying out) pin the slot
 they read; the receiver waits for them, within a deadline, before overwriting it.
+
+A same-host member's slot may be *in place*: its ``flat`` is a read-only view of the publisher's
+shared-memory snapshot (``planes.shm``), which the publisher does not write again while this
+member reads that version (staging parks it). ``guard`` then says whether the segment is still
+that version (its epoch unchanged): a read that ends with it False read bytes the publisher
+reused (this member was evicted for holding it too long) and is refused. When the receiver stops,
+``keep_own`` copies the readable version into private memory (the last version stays readable
+after the publisher is gone) and lets go of every view, so the mappings go with it.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -23,6 +32,11 @@ class Slot:
         self.manifest: Manifest | None = None
         self.version: int | None = None
         self.readers = 0
+        self.guard: Callable[[], bool] | None = None  # in place: the segment still holds this version
+
+    def intact(self) -> bool:
+        """After a read: its bytes were this version's all along (always, unless in place)."""
+        return self.guard is None or self.guard()
 
 
 class SlotPair:
@@ -55,11 +69,22 @@ class SlotPair:
         deadline = time.monotonic() + timeout
         with self.cond:
             slot = self._receiving_free(deadline)
-            if slot.flat is None or slot.flat.numel() < manifest.total_bytes:
-                slot.flat = None  # free first: never three buffers at once
+            if slot.flat is None or slot.flat.numel() < manifest.total_bytes or slot.guard is not None:
+                slot.flat, slot.guard = None, None  # free first: never three buffers at once
                 slot.flat = torch.empty(manifest.total_bytes, dtype=torch.uint8, device=self.device)
             slot.manifest, slot.version = manifest, None
             return slot.flat[: manifest.total_bytes]
+
+    def prepare_in_place(self, manifest: Manifest, view: torch.Tensor, guard: Callable[[], bool],
+                         timeout: float) -> torch.Tensor:
+        """The receiving slot becomes ``view`` (the publisher's snapshot, read in place); waits for
+        readers of that slot to finish. Its private buffer, if it had one, is freed."""
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            slot = self._receiving_free(deadline)
+            slot.flat, slot.guard = view, guard
+            slot.manifest, slot.version = manifest, None
+            return view
 
     def prepare_part(self, rank: int, manifest: Manifest, timeout: float) -> tuple[torch.Tensor, int]:
         """The receiving buffer for trainer rank ``rank``'s part of the full ``manifest``, and
@@ -67,9 +92,10 @@ class SlotPair:
         deadline = time.monotonic() + timeout
         with self.cond:
             slot = self._receiving_free(deadline)
-            if slot.flat is None or slot.flat.numel() < manifest.total_bytes or slot.manifest != manifest:
-                if slot.flat is None or slot.flat.numel() < manifest.total_bytes:
-                    slot.flat = None  # free first: never three buffers at once
+            if slot.flat is None or slot.flat.numel() < manifest.total_bytes or slot.manifest != manifest \
+                    or slot.guard is not None:
+                if slot.flat is None or slot.flat.numel() < manifest.total_bytes or slot.guard is not None:
+                    slot.flat, slot.guard = None, None  # free first: never three buffers at once
                     slot.flat = torch.empty(manifest.total_bytes, dtype=torch.uint8, device=self.device)
                 slot.manifest = manifest
                 self._parts, self._epoch = {}, self._epoch + 1  # what the other lanes wrote means nothing now
@@ -117,4 +143,30 @@ class SlotPair:
     def unpin(self, slot: Slot) -> None:
         with self.cond:
             slot.readers -= 1
+            self.cond.notify_all()
+
+    def still_read(self) -> int:
+        """The older version a reader still holds in place (the receiving slot's), else -1: the
+        publisher keeps its buffer until the next acknowledgement (nothing is received into that
+        slot before its readers are done)."""
+        with self.cond:
+            slot = self.receiving
+            if slot.guard is not None and slot.readers and slot.version is not None:
+                return slot.version
+            return -1
+
+    def keep_own(self) -> None:
+        """The receiver stopped: an in-place readable version is copied into private memory (or
+        dropped if the publisher wrote it meanwhile), and no slot keeps a view of its segments."""
+        with self.cond:
+            slot = self.readable
+            if slot.guard is not None and slot.flat is not None:
+                own = slot.flat.clone()
+                if slot.guard():
+                    slot.flat, slot.guard = own, None
+                else:  # reused under us: this version is gone here
+                    slot.flat = slot.manifest = slot.version = slot.guard = None
+            other = self.receiving
+            if other.guard is not None and not other.readers:
+                other.flat = other.manifest = other.version = other.guard = None
             self.cond.notify_all()

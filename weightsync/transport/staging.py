@@ -15,6 +15,14 @@ With deltas (``keep_base``) the retained buffer is kept while the next version i
 ``base``: the version a delta is relative to. It is freed once that version is retained (or
 becomes retained again if it failed), so at most three buffers exist: pending, in flight, base.
 
+Same-host members read a snapshot in place (``planes.shm``): a buffer whose version such a
+member still reads (``held``, the Sender's word: the version each one acknowledged last) is
+*parked* when staging lets go of it, never written again while held, and reused once nobody
+holds it. Parking is bounded: past ``max_snapshots + 2`` buffers (one more with ``keep_base``),
+the oldest parked buffer is taken back and its holders are named to ``overdue`` (the Sender
+evicts them, as a frozen reader is), so latest-wins never waits for a reader and memory never
+grows with a slow one.
+
 Thread-safety: every method takes the lock; the snapshot copy itself runs outside it, into a
 buffer the staging handed out and nobody else can see until :meth:`commit`.
 
@@ -192,12 +200,34 @@ class Staging:
         self.keep_base = keep_base
         self.base: Job | None = None  # keep_base: the retained version while the next one is in flight
         self._free: list[torch.Tensor] = []
+        self.parked: list[Job] = []  # let go of, but a same-host member still reads it in place
         self.peak_buffers = 0
         self._allocate, self._drop, self._reuse = allocate, drop, reuse
+        # set by the Publisher once its Sender exists (any thread may call them, under this lock):
+        # the versions same-host members read in place now, and whom to evict for one taken back
+        self.held: Callable[[], frozenset[int]] = frozenset
+        self.overdue: Callable[[int], None] = lambda _v: None
 
     def buffers_in_use(self) -> int:
         jobs = {id(j): j for j in (self.pending, self.in_flight, self.retained, self.base) if j is not None}
-        return sum(1 for j in jobs.values() if j.flat is not None) + len(self._free)
+        return sum(1 for j in jobs.values() if j.flat is not None) + len(self._free) + len(self.parked)
+
+    def limit(self) -> int:
+        """The most buffers staging holds at once, parked ones included: two parked at most (the
+        version same-host members read, and the older one a reader of theirs still holds)."""
+        return self.max_snapshots + 2 + (1 if self.keep_base else 0)
+
+    def _unpark(self) -> list[torch.Tensor]:
+        """Under the lock: the parked buffers nobody reads any more, no longer parked."""
+        if not self.parked:
+            return []
+        held = self.held()
+        free = [j for j in self.parked if j.version not in held]
+        self.parked = [j for j in self.parked if j.version in held]
+        bufs = [j.flat for j in free if j.flat is not None]
+        for job in free:
+            job.flat = None
+        return bufs
 
     def acquire(self, nbytes: int, device: torch.device, pin: bool) -> tuple[torch.Tensor, Job | None]:
         """A buffer of at least ``nbytes`` for a new snapshot, and the pending job it displaced.
@@ -207,21 +237,35 @@ class Staging:
         """
         with self.lock:
             displaced, self.pending = self.pending, None
-            candidates = list(self._free)
+            candidates = list(self._free) + self._unpark()
             if displaced is not None and displaced.flat is not None:
                 candidates.insert(0, displaced.flat)
             self._free = []
             buf = next((b for b in candidates if b.numel() >= nbytes and b.device == device), None)
-            # whatever we do not reuse is dropped, so at most max_snapshots exist
+            # whatever we do not reuse is dropped, so at most max_snapshots exist (and the parked)
             for other in candidates:
                 if other is not buf:
                     self._drop(other)
+            if buf is None and self.parked and self.buffers_in_use() + 1 > self.limit():
+                buf = self._take_back(nbytes, device)
             if buf is None:
                 buf = self._allocate(nbytes, device, pin)
             else:
                 self._reuse(buf)
             self.peak_buffers = max(self.peak_buffers, self.buffers_in_use() + 1)
             return buf, displaced
+
+    def _take_back(self, nbytes: int, device: torch.device) -> torch.Tensor | None:
+        """Under the lock, over the bound: the oldest parked buffer, its holders named to ``overdue``
+        (they are evicted; the epoch bumped by ``reuse`` stops any read of it still under way)."""
+        oldest = self.parked.pop(0)
+        buf, oldest.flat = oldest.flat, None
+        self.overdue(oldest.version)
+        if buf is not None and buf.numel() >= nbytes and buf.device == device:
+            return buf
+        if buf is not None:
+            self._drop(buf)
+        return None
 
     def give_back(self, buf: torch.Tensor) -> None:
         with self.lock:
@@ -253,6 +297,10 @@ class Staging:
         """Under the lock: ``job``'s buffer becomes the one spare (the next put reuses it)."""
         if job is not None and job.flat is not None and all(
                 job is not other for other in (self.pending, self.in_flight, self.retained)):
+            if job.version in self.held():  # a same-host member reads it in place: not written while it does
+                if all(job is not other for other in self.parked):
+                    self.parked.append(job)
+                return
             self._free.append(job.flat)
             for other in self._free[:-1]:
                 self._drop(other)
@@ -281,10 +329,12 @@ class Staging:
             for job in (self.pending, self.in_flight, self.retained, self.base):
                 if job is not None:
                     job.flat = None
-            for buf in self._free:
+            for buf in self._free + [j.flat for j in self.parked if j.flat is not None]:
                 self._drop(buf)
+            for job in self.parked:
+                job.flat = None
             self.pending = self.in_flight = self.retained = self.base = None
-            self._free = []
+            self._free, self.parked = [], []
 
     def drain(self) -> list[Job]:
         """Close: every job not yet sent (not the one in flight), removed from staging."""

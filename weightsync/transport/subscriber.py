@@ -307,6 +307,7 @@ class Subscriber:
                 raise Superseded(f"version {exact} was superseded here by version {slot.version} before it was read",
                                  channel=self.name, member=self.member_id, version=exact)
             flat, manifest, version = await self._loop.run_in_executor(None, self._copy_out, slot)
+            self._check_intact(slot, version)
         finally:
             self._slots.unpin(slot)
         self._tally.count("reads")
@@ -344,6 +345,7 @@ class Subscriber:
                 dest = {name: sharding.local_box(t)[0] if sharding.is_dtensor(t) else t for name, t in dest.items()}
             layout.check_destination(slot.manifest, dest)
             await self._loop.run_in_executor(None, self._copy_into, slot, dest)
+            self._check_intact(slot, slot.version)
             self._written = (slot.version, {id(t): (weakref.ref(t), t._version) for t in dest.values()}, len(dest))
             self._tally.count("reads")
             return slot.version
@@ -396,10 +398,12 @@ class Subscriber:
             held = None
             if previous is not None and since is not None and previous.flat is not None:
                 held = (since, previous.flat)
-            weights = WeightStream(slot.version, slot.flat, slot.manifest, previous=held)
+            weights = WeightStream(slot.version, slot.flat, slot.manifest, previous=held,
+                                   previous_intact=None if previous is None else previous.guard)
             self._tally.count("reads")
             try:
                 yield weights
+                self._check_intact(slot, weights.version)  # what was read in place was that version all along
             finally:
                 weights.close()
                 if previous is not None:
@@ -425,8 +429,11 @@ class Subscriber:
             pairs: Iterable[tuple[str, torch.Tensor]] = weights
             if since is not None and weights.since == since:
                 assert self._loop is not None
-                changed = await self._loop.run_in_executor(None, weights.changed_names)
-                pairs = [(name, t) for name, t in weights if name in changed]
+                try:
+                    changed = await self._loop.run_in_executor(None, weights.changed_names)
+                    pairs = [(name, t) for name, t in weights if name in changed]
+                except Superseded:  # version ``since`` is gone here (read in place, written again): all of it
+                    pass
             if inspect.iscoroutinefunction(into):
                 await into(pairs)
             else:
@@ -468,6 +475,14 @@ class Subscriber:
                 return
             last = weights.version
             yield weights
+
+    def _check_intact(self, slot: Slot, version: int) -> None:
+        """After reading ``slot``: Superseded if it was read in place and the publisher wrote its
+        segment meanwhile (this member was evicted for holding it too long)."""
+        if not slot.intact():
+            raise Superseded(f"version {version}'s shared memory was written again by the publisher while it "
+                             "was read here (this member held it past the publisher's bound and was evicted)",
+                             channel=self.name, member=self.member_id, version=version)
 
     def _copy_out(self, slot: Slot) -> tuple[torch.Tensor, _wire.Manifest, int]:
         assert slot.flat is not None and slot.manifest is not None and slot.version is not None

@@ -39,7 +39,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from weightsync.control.engines import disagrees
-from weightsync.errors import EngineMismatch, SyncTimeout, WeightSyncError
+from weightsync.errors import EngineMismatch, Superseded, SyncTimeout, WeightSyncError
 from weightsync.integrations.vllm import checks
 from weightsync.options import Deadlines
 from weightsync.recorder.recorder import process_recorder
@@ -291,7 +291,9 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         if self._pinned is None:
             return  # nothing was loaded (update_weights failed or was not called)
         weights = self._pinned[1]
-        self._release()
+        problem = self._release()
+        if problem is not None:  # fail closed: the engine loaded bytes the publisher wrote again meanwhile
+            self._fail(problem, weights.version)
         self.failed = None
         self.version = weights.version
         self.last = UpdateStats(weights.version, self._wait_s, time.monotonic() - self._load_began, weights.nbytes,
@@ -367,7 +369,11 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
             log.info("vLLM worker %s: the model's MoE experts keep a packed layout a patch would not respect: "
                      "version %d loads whole", self._member, weights.version)
             return False
-        changes = weights.changes()
+        try:
+            changes = weights.changes()
+        except Superseded as err:  # the version the engine holds is gone here (same host, read in place)
+            log.info("vLLM worker %s: %s; version %d loads whole", self._member, err, weights.version)
+            return False
         if any(c.indices is None for c in changes):
             log.info("vLLM worker %s: version %d changes a tensor a sparse patch cannot carry: full load",
                      self._member, weights.version)
@@ -432,17 +438,22 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
 
             finalize_layerwise_reload(self.model, self.model_config)
 
-    def _release(self) -> None:
+    def _release(self) -> str | None:
         """Finalize a started reload, then unpin the slot (in that order: the reload may still
-        hold views of the slot for layers it processes at the end)."""
+        hold views of the slot for layers it processes at the end). Returns a problem when the
+        version was read in place and the publisher wrote it again meanwhile (None otherwise)."""
         self._finalize()
         pinned, self._pinned = self._pinned, None
         if pinned is None or self._bridge is None:
-            return
+            return None
         manager, weights = pinned
         weights.close()
-        with contextlib.suppress(SyncTimeout, RuntimeError):
-            self._bridge.run(manager.__aexit__(None, None, None), GRACE, "unpinning the receive slot")
+        try:
+            with contextlib.suppress(SyncTimeout, RuntimeError):
+                self._bridge.run(manager.__aexit__(None, None, None), GRACE, "unpinning the receive slot")
+        except Superseded as err:  # read in place and written again meanwhile: what was loaded is not it
+            return str(err)
+        return None
 
 
 def _ranks(vllm_config: Any) -> tuple[int, int]:
