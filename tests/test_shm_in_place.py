@@ -236,6 +236,28 @@ async def test_a_reader_still_on_the_older_version_keeps_it_from_being_written()
 
 
 @pytest.mark.asyncio
+async def test_a_copy_false_version_between_does_not_let_go_of_the_one_a_reader_holds() -> None:
+    """As above, with version 1 put ``copy=False`` (a ring: the member copies it into its own
+    memory). Its Ack still names version 0 as read; versions 2 to 4 are snapshotted meanwhile,
+    more than staging's max_snapshots, and none is written into 0's buffer; 4 arrives after."""
+    sds = [model(v, mib=4) for v in range(5)]
+    async with ws.Publisher("ring-between", timeout=10, bucket_bytes=4 * MIB, encoding="full") as pub, \
+            ws.Subscriber("ring-between", address=pub.address, member_id="m", timeout=10,
+                          transport="shm") as sub:
+        await pub.wait_subscribers(1, timeout=20)
+        await (await pub.put(sds[0], version=0)).delivered(timeout=30)
+        async with sub.stream(min_version=0, timeout=10) as w:
+            one = await pub.put(sds[1], version=1, copy=False)
+            await one.released(timeout=30)
+            assert (await one.delivered(timeout=30)).members == ("m",)
+            handles = [await pub.put(sds[v], version=v) for v in (2, 3, 4)]  # their snapshots are taken
+            assert digests(dict(w)) == digests(sds[0])
+        assert (await handles[-1].delivered(timeout=30)).members == ("m",)
+        w4 = await sub.get(min_version=4, timeout=10)
+        assert digests(w4) == digests(sds[4])
+
+
+@pytest.mark.asyncio
 async def test_an_insider_on_the_host_cannot_write_a_segment_honest_members_read_in_place() -> None:
     """A member that lies opens the publisher's snapshot through /proc read-write (as any process of
     the same user can) and tries to change it: the seal refuses a writable mapping and write();

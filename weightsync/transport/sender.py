@@ -345,7 +345,11 @@ class Sender:
         if job.flat is None or job.assembly is not None or self.side is None:
             for member in members:  # a copy into the member's own slot (a ring, a lane's part)
                 if member in acked and not staged:
-                    self._in_place.pop(member, None)
+                    # its reader may still copy an older in-place version: that one stays still
+                    older = still_read.get(member, -1)
+                    kept = self._in_place.pop(member, frozenset()) & {older}
+                    if kept:
+                        self._in_place[member] = kept
             return
         for member in members:
             if not getattr(self.side.part_of(member), "reads_in_place", False):
