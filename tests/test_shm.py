@@ -82,24 +82,30 @@ async def test_auto_picks_shared_memory_beside_group_members(procs: Procs) -> No
 
 @pytest.mark.asyncio
 async def test_shared_memory_only_channel_newcomer_and_corruption() -> None:
-    """No group member at all: the publisher checksums alone while members copy; a corrupted
-    copy is caught and re-sent intact; a newcomer gets the retained version without a put; a
-    member maps at most three segments."""
+    """No group member at all. A sealed snapshot is digested by nobody (the publisher takes no
+    pass over it); a copy through the ring (``copy=False``) still is: a corrupted one is caught,
+    never made readable, and the member goes on with the next version (a released copy=False
+    version has nothing to re-send from). A newcomer gets the retained version without a put."""
     from weightsync.testing import Faults, inject
 
-    async with ws.Publisher("only", timeout=10, heartbeat_interval=0.25, bucket_bytes=1 << 20) as pub:
+    rec = ws.FlightRecorder(capacity=4000)
+    async with ws.Publisher("only", timeout=10, heartbeat_interval=0.25, bucket_bytes=1 << 20,
+                            recorder=rec) as pub:
         bad = ws.Subscriber("only", address=pub.address, member_id="bad", timeout=10, transport="auto")
-        inject(bad, Faults(corrupt={1}))
+        inject(bad, Faults(corrupt={0, 1}))  # 0: a snapshot, read in place (the fault acts on a copy)
         async with bad, ws.Subscriber("only", address=pub.address, member_id="good", timeout=10,
                                       transport="auto") as good:
             await pub.wait_subscribers(2, timeout=20)
             assert (bad.transport, good.transport) == ("shm", "shm")
             for v in range(4):
-                report = await (await pub.put(body(v), version=v)).delivered(timeout=30)
-                assert sorted(report.members) == ["bad", "good"]
-                for sub in (bad, good):
+                report = await (await pub.put(body(v), version=v, copy=v != 1)).delivered(timeout=30)
+                assert sorted(report.members) == (["good"] if v == 1 else ["bad", "good"])
+                for sub in ((good,) if v == 1 else (bad, good)):
                     w = await sub.get(min_version=v, timeout=10)
                     assert w.version == v and digests(w) == digests(body(v))
+            assert bad.statistics().checksum_failures == 1 and good.statistics().checksum_failures == 0
+            announced = {e.version: e.digest for e in rec.snapshot() if e.op == "announce" and e.member == "publisher"}
+            assert announced[1] and not announced[0] and not announced[2]  # digested: the ring only
             assert not pub.evicted  # the corrupted copy was a failed attempt, not a strike out
             async with ws.Subscriber("only", address=pub.address, member_id="late", timeout=10,
                                      transport="auto") as late:

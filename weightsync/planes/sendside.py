@@ -76,8 +76,10 @@ class SendSide:
         for part in by:
             if not part.drives:
                 part.move(out, by[part])
-        if not drivers and (out.checksum or out.afters or out.hooked):
-            for i in range(len(out.buckets)):  # nobody issues the buckets: walk them through the hooks here
+        # nobody issues the buckets: walk them through the hooks here (a snapshot still being
+        # taken, ``before``, is waited for bucket by bucket: a put cancelled half-way is abandoned)
+        if not drivers and (out.checksum or out.afters or out.hooked or out.before is not None):
+            for i in range(len(out.buckets)):
                 own_hook(out.before, i, "packing")
                 out.after(i)
 

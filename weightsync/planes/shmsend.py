@@ -1,9 +1,10 @@
 """The ``"shm"`` plane's ends: the publisher's part (same-host members read its shared memory) and
 how a member builds its :class:`~weightsync.planes.shm.ShmPlane`.
 
-The publisher's part moves nothing itself (``drives`` is False): a same-host member copies the
-version out of the segment its Announce names while the group is sent, or, with nobody in the
-group, while the send side walks the buckets through the hooks (the digests). A ``copy=False``
+The publisher's part moves nothing itself (``drives`` is False): a same-host member reads the
+version where it lies in the segment its Announce names (or copies it out) while the group is
+sent. A sealed snapshot is not digested for these members (see ``prepare``); with nobody in the
+group the publisher then takes no pass over the version at all. A ``copy=False``
 version goes through the two bucket buffers, which live in a segment of their own: a ring,
 where bucket i is packed into slot i % 2 only once every same-host member said it copied
 bucket i - 2 out of it.
@@ -11,6 +12,7 @@ bucket i - 2 out of it.
 
 from __future__ import annotations
 
+import platform
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -20,6 +22,10 @@ from weightsync import _wire
 from weightsync._errors import LocalFailure, PeerFailure
 from weightsync.planes.dataplane import MemberContext, Outgoing, PlaneSpec, PublisherContext
 from weightsync.planes.shm import SegmentPool, ShmPlane
+
+#: x86 keeps one thread's stores in order for every other reader (TSO): a member that sees the
+#: pipelined snapshot's ready count sees the bytes written before it
+STORES_IN_ORDER = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 
 
 class ShmSend:
@@ -45,7 +51,15 @@ class ShmSend:
             ref = self._ring(min(out.bucket_bytes, out.manifest.total_bytes))
             out.wrap(lambda pack: self._turns(pack, members, out))
             return {"segment": ref}
-        return {"segment": self._segment_for(out)}
+        ref = self._segment_for(out)
+        # A sealed snapshot needs no digest on either side: no other process can write it (the
+        # seal), the members read or copy the very pages the publisher staged, and its epoch says
+        # whether staging took the buffer back (an in-place read is then refused, never served).
+        # Both digests would be taken of the same memory. Kept: the ring's (it is written under
+        # the members as they copy), and a snapshot still being taken as it is announced where
+        # the CPU may reorder stores (the digest catches a read that ran ahead of the data).
+        proved = ref.sealed and (out.progress is None or STORES_IN_ORDER)
+        return {"segment": ref, "checksum": False} if proved else {"segment": ref}
 
     def move(self, out: Outgoing, members: tuple[str, ...]) -> None:
         """Nothing to move: the members copy out of the segment themselves."""

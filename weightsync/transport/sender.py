@@ -482,6 +482,10 @@ class Sender:
             log.debug("channel %r: version %d goes full, not %r: %s", self.channel, job.version, out.encoding,
                       out.full_reason)
         self._sent_delta = any(f.get("encoding", "full") != "full" for f in fields.values())
+        # digests only where a part's members check them (a sealed same-host snapshot is not checked)
+        unchecked = {part for part, f in fields.items() if f.get("checksum", verify) is False}
+        if verify and by and not set(by) - unchecked:
+            verify = out.checksum = False
         # one Announce per part: each names what its members read (a segment, point to point, the encoding)
         announce = _wire.Announce(generation=gen, seq=seq, version=job.version, manifest=job.manifest,
                                   bucket_bytes=self.settings.bucket_bytes, num_buckets=len(ranges),
@@ -509,7 +513,7 @@ class Sender:
                 side.move(out, by)
                 if verify:  # a sliced member checks exactly what it was sent; everyone else the buckets
                     own = side.digests(by)
-                    whole = tuple(m for m in members if m not in own)
+                    whole = tuple(m for part, ms in by.items() if part not in unchecked for m in ms if m not in own)
                     for to, digests in ([(whole, sums)] if whole else []) + [((m,), d) for m, d in own.items()]:
                         gens.tell(to, _wire.Seal(generation=gen, seq=seq, version=job.version,
                                                  checksums=tuple(digests)))
