@@ -166,6 +166,30 @@ def test_parking_is_bounded_and_the_holder_past_the_bound_is_named() -> None:
     assert again.data_ptr() in buffers and not staging.parked
 
 
+def test_a_buffer_let_go_by_in_place_readers_stays_spare_instead_of_a_new_segment() -> None:
+    """A reader of every other version still holds the one before (``Ack.still_read``) as the
+    next put comes: two parked buffers are let go at once, then one is parked again. Every put
+    reuses one, none past the first few allocates
+    a new segment (its page faults land in put, the trainer's stall: measured 0.16-0.45 s at 496
+    MiB), and staging stays within its bound."""
+    held: set[int] = set()
+    allocated: list[int] = []
+    staging = Staging(2, allocate=lambda n, d, p: allocated.append(n) or torch.empty(n, dtype=torch.uint8))
+    staging.held = lambda: frozenset(held)
+    cpu = torch.device("cpu")
+    for version in range(12):
+        buf, _ = staging.acquire(64, cpu, pin=False)
+        job = _job(version)
+        job.flat = buf
+        staging.commit(job)
+        assert staging.take() is job
+        staging.finish(job)
+        held.clear()
+        held.update({version, version - 1} if version % 2 else {version})  # read; and the one before
+        assert staging.buffers_in_use() <= staging.limit()
+    assert len(allocated) <= 4, allocated  # the first puts' buffers, then reused
+
+
 @pytest.mark.asyncio
 async def test_the_last_version_read_in_place_stays_readable_after_the_publisher_is_gone() -> None:
     """The publisher closes: the member copies its readable version into its own memory and keeps

@@ -242,10 +242,14 @@ class Staging:
                 candidates.insert(0, displaced.flat)
             self._free = []
             buf = next((b for b in candidates if b.numel() >= nbytes and b.device == device), None)
-            # whatever we do not reuse is dropped, so at most max_snapshots exist (and the parked)
-            for other in candidates:
-                if other is not buf:
-                    self._drop(other)
+            # whatever we do not reuse is dropped, so at most max_snapshots exist (and the parked);
+            # while same-host members read in place, one stays spare within the bound: a buffer
+            # parked again soon needs another, and a new segment costs its page faults in put
+            others = [b for b in candidates if b is not buf]
+            if others and self.held() and self.buffers_in_use() + 2 <= self.limit():
+                self._free = [others.pop()]
+            for other in others:
+                self._drop(other)
             if buf is None and self.parked and self.buffers_in_use() + 1 > self.limit():
                 buf = self._take_back(nbytes, device)
             if buf is None:
