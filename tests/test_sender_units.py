@@ -194,17 +194,23 @@ def test_same_host_members_read_the_announced_segment_beside_the_group(rig) -> N
     assert announce.segment is not None and announce.segment.ring == 0 and announce.segment.nbytes > 0
     # each member is told what its own plane reads: a group member never learns the segment's token
     assert far.of(_wire.Announce)[-1].segment is None and far.of(_wire.Announce)[-1].version == announce.version
-    assert near.of(_wire.Seal)[-1].checksums == far.of(_wire.Seal)[-1].checksums  # one pass, both told
+    # one pass, for the group member: the same-host member reads the sealed snapshot, told no digest
+    assert announce.segment.sealed and announce.checksum is False and not near.of(_wire.Seal)
+    assert far.of(_wire.Announce)[-1].checksum is True
+    assert list(far.of(_wire.Seal)[-1].checksums) == digests_of(staged(r, 0), SETTINGS.bucket_bytes)
 
 
 @pytest.mark.skipif(not shm.available(), reason="needs memfd and /proc (Linux)")
-def test_a_same_host_only_generation_moves_nothing_through_the_plane_and_still_seals(rig) -> None:
+def test_a_same_host_only_generation_moves_nothing_through_the_plane_and_digests_nothing(rig) -> None:
     r = rig(segments=True)
     near = r.join("near", transport="shm")
     items = tensors(3000, 3.0)
     assert r.put(0, items).members == ("near",)
     assert moves(r.plane) == []  # nobody in the group: the plane is not asked to move anything
-    assert list(near.of(_wire.Seal)[-1].checksums) == digests_of(staged(r, 0), SETTINGS.bucket_bytes)
+    # a sealed snapshot: no Seal, no digest named (the seal, token and epoch prove it)
+    announce = near.of(_wire.Announce)[-1]
+    assert announce.segment is not None and announce.segment.sealed
+    assert announce.checksum is False and not near.of(_wire.Seal)
 
 
 @pytest.mark.skipif(not shm.available(), reason="needs memfd and /proc (Linux)")
