@@ -132,6 +132,17 @@ def _job(version: int) -> Job:
     return Job(version=version, manifest=_wire.Manifest(tensors=(), total_bytes=64), handle=_Handle())  # type: ignore[arg-type]
 
 
+def _put_and_send(staging: Staging, version: int) -> Job:
+    """Staging's part of one put and its send: a buffer, committed, taken, finished (retained)."""
+    buf, _ = staging.acquire(64, torch.device("cpu"), pin=False)
+    job = _job(version)
+    job.flat = buf
+    staging.commit(job)
+    assert staging.take() is job
+    staging.finish(job)
+    return job
+
+
 def test_parking_is_bounded_and_the_holder_past_the_bound_is_named() -> None:
     """Staging's rule alone: a held version's buffer is parked, never reused while held, reused
     once let go; past max_snapshots + 2 buffers the oldest parked one is taken back and its
@@ -144,12 +155,7 @@ def test_parking_is_bounded_and_the_holder_past_the_bound_is_named() -> None:
     cpu = torch.device("cpu")
 
     def put_and_send(version: int) -> Job:
-        buf, _ = staging.acquire(64, cpu, pin=False)
-        job = _job(version)
-        job.flat = buf
-        staging.commit(job)
-        assert staging.take() is job
-        staging.finish(job)
+        job = _put_and_send(staging, version)
         held.add(version)  # members read it in place, and (failing the next ones) go on reading it
         return job
 
@@ -169,21 +175,14 @@ def test_parking_is_bounded_and_the_holder_past_the_bound_is_named() -> None:
 def test_a_buffer_let_go_by_in_place_readers_stays_spare_instead_of_a_new_segment() -> None:
     """A reader of every other version still holds the one before (``Ack.still_read``) as the
     next put comes: two parked buffers are let go at once, then one is parked again. Every put
-    reuses one, none past the first few allocates
-    a new segment (its page faults land in put, the trainer's stall: measured 0.16-0.45 s at 496
-    MiB), and staging stays within its bound."""
+    reuses one, none past the first few allocates a new segment (its page faults land in put,
+    the trainer's stall: measured 0.16-0.45 s at 496 MiB), and staging stays within its bound."""
     held: set[int] = set()
     allocated: list[int] = []
     staging = Staging(2, allocate=lambda n, d, p: allocated.append(n) or torch.empty(n, dtype=torch.uint8))
     staging.held = lambda: frozenset(held)
-    cpu = torch.device("cpu")
     for version in range(12):
-        buf, _ = staging.acquire(64, cpu, pin=False)
-        job = _job(version)
-        job.flat = buf
-        staging.commit(job)
-        assert staging.take() is job
-        staging.finish(job)
+        _put_and_send(staging, version)
         held.clear()
         held.update({version, version - 1} if version % 2 else {version})  # read; and the one before
         assert staging.buffers_in_use() <= staging.limit()
