@@ -467,13 +467,56 @@ async def test_checksums_off_or_copy_false_send_full() -> None:
                 trainer.step()
     async with ws.Publisher("borrowed", **FAST) as pub:
         async with one_member(pub) as sub:
-            for version in range(3):
+            for version in range(3):  # copy=False under "auto" keeps no copy of what it sent: full
                 sd = trainer.bf16()
                 handle = await pub.put(sd, version=version, copy=False)
                 report = await handle
                 assert report.encodings == {"m0": "full"}
                 assert same(await sub.get(min_version=version, timeout=10), sd)
                 trainer.step()
+
+
+@pytest.mark.asyncio
+async def test_copy_false_deltas_go_against_a_kept_copy_that_also_serves_a_full_resend() -> None:
+    """``put(copy=False, encoding="delta")``: the publisher keeps a copy of what it sent as the base.
+    A newcomer gets full, then deltas; a delta that does not apply is re-sent in full from that copy
+    after the caller took its tensors back and changed them (they cannot be read again)."""
+    trainer = Trainer(1e-3, seed=9)
+    rec = ws.FlightRecorder()
+    async with ws.Publisher("borrowed-delta", recorder=rec, **FAST) as pub:
+        first = ws.Subscriber(pub.name, address=pub.address, member_id="m0", timeout=5.0, transport="group")
+        late = ws.Subscriber(pub.name, address=pub.address, member_id="m1", timeout=5.0, transport="group")
+        ws.testing.inject(late, ws.testing.Faults(corrupt=[3]))  # the first wire byte of version 3's delta
+        await first.start()
+        try:
+            await pub.wait_subscribers(1, timeout=20)
+            for version in range(6):
+                if version == 2:
+                    await late.start()
+                    await pub.wait_subscribers(2, timeout=20)
+                sd = trainer.bf16()
+                expected = {k: v.clone() for k, v in sd.items()}
+                handle = await pub.put(sd, version=version, copy=False, encoding="delta")
+                await handle.released(timeout=10)
+                for value in sd.values():  # the caller's again: changed before the version is delivered
+                    value.zero_()
+                report = await handle
+                subs = (first,) if version < 2 else (first, late)
+                assert set(report.members) == {s.member_id for s in subs}  # nobody missed a version
+                for sub in subs:
+                    assert same(await sub.get(min_version=version, timeout=10), expected)
+                if version in (0, 2):  # nothing kept yet; then a newcomer without the base: full
+                    assert set(report.encodings.values()) == {"full"}
+                elif version == 3:  # m1's delta did not apply: the same version in full, from the kept copy
+                    assert report.encodings == {"m0": "full", "m1": "full"}
+                else:
+                    assert set(report.encodings.values()) == {"delta"} and report.base == version - 1
+                    assert report.wire_bytes < report.nbytes * len(subs) / 4
+                trainer.step()
+            assert pub.statistics().delta_fallbacks == 1 and late.statistics().checksum_failures == 1
+            assert {e.base for e in rec.snapshot() if e.version == 5 and e.encoding == "delta"} == {4}
+        finally:
+            await asyncio.gather(first.aclose(), late.aclose())
 
 
 def test_auto_takes_whichever_reached_the_group_faster_and_looks_again() -> None:

@@ -28,9 +28,12 @@ def body(version: int) -> dict[str, torch.Tensor]:
     return {"body": base, "scale": torch.full((64,), float(version))}
 
 
-@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP])
-async def test_a_generator_killed_or_frozen_mid_delta_costs_the_others_nothing(procs: Procs,
-                                                                              how: signal.Signals) -> None:
+@pytest.mark.parametrize(("how", "copy"), [(signal.SIGKILL, True), (signal.SIGSTOP, True), (signal.SIGSTOP, False)],
+                         ids=["kill-9", "sigstop", "sigstop-copy-false"])
+async def test_a_generator_killed_or_frozen_mid_delta_costs_the_others_nothing(procs: Procs, how: signal.Signals,
+                                                                              copy: bool) -> None:
+    """``copy=False``: the deltas are against the publisher's kept copy, which a version abandoned
+    half-way leaves holding nothing whole: that version is re-sent in full, then deltas again."""
     timeout = 4.0
     rec = ws.FlightRecorder(capacity=8000)
     async with ws.Publisher("delta-faults", timeout=timeout, heartbeat_interval=0.25, bucket_bytes=4 << 20,
@@ -39,7 +42,7 @@ async def test_a_generator_killed_or_frozen_mid_delta_costs_the_others_nothing(p
                                until_version=7, deadline=150, mode="updates", transport="group") for i in range(3)]
         await pub.wait_subscribers(3, timeout=60)
         for v in range(8):
-            handle = await pub.put(body(v), version=v)
+            handle = await pub.put(body(v), version=v, copy=copy)
             if v == 3:  # version 3's delta on the wire: the victim goes now
                 while not any(e.op == "bucket_send" and e.version == 3 and e.encoding == "delta"
                               for e in rec.snapshot()):

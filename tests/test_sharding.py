@@ -96,15 +96,18 @@ async def test_fsdp2_ranks_cast_their_shards_to_bf16_as_they_pack_them(procs: Pr
 
 
 @pytest.mark.asyncio
-async def test_fsdp2_ranks_send_deltas_of_their_own_shards(procs: Procs, tmp_path: Path) -> None:
+@pytest.mark.parametrize("copy", [True, False], ids=["snapshot", "copy-false-delta"])
+async def test_fsdp2_ranks_send_deltas_of_their_own_shards(procs: Procs, tmp_path: Path, copy: bool) -> None:
     """An RL-sized step (one element in 17 of each shard moves, pushed as bf16): from the second
     version on each rank sends its lane as a delta against its own last part, and each member
     rebuilds it against the same part of its readable version, gathered from where the lane's
     bytes lie in its full slot (row shards straight, the uneven and column ones through
-    scratch). Every version bit-exact; the digests prove every rebuilt lane."""
+    scratch). Every version bit-exact; the digests prove every rebuilt lane. ``copy=False`` with
+    ``encoding="delta"``: each rank's base is its own kept copy of the part it sent."""
     versions = 4
+    extra = {} if copy else {"nocopy": True, "encoding": "delta"}
     ranks, address_file, store = _trainers(procs, tmp_path, 2, versions=versions, subscribers=2, nudge=True,
-                                           cast="bfloat16")
+                                           cast="bfloat16", **extra)
     address = await _address(address_file, procs)
     subs = [procs.spawn("subscriber", channel="sharded", address=address, member=f"gen{i}", transport="group",
                         until_version=versions - 1, deadline=90) for i in range(2)]

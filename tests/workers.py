@@ -194,7 +194,8 @@ async def sharded_trainer(spec: dict) -> dict:
             if spec.get("die_at") == version and rank == spec.get("die_rank"):
                 os.kill(os.getpid(), signal.SIGSTOP if spec.get("die_by") == "stop" else signal.SIGKILL)
             try:
-                handle = await pub.put(sd, version=version, dtype=cast, copy=not spec.get("nocopy"))
+                handle = await pub.put(sd, version=version, dtype=cast, copy=not spec.get("nocopy"),
+                                       encoding=spec.get("encoding"))
                 report = await handle.delivered(timeout=60)
                 encodings[str(version)] = dict(report.encodings)
             except ws.WeightSyncError as err:

@@ -155,6 +155,7 @@ class Outgoing:
     encoding: str = "full"  # the version's encoding on the wire, for parts that carry it (:meth:`encoded`)
     digest: str = "crc32c"  # the per-bucket digest's function (format.checksum.KINDS), named in the Announce
     base: Base | None = None  # what a delta may be relative to (the retained version), else None
+    keeps_base: bool = False  # copy=False: the publisher keeps a copy of what it sends as the next base
     #: ``"auto"``: full versions reached this channel's group faster than deltas lately (the Sender's
     #: measurement), so the encoder need not make one
     prefer_full: bool = False

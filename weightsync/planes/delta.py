@@ -17,8 +17,9 @@ Where the version goes ``"full"`` instead (the plan's ``encoding``), with no del
 - no base yet, or a base in another layout (a new manifest);
 - a member in the version that is not known to hold the base (a newcomer, a replacement, a
   member that rejoined or missed the base, or whose last delta failed);
-- checksums off (nothing would prove the reconstruction), ``copy=False`` (no snapshot to
-  compare, and none kept as the next base).
+- checksums off (nothing would prove the reconstruction), ``copy=False`` under ``"auto"`` (no
+  snapshot to compare, and none kept as the next base; with ``"delta"`` the publisher keeps a
+  copy of what it sent, :class:`KeptBase`, and encodes each bucket as it is packed).
 
 A sharded rank's lane goes as a delta against that rank's own retained part (each rank encodes
 its own shards); a member rebuilds it against the same part of its readable version, gathered
@@ -43,7 +44,7 @@ import torch
 from weightsync._errors import ChecksumMismatch, ProtocolError
 from weightsync.format import delta, layout, sharding
 from weightsync.format.checksum import checksum
-from weightsync.planes.encoding import AUTO, DELTA, FULL, Base, EncodingSpec, WirePlan
+from weightsync.planes.encoding import AUTO, DELTA, FULL, Base, EncodingSpec, WirePlan, base_digest
 
 _POOL: ThreadPoolExecutor | None = None
 _POOL_LOCK = threading.Lock()
@@ -71,12 +72,12 @@ OVERLAP = True
 
 def why_full(out: Any, base: Base | None, to: Sequence[str]) -> str:
     """Why ``out`` cannot go as a delta to members ``to`` ("" when it can)."""
+    if out.snapshot is None and not out.keeps_base:
+        return "copy=False keeps no base (put(..., encoding='delta') keeps one)"
     if base is None:
         return "no base version"
     if base.version >= out.version:
         return f"the base {base.version} is not older"
-    if out.snapshot is None:
-        return "copy=False"
     if base.assembly != out.assembly:
         return "the sharded layout changed"
     if not out.checksum:
@@ -126,6 +127,55 @@ class Chooser:
         return (full < delta) != (self._chosen % EXPLORE == 0)
 
 
+class KeptBase:
+    """``copy=False``'s base: the publisher's own copy of the last version it sent (there is no
+    snapshot to keep), one version's bytes on the buckets' device, kept only while ``copy=False``
+    puts ask for ``encoding="delta"``.
+
+    Each bucket is copied in as it is packed (after the encoder read the base's bytes of it), so
+    the copy holds a version whole once all of it was packed; one left half-way holds none
+    (``version`` -1). The Sender re-sends a released version from a copy that holds it (a member
+    whose delta did not apply, a member lost mid-version): the caller's tensors are never read
+    again. Only the sender thread uses it.
+    """
+
+    def __init__(self, manifest: Any, assembly: Any, device: torch.device) -> None:
+        self.manifest, self.assembly = manifest, assembly
+        self.flat = torch.empty(manifest.total_bytes, dtype=torch.uint8, device=device)
+        self.version = -1  # the version whose every byte it holds; -1: none whole
+        self.digests: tuple[int, ...] = ()  # that version's staged digests, once sent with them
+
+    def fits(self, manifest: Any, assembly: Any, device: torch.device) -> bool:
+        return self.manifest == manifest and self.assembly == assembly and self.flat.device == device
+
+    def base(self, holds: dict[str, int]) -> Base | None:
+        """The base a next version may go as a delta against, with the members that hold it."""
+        if self.version < 0 or not self.digests:
+            return None
+        return Base(self.version, self.flat, self.manifest, base_digest(self.version, self.digests),
+                    frozenset(m for m, v in holds.items() if v == self.version), assembly=self.assembly)
+
+    def refill(self, out: Any, version: int) -> None:
+        """Copy each bucket of ``out`` (an attempt at ``version`` packed from the caller's tensors)
+        in once it is packed and encoded (the encoder read the base's bytes of it first): from now
+        on the copy holds no version whole, until every bucket of this one was packed."""
+        self.version, self.digests = -1, ()
+        left = set(range(len(out.ranges)))
+
+        def outer(inner: Callable[[int], None]) -> Callable[[int], None]:
+            def packed_then_kept(i: int) -> None:
+                inner(i)
+                if i in left:
+                    lo, hi = out.ranges[i]
+                    self.flat[lo:hi].copy_(out.buckets[i])
+                    left.discard(i)
+                    if not left:
+                        self.version = version
+            return packed_then_kept
+
+        out.wrap(outer)
+
+
 class DeltaEncoder:
     def __init__(self, auto: bool) -> None:
         self.auto = auto
@@ -138,6 +188,8 @@ class DeltaEncoder:
         if out.full_reason:
             return WirePlan(out.buckets, encoding=FULL)
         assert base is not None
+        if out.snapshot is None:
+            return _as_packed(out, base)
         total = out.manifest.total_bytes
         if out.progress is not None:  # a pipelined snapshot: the whole version is compared before it goes
             out.progress.wait(total, out.deadline(total))
@@ -195,6 +247,32 @@ class DeltaEncoder:
 
 
 _NOTHING = torch.empty(0, dtype=torch.uint8)  # a wire bucket not made yet
+
+
+def _as_packed(out: Any, base: Base) -> WirePlan:
+    """``copy=False`` against the publisher's kept copy (:class:`KeptBase`): bucket i is packed into
+    one of two buffers just before it goes, so it is encoded then, on the sender thread, each
+    segment in its smallest form (nothing is sampled ahead: there is nothing to sample)."""
+    n = len(out.ranges)
+    wire: list[torch.Tensor] = [_NOTHING] * n
+    out.staged_digests = [0] * n
+    plan = WirePlan(wire, encoding=DELTA, base=base.version, base_digest=base.digest, later=True)
+
+    def encode(i: int) -> None:
+        if i < len(plan.told):
+            return  # made and told already (a re-walk of the hooks)
+        began = time.monotonic()
+        lo, hi = out.ranges[i]
+        bucket = out.buckets[i]
+        segs = delta.segments(out.manifest, lo, hi)
+        wire[i] = delta.encode(bucket, base.flat[lo:hi], segs, auto=False).wire.to(bucket.device)
+        out.staged_digests[i] = checksum(bucket, out.digest) if bucket.numel() else 0
+        out.encode_seconds += time.monotonic() - began
+        plan.told.append(wire[i].numel())
+        out.tell_sizes(i, (wire[i].numel(),))
+
+    plan.hook = encode
+    return plan
 
 
 class DeltaDecoder:

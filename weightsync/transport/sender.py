@@ -49,8 +49,8 @@ from weightsync.membership.generations import Control, Generations, Rendezvous, 
 from weightsync.membership.membership import MAX_STRIKES, MemberInfo, Membership, StragglerPolicy
 from weightsync.options import Deadlines
 from weightsync.planes.dataplane import DataPlane, Outgoing, PublisherContext
-from weightsync.planes.delta import Chooser
-from weightsync.planes.encoding import Base, base_digest
+from weightsync.planes.delta import Chooser, KeptBase
+from weightsync.planes.encoding import DELTA, Base, base_digest
 from weightsync.planes.sendside import SendSide
 from weightsync.recorder.recorder import FlightRecorder
 from weightsync.statistics import PublisherTally
@@ -195,6 +195,7 @@ class Sender:
         self._in_place: dict[str, frozenset[int]] = {}
         self._sent_delta = False  # the last attempt sent some member a delta
         self._chooser = Chooser()  # "auto": full or delta, by what each cost this channel lately
+        self._kept: KeptBase | None = None  # copy=False with encoding "delta": the copy its deltas are against
 
     # any thread ---------------------------------------------------------------------------
     def submit(self, event: Event) -> None:
@@ -394,6 +395,8 @@ class Sender:
                 # generation, costing nobody a strike; they hold no base until they acknowledge it
                 for member in failed:
                     self._holds.pop(member, None)
+                if not self._resendable(job):
+                    break
                 full, attempts = True, attempts + 1
                 self.tally.count("delta_fallbacks")
                 self._rec.record("delta", version=job.version, peers=tuple(sorted(failed))).fail(
@@ -423,7 +426,7 @@ class Sender:
                 return
             group = gens.group_of(tuple(self.membership.members))
             if corrupt and corrupt == failed and not relays and len(group) > 2 and \
-                    not (job.flat is None and job.released.is_set()):
+                    self._resendable(job):
                 # only corrupt bytes, through the broadcast tree: the same version again, point to point,
                 # in this same generation; only then is it known whose fault they were
                 tree, direct = (group, corrupt), True
@@ -438,8 +441,8 @@ class Sender:
                         "flight recorder: %s", self.channel, job.version, sorted(failed), _attempt + 2,
                         self._recorder.last_dump_path or "no dump")
             gens.advance(reason=f"version {job.version} failed", failed=failed)
-            if job.flat is None and job.released.is_set():
-                break  # copy=False tensors were released: nothing left to re-send from
+            if not self._resendable(job):
+                break  # copy=False tensors were released and no copy of them kept: nothing to re-send from
         self._finish(job, time.monotonic(), error)
 
     def _send_once(self, gens: Generations, job: Job, direct: bool = False, full: bool = False) -> set[str] | None:
@@ -450,6 +453,9 @@ class Sender:
         checks the Seal.
         """
         self._wait_snapshot(job)
+        kept = self._keep_for(job)
+        if kept is not None and job.released.is_set() and kept.version == job.version:
+            job.spill, job.spill_at = kept.flat, 0  # its tensors were let go: sent again from the kept copy
         assert self.side is not None
         side = self.side
         # in the generation's group order first: point-to-point sends address members by their rank
@@ -466,8 +472,8 @@ class Sender:
         out = Outgoing(job.version, gen, seq, slices, ranges, job.manifest, job.assembly, job.flat, job.progress,
                        self.settings.bucket_bytes, verify, self.deadlines.bucket, self._generation_broken,
                        before=before, point_to_point=direct, encoding="full" if full else job.encoding or self.encoding,
-                       base=None if full else self._base(job), prefer_full=self._chooser.prefer_full(),
-                       digest=self.digest)
+                       base=None if full else self._base(job, kept), prefer_full=self._chooser.prefer_full(),
+                       digest=self.digest, keeps_base=kept is not None)
         by = side.split(members)
         # an encoder that sizes its wire buckets as it makes them tells the members each one's length
         out.tell_sizes = lambda first, sizes: gens.tell(out.receivers, _wire.WireSizes(
@@ -482,6 +488,8 @@ class Sender:
             log.debug("channel %r: version %d goes full, not %r: %s", self.channel, job.version, out.encoding,
                       out.full_reason)
         self._sent_delta = any(f.get("encoding", "full") != "full" for f in fields.values())
+        if kept is not None and members and job.spill is not kept.flat:
+            kept.refill(out, job.version)  # each bucket into the kept copy once packed and encoded
         # digests only where a part's members check them (a sealed same-host snapshot is not checked)
         unchecked = {part for part, f in fields.items() if f.get("checksum", verify) is False}
         if verify and by and not set(by) - unchecked:
@@ -534,6 +542,8 @@ class Sender:
         job.members_done |= acked
         if verify and job.flat is not None and len(sums) == len(ranges):
             job.digests = tuple(sums)  # what names this version (a lane: this rank's part) as the next one's base
+        if kept is not None and verify and kept.version == job.version and len(sums) == len(ranges):
+            kept.digests = tuple(sums)
         sliced = side.digests(by)  # keyed by every sliced member in the version
         commits = self.settings.activation == "all"  # acked means staged: held only once committed
         holders = dict.fromkeys((m for m in acked if m not in sliced), job.version)  # a sliced one holds its share
@@ -572,9 +582,27 @@ class Sender:
             entry.complete()
         return exposed
 
-    def _base(self, job: Job) -> Base | None:
+    def _keep_for(self, job: Job) -> KeptBase | None:
+        """The copy a ``copy=False`` version's delta is against, made when first needed: only while
+        copy=False puts ask for ``encoding="delta"`` (it costs a version's bytes); else none is kept."""
+        if job.flat is not None or (job.encoding or self.encoding) != DELTA:
+            self._kept = None  # a snapshot is its own next base; copy=False under "auto" keeps nothing
+            return None
+        device = self._buckets.device
+        if self._kept is None or not self._kept.fits(job.manifest, job.assembly, device):
+            self._kept = KeptBase(job.manifest, job.assembly, device)
+        return self._kept
+
+    def _resendable(self, job: Job) -> bool:
+        """A copy=False version whose tensors were let go can be sent again only from a kept copy of it."""
+        kept = self._kept
+        return job.flat is not None or not job.released.is_set() or (kept is not None and kept.version == job.version)
+
+    def _base(self, job: Job, kept: KeptBase | None = None) -> Base | None:
         """What ``job`` may go as a delta against: the retained version, kept while ``job`` is in
-        flight, named by its digests; with the members known to hold it."""
+        flight, named by its digests (copy=False: the ``kept`` copy); with the members known to hold it."""
+        if job.flat is None:
+            return None if kept is None else kept.base(self._holds)
         base = self.staging.base
         if base is None or base.flat is None or not base.digests or job is base:
             return None
