@@ -1,7 +1,8 @@
 """Delta versions against full ones, side by side in one run, on a trained Llama (issue 23).
 
     python -m benchmarks.delta [--layers 8] [--hidden 2048] [--lrs 1e-6,3e-6,1e-4] [--steps 3]
-                               [--planes group,group@1000,shm] [--no-overlap] [--out benchmarks/results]
+                               [--planes group,group@1000,shm] [--no-overlap] [--copy-false]
+                               [--out benchmarks/results]
 
 A Hugging Face Llama (random init, built here: no download; the defaults make about 1 GiB of
 bf16) with fp32 master weights is trained with AdamW on random tokens. After every step its
@@ -12,6 +13,8 @@ with ``encoding="full"``, the same bytes, to 2 generator processes: over the gro
 links of R Mbit/s each (``group@R``: network namespaces, benchmarks/netns.py, needs root), and
 over shared memory (``shm``). The last step of each learning rate puts a bf16 copy the
 caller made instead (the same bytes: ``dtype=`` against a copy the trainer pays for itself).
+``--copy-false`` puts every version with ``copy=False`` instead, ``encoding="delta"`` (against the
+publisher's kept copy of the version before) against ``"full"``, and no caller's copy.
 
 Per version: the share of bf16 elements that changed (counted here, bit for bit), wire bytes
 against full, bytes per changed element, the sender's encode time, the trainer's stall (``put``
@@ -26,8 +29,8 @@ element, time to both at most 0.25x full; at lr 1e-4, on every group plane, ``au
 1.05x full (median); the stall with ``auto`` at most 1.2x with ``full`` (median); every version
 bit-exact on every generator. On this host's loopback a full version is faster than a CPU delta
 (docs/deltas.md says why), and ``auto`` measures that and sends full. Writes ``delta.json`` and
-``delta.png``; exits 1 when a target is missed. Needs ``transformers`` (the vLLM environment has
-it: ``make bench-delta``).
+``delta.png`` (``delta_copy_false.*``); exits 1 when a target is missed. Needs ``transformers``
+(the vLLM environment has it: ``make bench-delta``).
 """
 
 from __future__ import annotations
@@ -204,14 +207,15 @@ async def _pushes(plane: str, transport: str, channel: str, address: str | None,
                     # both puts follow the same work (the training step, the one before's delivery);
                     # what they are checked against is computed after both (the parameters stay put)
                     done: list[tuple[str, bool, float, float, Any, list[dict[str, Any]]]] = []
-                    for encoding in ("auto", "full"):
+                    for encoding in ("delta" if args.copy_false else "auto", "full"):
                         own = caller_copy and encoding == "auto"
                         t0 = time.perf_counter()
                         if own:  # the trainer makes the bf16 copy itself, then puts it
                             handle = await pub.put([(n, p.detach().to(torch.bfloat16)) for n, p in named],
                                                    version=version, encoding=encoding)
-                        else:
-                            handle = await pub.put(named, version=version, dtype=torch.bfloat16, encoding=encoding)
+                        else:  # copy=False: cast as each bucket is packed, from the live parameters
+                            handle = await pub.put(named, version=version, dtype=torch.bfloat16, encoding=encoding,
+                                                   copy=not args.copy_false)
                         stall = time.perf_counter() - t0
                         report = await handle.delivered(timeout=600)
                         to_both = time.perf_counter() - t0
@@ -242,7 +246,8 @@ def check_targets(pushes: list[Push]) -> dict[str, bool]:
     def pairs(transport: str, lr: float) -> list[tuple[Push, Push]]:
         """auto against full of the same step; not the step whose auto put was of the caller's own
         bf16 copy (its stall and time include making that copy: a comparison of its own)."""
-        auto = [p for p in pushes if (p.transport, p.lr, p.encoding) == (transport, lr, "auto") and not p.caller_copy]
+        auto = [p for p in pushes if (p.transport, p.lr) == (transport, lr) and p.encoding != "full"
+                and not p.caller_copy]
         full = {p.step: p for p in pushes if (p.transport, p.lr, p.encoding) == (transport, lr, "full")}
         return [(a, full[a.step]) for a in auto if a.step in full]
 
@@ -288,7 +293,7 @@ def plot(report: Report, path: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for transport, marker in zip(dict.fromkeys(p.transport for p in report.pushes), "os^v", strict=False):
         for lr in sorted({p.lr for p in report.pushes}):
-            auto = [p for p in report.pushes if (p.transport, p.lr, p.encoding) == (transport, lr, "auto")]
+            auto = [p for p in report.pushes if (p.transport, p.lr) == (transport, lr) and p.encoding != "full"]
             full = {p.step: p for p in report.pushes if (p.transport, p.lr, p.encoding) == (transport, lr, "full")}
             if not auto:
                 continue
@@ -333,6 +338,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="group (this host), group@MBIT (emulated remote hosts, needs root), shm")
     parser.add_argument("--no-overlap", action="store_true",
                         help="make each delta whole before its first bucket goes (planes.delta.OVERLAP = False)")
+    parser.add_argument("--copy-false", action="store_true",
+                        help='put(copy=False): encoding="delta" (against the kept copy) against "full"')
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args(argv)
     args.lrs = [float(x) for x in args.lrs.split(",")]
@@ -366,8 +373,9 @@ def main(argv: list[str] | None = None) -> int:
     report = Report(time.strftime("%Y-%m-%d %H:%M"), str(torch.__version__), cpu_name(), os.cpu_count() or 0,
                     params, pushes[0].nbytes if pushes else 0, pushes, check_targets(pushes))
     print(table(pushes))
-    path = write_json(args.out, "delta", report)
-    plot(report, Path(args.out) / "delta.png")
+    name = "delta_copy_false" if args.copy_false else "delta"
+    path = write_json(args.out, name, report)
+    plot(report, Path(args.out) / f"{name}.png")
     print(f"wrote {path}")
     return verdict(report.targets)
 
