@@ -480,7 +480,8 @@ async def test_checksums_off_or_copy_false_send_full() -> None:
 async def test_copy_false_deltas_go_against_a_kept_copy_that_also_serves_a_full_resend() -> None:
     """``put(copy=False, encoding="delta")``: the publisher keeps a copy of what it sent as the base.
     A newcomer gets full, then deltas; a delta that does not apply is re-sent in full from that copy
-    after the caller took its tensors back and changed them (they cannot be read again)."""
+    after the caller took its tensors back and changed them (they cannot be read again). The copy
+    lasts until a put with a snapshot."""
     trainer = Trainer(1e-3, seed=9)
     rec = ws.FlightRecorder()
     async with ws.Publisher("borrowed-delta", recorder=rec, **FAST) as pub:
@@ -515,6 +516,16 @@ async def test_copy_false_deltas_go_against_a_kept_copy_that_also_serves_a_full_
                 trainer.step()
             assert pub.statistics().delta_fallbacks == 1 and late.statistics().checksum_failures == 1
             assert {e.base for e in rec.snapshot() if e.version == 5 and e.encoding == "delta"} == {4}
+            # the copy stays once asked for: a full copy=False put refreshes it, an "auto" one goes as a
+            # delta against it; a put with a snapshot drops it, and copy=False under "auto" is full again
+            for version, (copy, encoding, got) in enumerate([(False, "full", "full"), (False, None, "delta"),
+                                                             (True, None, "full"), (False, None, "full")], start=6):
+                sd = trainer.bf16()
+                report = await (await pub.put(sd, version=version, copy=copy, encoding=encoding))
+                assert set(report.encodings.values()) == {got}, (version, report.encodings)
+                for sub in (first, late):
+                    assert same(await sub.get(min_version=version, timeout=10), sd)
+                trainer.step()
         finally:
             await asyncio.gather(first.aclose(), late.aclose())
 

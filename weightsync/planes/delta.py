@@ -17,9 +17,10 @@ Where the version goes ``"full"`` instead (the plan's ``encoding``), with no del
 - no base yet, or a base in another layout (a new manifest);
 - a member in the version that is not known to hold the base (a newcomer, a replacement, a
   member that rejoined or missed the base, or whose last delta failed);
-- checksums off (nothing would prove the reconstruction), ``copy=False`` under ``"auto"`` (no
-  snapshot to compare, and none kept as the next base; with ``"delta"`` the publisher keeps a
-  copy of what it sent, :class:`KeptBase`, and encodes each bucket as it is packed).
+- checksums off (nothing would prove the reconstruction), ``copy=False`` without a kept copy
+  (no snapshot to compare; a ``copy=False`` put asking for ``"delta"`` makes the publisher keep
+  a copy of what it sends, :class:`KeptBase`, and from then on each bucket is encoded as it is
+  packed).
 
 A sharded rank's lane goes as a delta against that rank's own retained part (each rank encodes
 its own shards); a member rebuilds it against the same part of its readable version, gathered
@@ -129,8 +130,9 @@ class Chooser:
 
 class KeptBase:
     """``copy=False``'s base: the publisher's own copy of the last version it sent (there is no
-    snapshot to keep), one version's bytes on the buckets' device, kept only while ``copy=False``
-    puts ask for ``encoding="delta"``.
+    snapshot to keep), one version's bytes on the buckets' device, made by the first ``copy=False``
+    put that asks for ``encoding="delta"`` and refreshed by every later one (a full one included),
+    until a put with a snapshot.
 
     Each bucket is copied in as it is packed (after the encoder read the base's bytes of it), so
     the copy holds a version whole once all of it was packed; one left half-way holds none
@@ -189,7 +191,7 @@ class DeltaEncoder:
             return WirePlan(out.buckets, encoding=FULL)
         assert base is not None
         if out.snapshot is None:
-            return _as_packed(out, base)
+            return _as_packed(out, base, self.auto)
         total = out.manifest.total_bytes
         if out.progress is not None:  # a pipelined snapshot: the whole version is compared before it goes
             out.progress.wait(total, out.deadline(total))
@@ -249,10 +251,12 @@ class DeltaEncoder:
 _NOTHING = torch.empty(0, dtype=torch.uint8)  # a wire bucket not made yet
 
 
-def _as_packed(out: Any, base: Base) -> WirePlan:
+def _as_packed(out: Any, base: Base, auto: bool) -> WirePlan:
     """``copy=False`` against the publisher's kept copy (:class:`KeptBase`): bucket i is packed into
     one of two buffers just before it goes, so it is encoded then, on the sender thread, each
-    segment in its smallest form (nothing is sampled ahead: there is nothing to sample)."""
+    segment as :func:`weightsync.format.delta.encode` chooses (``auto``: dense ones as they are).
+    Nothing is sampled ahead (there is nothing to sample yet): a version that changed through and
+    through goes as a delta of segments as they are, a table's bytes more than full."""
     n = len(out.ranges)
     wire: list[torch.Tensor] = [_NOTHING] * n
     out.staged_digests = [0] * n
@@ -265,7 +269,7 @@ def _as_packed(out: Any, base: Base) -> WirePlan:
         lo, hi = out.ranges[i]
         bucket = out.buckets[i]
         segs = delta.segments(out.manifest, lo, hi)
-        wire[i] = delta.encode(bucket, base.flat[lo:hi], segs, auto=False).wire.to(bucket.device)
+        wire[i] = delta.encode(bucket, base.flat[lo:hi], segs, auto=auto).wire.to(bucket.device)
         out.staged_digests[i] = checksum(bucket, out.digest) if bucket.numel() else 0
         out.encode_seconds += time.monotonic() - began
         plan.told.append(wire[i].numel())

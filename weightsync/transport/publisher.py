@@ -430,7 +430,10 @@ class Publisher:
 
         ``encoding`` overrides the publisher's for this version (``"full"``, ``"delta"``,
         ``"auto"``; the delta ones need a publisher whose own encoding is not ``"full"``: only
-        such a publisher keeps the base they are made against).
+        such a publisher keeps the base they are made against). A ``copy=False`` put has no
+        snapshot to be the next base: the first one that asks for ``"delta"`` makes the publisher
+        keep a copy of what it sends (one version's bytes), refreshed by every later copy=False
+        put, until a put with a snapshot (docs/deltas.md, "``copy=False``").
         """
         began = time.perf_counter()
         if encoding is not None:

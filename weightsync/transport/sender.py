@@ -583,11 +583,14 @@ class Sender:
         return exposed
 
     def _keep_for(self, job: Job) -> KeptBase | None:
-        """The copy a ``copy=False`` version's delta is against, made when first needed: only while
-        copy=False puts ask for ``encoding="delta"`` (it costs a version's bytes); else none is kept."""
-        if job.flat is not None or (job.encoding or self.encoding) != DELTA:
-            self._kept = None  # a snapshot is its own next base; copy=False under "auto" keeps nothing
+        """The copy a ``copy=False`` version's delta is against: made by the first copy=False put that
+        asks for ``encoding="delta"`` (it costs a version's bytes), then refreshed by every copy=False
+        put, whatever its encoding (a full one is the next base too); a snapshot's put drops it."""
+        if job.flat is not None:
+            self._kept = None  # a snapshot is its own next base
             return None
+        if self._kept is None and (job.encoding or self.encoding) != DELTA:
+            return None  # copy=False that never asked for a delta keeps its two buckets' memory
         device = self._buckets.device
         if self._kept is None or not self._kept.fits(job.manifest, job.assembly, device):
             self._kept = KeptBase(job.manifest, job.assembly, device)
