@@ -13,8 +13,9 @@ with ``encoding="full"``, the same bytes, to 2 generator processes: over the gro
 links of R Mbit/s each (``group@R``: network namespaces, benchmarks/netns.py, needs root), and
 over shared memory (``shm``). The last step of each learning rate puts a bf16 copy the
 caller made instead (the same bytes: ``dtype=`` against a copy the trainer pays for itself).
-``--copy-false`` puts every version with ``copy=False`` instead, ``encoding="delta"`` (against the
-publisher's kept copy of the version before) against ``"full"``, and no caller's copy.
+``--copy-false`` puts every version with ``copy=False`` instead (the first warm-up put asks for
+``"delta"``, so the publisher keeps a copy of what it sends: the base of the ``"auto"`` puts),
+and no caller's copy.
 
 Per version: the share of bf16 elements that changed (counted here, bit for bit), wire bytes
 against full, bytes per changed element, the sender's encode time, the trainer's stall (``put``
@@ -193,8 +194,12 @@ async def _pushes(plane: str, transport: str, channel: str, address: str | None,
                 # the first base; on a new channel three times, so every buffer a steady state uses has
                 # been written once (the generators' two slots, the publisher's pending, in-flight and
                 # base snapshots) and no timed push pays for first touching a buffer's pages
-                for _ in range(3 if version == 0 else 1):
-                    await (await pub.put(named, version=version, dtype=torch.bfloat16, encoding="full"))
+                for warm in range(3 if version == 0 else 1):
+                    # --copy-false: the first one asks for a delta (it goes full: no base yet), so the
+                    # publisher keeps a copy of what it sends from then on; the full ones refresh it
+                    first = "delta" if args.copy_false and warm == 0 else "full"
+                    await (await pub.put(named, version=version, dtype=torch.bfloat16, encoding=first,
+                                         copy=not args.copy_false))
                     for sub in gens:
                         await sub.answer(version)
                     version += 1
@@ -207,8 +212,8 @@ async def _pushes(plane: str, transport: str, channel: str, address: str | None,
                     # both puts follow the same work (the training step, the one before's delivery);
                     # what they are checked against is computed after both (the parameters stay put)
                     done: list[tuple[str, bool, float, float, Any, list[dict[str, Any]]]] = []
-                    for encoding in ("delta" if args.copy_false else "auto", "full"):
-                        own = caller_copy and encoding == "auto"
+                    for encoding in ("auto", "full"):
+                        own = caller_copy and encoding == "auto" and not args.copy_false
                         t0 = time.perf_counter()
                         if own:  # the trainer makes the bf16 copy itself, then puts it
                             handle = await pub.put([(n, p.detach().to(torch.bfloat16)) for n, p in named],
@@ -339,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-overlap", action="store_true",
                         help="make each delta whole before its first bucket goes (planes.delta.OVERLAP = False)")
     parser.add_argument("--copy-false", action="store_true",
-                        help='put(copy=False): encoding="delta" (against the kept copy) against "full"')
+                        help='every put copy=False: "auto" against the publisher\'s kept copy, beside "full"')
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args(argv)
     args.lrs = [float(x) for x in args.lrs.split(",")]
