@@ -74,7 +74,11 @@ def test_the_generator_started_before_the_trainer_gets_every_last_version(script
     env = env_for(free_port())
     generator = start(scripts / "generator.py", env)
     try:
-        trained = finish(start(scripts / trainer, env))
+        try:
+            trained = finish(start(scripts / trainer, env))
+        except AssertionError as err:  # the generator's side of it too: why it never joined
+            os.killpg(generator.pid, signal.SIGKILL)
+            raise AssertionError(f"{err}\n--- generator.py:\n{generator.communicate(timeout=10)[0][-3000:]}") from None
         served = finish(generator, 60)
     finally:
         if generator.poll() is None:
