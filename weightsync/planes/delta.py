@@ -207,12 +207,9 @@ class DeltaEncoder:
         made = [began]  # when the last bucket was made (the encode time: not the wire's pace)
 
         def one(i: int) -> tuple[torch.Tensor, int]:  # torch's ops, zstd and the digests let go of the GIL
-            lo, hi = out.ranges[i]
-            bucket = out.buckets[i]
-            enc = delta.encode(bucket, base.flat[lo:hi], delta.segments(out.manifest, lo, hi), auto=self.auto)
-            digest = checksum(bucket, out.digest) if out.checksum and bucket.numel() else 0
+            made_i = _encoded(out, base, i, self.auto)
             made.append(time.monotonic())
-            return enc.wire.to(bucket.device), digest
+            return made_i
 
         # every bucket is encoded on the pool at once, in order; bucket i goes once it is made, while
         # the ones after it are still being made and the members decode the ones before it
@@ -251,6 +248,15 @@ class DeltaEncoder:
 _NOTHING = torch.empty(0, dtype=torch.uint8)  # a wire bucket not made yet
 
 
+def _encoded(out: Any, base: Base, i: int, auto: bool) -> tuple[torch.Tensor, int]:
+    """Staged bucket ``i`` of ``out`` as a delta against ``base`` (on the bucket's device), and the
+    staged bucket's digest (0 with checksums off or an empty bucket)."""
+    lo, hi = out.ranges[i]
+    bucket = out.buckets[i]
+    enc = delta.encode(bucket, base.flat[lo:hi], delta.segments(out.manifest, lo, hi), auto=auto)
+    return enc.wire.to(bucket.device), checksum(bucket, out.digest) if out.checksum and bucket.numel() else 0
+
+
 def _as_packed(out: Any, base: Base, auto: bool) -> WirePlan:
     """``copy=False`` against the publisher's kept copy (:class:`KeptBase`): bucket i is packed into
     one of two buffers just before it goes, so it is encoded then, on the sender thread, each
@@ -266,11 +272,7 @@ def _as_packed(out: Any, base: Base, auto: bool) -> WirePlan:
         if i < len(plan.told):
             return  # made and told already (a re-walk of the hooks)
         began = time.monotonic()
-        lo, hi = out.ranges[i]
-        bucket = out.buckets[i]
-        segs = delta.segments(out.manifest, lo, hi)
-        wire[i] = delta.encode(bucket, base.flat[lo:hi], segs, auto=auto).wire.to(bucket.device)
-        out.staged_digests[i] = checksum(bucket, out.digest) if bucket.numel() else 0
+        wire[i], out.staged_digests[i] = _encoded(out, base, i, auto)
         out.encode_seconds += time.monotonic() - began
         plan.told.append(wire[i].numel())
         out.tell_sizes(i, (wire[i].numel(),))

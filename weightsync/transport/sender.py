@@ -593,6 +593,7 @@ class Sender:
             return None  # copy=False that never asked for a delta keeps its two buckets' memory
         device = self._buckets.device
         if self._kept is None or not self._kept.fits(job.manifest, job.assembly, device):
+            self._kept = None  # the old layout's copy goes before the new one is made: never two at once
             self._kept = KeptBase(job.manifest, job.assembly, device)
         return self._kept
 
