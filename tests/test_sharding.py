@@ -198,7 +198,8 @@ async def test_a_sliced_tensor_parallel_generator_receives_only_its_boxes(procs:
 
     gen = torch.Generator().manual_seed(5)
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=dt.timedelta(seconds=60))
-    async with ws.Publisher("tp", timeout=10.0, bucket_bytes=4096) as pub:  # small buckets: runs cross their edges
+    # small buckets: runs cross their edges; full versions: each one's boxes whole (deltas: the next test)
+    async with ws.Publisher("tp", timeout=10.0, bucket_bytes=4096, encoding="full") as pub:
         async with ws.Subscriber("tp", address=pub.address, member_id="whole", timeout=10.0, transport="group") as full:
             ranks = [procs.spawn("tp_generator", rank=r, world=2, store_port=store.port, channel="tp",
                                  address=pub.address, version=5, sliced=True) for r in range(2)]
@@ -222,29 +223,111 @@ async def test_a_sliced_tensor_parallel_generator_receives_only_its_boxes(procs:
 
 
 @pytest.mark.asyncio
-async def test_fsdp2_ranks_to_a_sliced_tensor_parallel_generator(procs: Procs, tmp_path: Path) -> None:
+@pytest.mark.parametrize("copy", [True, False], ids=["snapshot", "copy-false"])
+async def test_sliced_generator_ranks_get_deltas_of_their_own_shares(procs: Procs, copy: bool) -> None:
+    """``encoding="delta"`` to two sliced generator ranks and a whole subscriber in one generation:
+    version 1 goes full (no base); from version 2 on each sliced rank is sent a delta of its own
+    share against its share of the last version (an RL-sized step: one element in 17 moves), told
+    its own wire lengths, and rebuilds it against its own readable slot; the whole subscriber,
+    point to point in that generation, gets full. tp1's delta of version 3 is corrupted on the wire:
+    it refuses it, the version is re-sent in full, and tp1 takes deltas again from version 4. Every version of
+    every share bit-exact; each delta much smaller than the share. ``copy=False``: the shares are
+    encoded as each bucket is packed, against the publisher's kept copy (which serves the re-send:
+    the caller's tensors change right after each release)."""
+    from tests.statedicts import digest
+
+    gen = torch.Generator().manual_seed(11)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=dt.timedelta(seconds=60))
+    sd = {"w0": torch.randn(301, 6, generator=gen), "b": torch.arange(7, dtype=torch.int64),
+          "w1": torch.randn(50, 91, generator=gen).to(torch.bfloat16)}
+    last, sent, reports = 4, {}, {}
+    async with ws.Publisher("tp", timeout=10.0, bucket_bytes=4096, encoding="delta") as pub:
+        async with ws.Subscriber("tp", address=pub.address, member_id="whole", timeout=10.0, transport="group") as full:
+            ranks = [procs.spawn("tp_generator", rank=r, world=2, store_port=store.port, channel="tp",
+                                 address=pub.address, version=1, last=last, sliced=True,
+                                 corrupt=[3] if r == 1 else []) for r in range(2)]
+            await pub.wait_subscribers(3, timeout=60)
+            for version in range(1, last + 1):
+                for t in sd.values():  # every 17th element moves (a few in the int64 tensor)
+                    flat = t.view(-1)
+                    flat[version % 17::17] += 1 if t.dtype == torch.int64 else 0.01
+                sent[version] = {k: t.clone() for k, t in sd.items()}
+                handle = await pub.put(sd, version=version, copy=copy)
+                if not copy:
+                    await handle.released(timeout=30)
+                    for t in sd.values():  # the next step starts at once: what was put is gone
+                        t.view(-1)[0] += 1
+                report = await handle.delivered(timeout=30)
+                if not copy:
+                    for t in sd.values():
+                        t.view(-1)[0] -= 1
+                assert set(report.members) == {"whole", "tp0", "tp1"}
+                reports[version] = report
+                whole = await full.get(min_version=version, timeout=10)
+                assert {k: digest(t) for k, t in whole.items()} == {k: digest(t) for k, t in sent[version].items()}
+            results = [await procs.result(i, 90) for i in ranks]
+    assert reports[1].encodings == {"whole": "full", "tp0": "full", "tp1": "full"}
+    for version in (2, 4):
+        assert reports[version].encodings == {"whole": "full", "tp0": "delta", "tp1": "delta"}, version
+    # tp1's delta did not apply: the version again in full, to the generation (as a broadcast would)
+    assert reports[3].encodings == {"whole": "full", "tp0": "full", "tp1": "full"}
+    for r, result in enumerate(results):
+        assert result["checksum_failures"] == (1 if r == 1 else 0), result
+        for version in range(1, last + 1):
+            sd_v = sent[version]
+            boxes = {"w0": sd_v["w0"].chunk(2, dim=0)[r], "w1": sd_v["w1"].chunk(2, dim=1)[r], "b": sd_v["b"]}
+            assert result["every"][str(version)] == {k: digest(t) for k, t in boxes.items()}, (r, version)
+        share = sum(t.numel() * t.element_size() for t in boxes.values())
+        assert result["per_version"]["1"] == share
+        for version in (2, 4):  # a delta's wire: a small part of the share (what the report counts too)
+            assert result["per_version"][str(version)] < share / 3, (r, version, result["per_version"], share)
+        assert reports[2].wire_bytes < reports[2].nbytes + 2 * share / 3
+    del store
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("encoding", ["full", "delta"])
+async def test_fsdp2_ranks_to_a_sliced_tensor_parallel_generator(procs: Procs, tmp_path: Path, encoding: str) -> None:
     """Two FSDP2 trainer ranks (row shards) to two generator ranks with ``want=`` (a column shard, row
     shards, a replicated tensor; biases and buffers not wanted): each generator rank ends with exactly
-    its boxes, received point to point from both trainer ranks, and less than the whole version."""
-    trainers, address_file, store = _trainers(procs, tmp_path, 2, versions=2, subscribers=2, tp=2,
-                                              bucket_bytes=4096)
+    its boxes, received point to point from both trainer ranks, and less than the whole version.
+    ``delta`` (an RL-sized step): each trainer rank sends each generator rank a delta of its share of
+    that rank's lane, and the generator rank rebuilds every lane's share against its own slot."""
+    versions = 3 if encoding == "delta" else 2
+    extra = {"encoding": "delta", "nudge": True} if encoding == "delta" else {"encoding": "full"}
+    trainers, address_file, store = _trainers(procs, tmp_path, 2, versions=versions, subscribers=2, tp=2,
+                                              bucket_bytes=4096, **extra)
     address = await _address(address_file, procs)
     gen_store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                               timeout=dt.timedelta(seconds=60))
     gens = [procs.spawn("tp_generator", rank=r, world=2, store_port=gen_store.port, channel="sharded",
-                        address=address, version=1, sliced=True, of_fsdp=True) for r in range(2)]
+                        address=address, version=1, last=versions - 1, sliced=True, of_fsdp=True) for r in range(2)]
     results = [await procs.result(i, 150) for i in trainers]
     got = [await procs.result(i, 90) for i in gens]
     assert all(not r["error"] for r in results), [r["error"] for r in results]
     from tests.statedicts import TP_OF_FSDP, tp_box
 
     for r, result in enumerate(got):
-        assert result["version"] == 1
-        assert result["digests"] == results[0]["expected"][f"1/tp{r}"]
+        assert result["version"] == versions - 1
+        for version in range(1, versions):
+            assert result["every"][str(version)] == results[0]["expected"][f"{version}/tp{r}"], version
         boxes = sum(tp_box(torch.empty(shape, dtype=dtype), dim, r, 2).nbytes
                     for shape, dtype, dim in TP_OF_FSDP.values())
-        # both versions (the trainers waited for the generators), each exactly this rank's boxes
-        assert result["received"] == 2 * boxes and boxes < results[0]["full_bytes"], (result["received"], boxes)
+        assert boxes < results[0]["full_bytes"]
+        if encoding == "full":
+            # both versions (the trainers waited for the generators), each exactly this rank's boxes
+            assert result["received"] == 2 * boxes, (result["received"], boxes)
+            continue
+        assert result["per_version"]["0"] == boxes, result["per_version"]  # no base yet: the boxes whole
+        for version in range(1, versions):  # then deltas from both lanes (boxes of a few hundred bytes:
+            # the codec's tables are much of what goes)
+            assert result["per_version"][str(version)] < boxes / 2, (version, result["per_version"], boxes)
+        assert result["checksum_failures"] == 0
+    if encoding == "delta":
+        for t in results:
+            assert t["encodings"]["0"] == {"tp0": "full", "tp1": "full"}, t["encodings"]
+            for version in range(1, versions):
+                assert t["encodings"][str(version)] == {"tp0": "delta", "tp1": "delta"}, (t["rank"], t["encodings"])
     del store, gen_store
 
 

@@ -281,14 +281,28 @@ async def tp_generator(spec: dict) -> dict:
         dest[name] = DTensor.from_local(local, mesh, [placement], shape=torch.Size(shape), stride=full.stride(),
                                         run_check=False)
     sliced = spec.get("sliced", False)
-    async with ws.Subscriber(spec["channel"], address=spec["address"], member_id=f"tp{rank}", timeout=10.0,
-                             want=dest if sliced else None) as sub:
-        version = await sub.get_into(dest, min_version=spec["version"], timeout=60)
+    sub = ws.Subscriber(spec["channel"], address=spec["address"], member_id=f"tp{rank}", timeout=10.0,
+                        want=dest if sliced else None)
+    if spec.get("corrupt"):  # flip a byte of these versions' first wire bucket, once each
+        from weightsync.testing import Faults, inject
+
+        inject(sub, Faults(corrupt=set(spec["corrupt"])))
+    every: dict[str, dict[str, int]] = {}  # ``last``: each version's local shards, got in turn
+    async with sub:
+        for wanted in range(spec["version"], spec.get("last", spec["version"]) + 1):
+            version = await sub.get_into(dest, min_version=wanted, timeout=60)
+            every[str(version)] = {k: digest(v.to_local()) for k, v in dest.items()}
         got = await sub.get(min_version=version, timeout=10)
+        checksum_failures = sub.statistics().checksum_failures
     dist.destroy_process_group()
-    received = sum(e.nbytes for e in process_recorder().snapshot() if e.op == "bucket_recv" and e.state == "completed")
+    done = [e for e in process_recorder().snapshot() if e.op == "bucket_recv" and e.state == "completed"]
+    received = sum(e.nbytes for e in done)
+    per_version: dict[str, int] = {}
+    for e in done:
+        per_version[str(e.version)] = per_version.get(str(e.version), 0) + e.nbytes
     return {"version": version, "digests": {k: digest(v.to_local()) for k, v in dest.items()},
-            "received": received, "got": {k: [list(t.shape), digest(t)] for k, t in got.items()}}
+            "received": received, "got": {k: [list(t.shape), digest(t)] for k, t in got.items()},
+            "every": every, "per_version": per_version, "checksum_failures": checksum_failures}
 
 
 async def sharded_no_copy(spec: dict) -> dict:

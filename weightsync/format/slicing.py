@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import bisect
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from weightsync import _wire
-from weightsync.format import layout
+from weightsync.format import delta, layout
 from weightsync.format.sharding import blocks_of, global_manifest, is_dtensor
 
 Run = tuple[int, int, int]  # (offset in the bucket, offset in the member's slot, bytes)
@@ -140,6 +140,43 @@ def cached_routes(source: _wire.Manifest, pieces: tuple[_wire.Piece, ...] | None
     return routes(source, pieces, full, wants, ranges)
 
 
+def share_segments(mine: _wire.Manifest, runs: Sequence[Run]) -> tuple[delta.Segment, ...]:
+    """A sliced member's share of one bucket (its ``runs`` back to back, as :func:`gather` makes
+    it) cut into the delta codec's segments: where the member's slot layout ``mine`` cuts it, each
+    compared in its tensor's element size (single bytes where a piece does not lie on whole
+    elements of the share), neighbours of one size merged. Both ends compute the same."""
+    out: list[delta.Segment] = []
+    at = 0
+    for _src, dst, n in runs:
+        for seg in delta.segments.__wrapped__(mine, dst, dst + n):
+            lo, hi, size = at + seg.lo, at + seg.hi, seg.size
+            if lo % size or (hi - lo) % size:
+                size = 1
+            if out and out[-1].size == size and out[-1].hi == lo:
+                out[-1] = delta.Segment(out[-1].lo, hi, size)
+            else:
+                out.append(delta.Segment(lo, hi, size))
+        at += n
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=64)
+def cached_share_segments(source: _wire.Manifest, pieces: tuple[_wire.Piece, ...] | None, full: _wire.Manifest,
+                          wants: tuple[_wire.Want, ...],
+                          ranges: tuple[tuple[int, int], ...]) -> tuple[tuple[delta.Segment, ...], ...]:
+    """Per bucket, :func:`share_segments` of a sliced member's routes (once per layout)."""
+    mine = sliced_manifest(full, wants)
+    return tuple(share_segments(mine, runs) for runs in cached_routes(source, pieces, full, wants, ranges))
+
+
+def gather_held(slot: torch.Tensor, runs: Sequence[Run]) -> torch.Tensor:
+    """What a sliced member held of a bucket's share: its ``runs``' slot bytes back to back (the
+    base a delta of that share is rebuilt against), a new tensor."""
+    if not runs:
+        return slot[:0].clone()
+    return torch.cat([slot[dst : dst + n] for _src, dst, n in runs])
+
+
 def _extend(runs: list[Run], run: Run) -> None:
     """Append ``run``, merged into the last one when both sides continue it."""
     if runs:
@@ -177,6 +214,8 @@ class SlicePlacer:
     def __init__(self, slot: torch.Tensor, plan: Sequence[Sequence[Run]]) -> None:
         self._slot, self._plan = slot, plan
         self.targets: list[torch.Tensor] = []
+        #: a delta version: per bucket, the share's segments (:func:`cached_share_segments`)
+        self.segments: Sequence[tuple[delta.Segment, ...]] = ()
         total = slot.numel()
         for runs in plan:
             for _src, dst, n in runs:
@@ -195,6 +234,10 @@ class SlicePlacer:
             else:
                 self.targets.append(slot[:0])
 
+    def held(self, i: int, readable: torch.Tensor) -> torch.Tensor:
+        """Bucket ``i``'s share as the readable slot ``readable`` holds it (a delta's base)."""
+        return gather_held(readable, self._plan[i])
+
     def place(self, i: int) -> None:
         """Bucket ``i``'s share arrived: scatter it into the slot (nothing to do for a view)."""
         runs = self._plan[i]
@@ -212,32 +255,53 @@ class Fanout:
 
     ``plans``: per sliced member, its routes (None: its boxes do not fit, it is sent nothing);
     ``buffers``: two gather buffers per sliced member (:class:`GatherBuffers`), used in turns,
-    so bucket i+2 is gathered only once bucket i completed (the data plane keeps two in flight).
+    so bucket i+2 is gathered only once bucket i completed (the data plane keeps two in flight);
+    ``coders``: per sliced member sent deltas, ``code(i, share)``: the wire form of its share of
+    bucket i (the digests stay the share's: what the member rebuilds). Those shares are gathered
+    and encoded by :meth:`encode`, which runs as bucket i is packed (before a ``copy=False``
+    publisher's kept copy takes the bucket in place of its base bytes).
     """
 
     def __init__(self, group: Sequence[str], plans: Mapping[str, list[list[Run]] | None],
-                 buffers: Mapping[str, list[torch.Tensor]], digest: Any) -> None:
+                 buffers: Mapping[str, list[torch.Tensor]], digest: Any,
+                 coders: Mapping[str, Callable[[int, torch.Tensor], torch.Tensor]] | None = None) -> None:
         self._group, self._plans, self._buffers, self._digest = group, plans, buffers, digest
+        self._coders = coders or {}
         self._sent: dict[int, list[tuple[str, torch.Tensor]]] = {}
+        self._coded: dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}  # bucket -> (share, wire)
         self.digests: dict[str, list[int]] = {m: [] for m in plans}  # per sliced member, per bucket
+        self.wire: dict[str, int] = dict.fromkeys(plans, 0)  # per sliced member, the bytes sent it
+
+    def _share(self, member: str, i: int, bucket: torch.Tensor) -> torch.Tensor:
+        plan = self._plans[member]
+        turns = self._buffers.get(member)
+        return gather(bucket, plan[i] if plan is not None else (), out=turns[i % 2] if turns is not None else None)
+
+    def encode(self, i: int, bucket: torch.Tensor) -> None:
+        """Bucket ``i`` is packed: gather and encode the shares of the members sent deltas."""
+        if not self._coders or i in self._coded:
+            return
+        self._coded[i] = {m: (share, code(i, share)) for m, code in self._coders.items()
+                          for share in (self._share(m, i, bucket),)}
 
     def sends(self, i: int, bucket: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
-        """Bucket ``i``'s ``(rank, bytes)`` pairs: the whole bucket to full members, its runs to sliced ones."""
+        """Bucket ``i``'s ``(rank, bytes)`` pairs: the whole bucket to full members, its runs (or
+        their delta) to sliced ones."""
         pairs, sliced = [], []
+        coded = self._coded.get(i, {})
         for rank, member in enumerate(self._group, start=1):
             piece = bucket
             if member in self._plans:
-                plan = self._plans[member]
-                turns = self._buffers.get(member)
-                piece = gather(bucket, plan[i] if plan is not None else (),
-                               out=turns[i % 2] if turns is not None else None)
-                sliced.append((member, piece))
+                share, piece = coded[member] if member in coded else (self._share(member, i, bucket),) * 2
+                sliced.append((member, share))
+                self.wire[member] += piece.numel()
             pairs.append((rank, piece))
         self._sent[i] = sliced
         return pairs
 
     def done(self, i: int, verify: bool) -> None:
         """Bucket ``i`` completed: digest what each sliced member got (0 where nothing), let it go."""
+        self._coded.pop(i, None)
         for member, piece in self._sent.pop(i, []):
             if verify:
                 self.digests[member].append(self._digest(piece) if piece.numel() else 0)

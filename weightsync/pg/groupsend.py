@@ -4,13 +4,15 @@ and how a member builds its :class:`~weightsync.pg.group.GroupPlane`.
 Broadcast members and point-to-point members (sliced receive) are one part, not two: they share
 the generation's one communicator, and while a sliced member is in a generation every member of
 it is sent its bytes point to point (docs/sharding.md says why not a broadcast then), so which
-of the two a version takes is decided per version by who is in it, not per member.
+of the two a version takes is decided per version by who is in it, not per member. Point to
+point, each sliced member's encoding is its own (a delta of its share where it holds its share
+of the base: ``planes.delta.share_coder``), named in an Announce of its own.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -20,6 +22,9 @@ from weightsync.format import slicing
 from weightsync.format.checksum import checksum
 from weightsync.pg.group import GroupPlane
 from weightsync.planes.dataplane import MemberContext, Outgoing, PlaneSpec, PublisherContext, Transfer
+from weightsync.planes.encoding import AUTO, DELTA
+
+BUILT_IN_DELTAS = (DELTA, AUTO)  # the encodings a sliced member's share can take (planes.delta)
 
 
 class GroupSend:
@@ -54,14 +59,34 @@ class GroupSend:
             self._wire, self._form = wire.wire, (wire.encoding, wire.base)
             return {"direct": False, "encoding": wire.encoding, "wire": wire.sizes, "wire_later": wire.later,
                     "base": wire.base, "base_digest": wire.base_digest}
-        # point to point: each member is sent its gathered share of the staged bytes ("full")
+        # point to point: each member is sent its gathered share of the staged bytes ("full"), a
+        # sliced member that holds its share of the base a delta of it (planes.delta.share_coder)
         self._wire, self._form = out.buckets, ("full", -1)
         device = out.buckets[0].device if out.buckets else self._ctx.buckets.device
+        coders, each = {}, {}
+        if out.encoding in BUILT_IN_DELTAS:
+            from weightsync.planes import delta
+
+            for member, plan in plans.items():
+                made = None if plan is None else delta.share_coder(out, member, plan, self._segments(member, out))
+                if made is not None:
+                    coders[member], each[member] = made
         fanout = slicing.Fanout(members, plans, self._gathers.for_plans(plans, device),
-                                 functools.partial(checksum, kind=out.digest))
+                                functools.partial(checksum, kind=out.digest), coders)
         self._fanout = fanout
+        if coders:
+            assert out.base is not None
+            self._form = ("delta", out.base.version)
+
+            def outer(inner: Callable[[int], None]) -> Callable[[int], None]:
+                def packed_then_encoded(i: int) -> None:
+                    inner(i)
+                    fanout.encode(i, out.buckets[i])
+                return packed_then_encoded
+
+            out.wrap(outer)
         out.afters.append(lambda i: fanout.done(i, out.checksum))
-        return {"direct": True}
+        return {"direct": True, "each": each} if each else {"direct": True}
 
     def move(self, out: Outgoing, members: tuple[str, ...]) -> None:
         transfer = Transfer(out.version, self._wire, out.deadline, before=out.before, after=out.after,
@@ -77,6 +102,15 @@ class GroupSend:
 
     def digests(self) -> Mapping[str, Sequence[int]]:
         return {} if self._fanout is None else self._fanout.digests
+
+    def wire_of(self) -> Mapping[str, int]:
+        """Per member sent its share point to point: the bytes that put on the wire for it."""
+        return {} if self._fanout is None else self._fanout.wire
+
+    def _segments(self, member: str, out: Outgoing) -> tuple[tuple[Any, ...], ...]:
+        full = out.manifest if out.assembly is None else out.assembly.manifest
+        return slicing.cached_share_segments(out.manifest, None if out.assembly is None else out.assembly.pieces,
+                                             full, self.wants[member], tuple(out.ranges))
 
     def close(self) -> None:
         """The plane is closed by Generations, which formed its groups."""

@@ -164,12 +164,14 @@ class Outgoing:
     receivers: tuple[str, ...] = ()
     full_reason: str = ""
     encode_seconds: float = 0.0
+    share_sample: str | None = None  # ``"auto"`` to sliced members: the version's sampled verdict, once taken
     #: the staged buckets' digests, when the encoder took them while it read the buckets (the Sender's
     #: after-bucket checksum then reads them instead of the buckets again)
     staged_digests: list[int] | None = None
     #: tells the members of an encoded version wire buckets ``first``, ``first + 1``...'s lengths
-    #: (a plan made ``later``: each before its bucket moves); set by the Sender
-    tell_sizes: Callable[[int, tuple[int, ...]], None] = lambda _first, _sizes: None
+    #: (a plan made ``later``: each before its bucket moves), ``tell_sizes(first, sizes, to=None)``:
+    #: to ``to`` alone where given (a sliced member's delta), else to ``receivers``; set by the Sender
+    tell_sizes: Callable[..., None] = lambda _first, _sizes, _to=None: None
     _wire: WirePlan | None = None
 
     def wrap(self, outer: Callable[[Callable[[int], None]], Callable[[int], None]]) -> None:
@@ -224,7 +226,9 @@ class SendPart(Protocol):
     drives: bool  # its ``move`` issues the buckets (runs the hooks); else it rides along
     plane: Any  # the part ``in_group``: the group plane Generations forms generations through; else None
     # optional ``reads_in_place`` (read with getattr, default False): its members read a whole
-    # snapshot where staging keeps it, so staging parks the buffer of a version they still read
+    # snapshot where staging keeps it, so staging parks the buffer of a version they still read;
+    # optional ``wire_of()``: per member it sent bytes of its own (a sliced member's share), how many.
+    # ``prepare``'s fields may hold ``"each"``: per member, Announce fields of its own (its encoding)
 
     def admit(self, member: str, want: Any) -> None: ...
 

@@ -24,7 +24,10 @@ Where the version goes ``"full"`` instead (the plan's ``encoding``), with no del
 
 A sharded rank's lane goes as a delta against that rank's own retained part (each rank encodes
 its own shards); a member rebuilds it against the same part of its readable version, gathered
-from the whole slot where the lane's bytes lie (``sharding.Placer.gather``).
+from the whole slot where the lane's bytes lie (``sharding.Placer.gather``). A sliced member
+(sent its share point to point) is decided alone: one that holds its share of the base (named
+by its own digests) is sent a delta of its share of each bucket against the same runs of the
+base (:func:`share_coder`), rebuilt against its own slot (``slicing.SlicePlacer.held``).
 
 A member that cannot decode (no such base, a corrupted or forged delta) still takes part in the
 whole transfer, then refuses the version as corrupt; the publisher re-sends it ``"full"`` in the
@@ -43,7 +46,7 @@ from typing import Any
 import torch
 
 from weightsync._errors import ChecksumMismatch, ProtocolError
-from weightsync.format import delta, layout, sharding
+from weightsync.format import delta, layout, sharding, slicing
 from weightsync.format.checksum import checksum
 from weightsync.planes.encoding import AUTO, DELTA, FULL, Base, EncodingSpec, WirePlan, base_digest
 
@@ -150,12 +153,15 @@ class KeptBase:
     def fits(self, manifest: Any, assembly: Any, device: torch.device) -> bool:
         return self.manifest == manifest and self.assembly == assembly and self.flat.device == device
 
-    def base(self, holds: dict[str, int]) -> Base | None:
-        """The base a next version may go as a delta against, with the members that hold it."""
+    def base(self, holds: dict[str, int], shares: dict[str, bytes]) -> Base | None:
+        """The base a next version may go as a delta against, with the members that hold it (and
+        their shares of it: sliced members)."""
         if self.version < 0 or not self.digests:
             return None
         return Base(self.version, self.flat, self.manifest, base_digest(self.version, self.digests),
-                    frozenset(m for m, v in holds.items() if v == self.version), assembly=self.assembly)
+                    frozenset(m for m, v in holds.items() if v == self.version and m not in shares),
+                    assembly=self.assembly,
+                    shares={m: d for m, d in shares.items() if holds.get(m) == self.version})
 
     def refill(self, out: Any, version: int) -> None:
         """Copy each bucket of ``out`` (an attempt at ``version`` packed from the caller's tensors)
@@ -193,16 +199,13 @@ class DeltaEncoder:
         if out.snapshot is None:
             return _as_packed(out, base, self.auto)
         total = out.manifest.total_bytes
-        if out.progress is not None:  # a pipelined snapshot: the whole version is compared before it goes
-            out.progress.wait(total, out.deadline(total))
-        began = time.monotonic()
         if self.auto:  # from samples first: a version that changed through and through is not compared whole
-            guess = sum(delta.estimate(out.buckets[i], base.flat[lo:hi], delta.segments(out.manifest, lo, hi))
-                        for i, (lo, hi) in enumerate(out.ranges))
-            if guess > WORTH * total:
-                out.encode_seconds = time.monotonic() - began
-                out.full_reason = f"sampled, the delta would be about {guess / max(total, 1):.0%} of the version"
+            out.full_reason = sampled_full(out, base)  # (the whole version, a pipelined snapshot waited for)
+            if out.full_reason:
                 return WirePlan(out.buckets, encoding=FULL)
+        elif out.progress is not None:  # a pipelined snapshot: the whole version is compared before it goes
+            out.progress.wait(total, out.deadline(total))
+        began = time.monotonic() - out.encode_seconds  # the sample's time counts
 
         made = [began]  # when the last bucket was made (the encode time: not the wire's pace)
 
@@ -248,6 +251,21 @@ class DeltaEncoder:
 _NOTHING = torch.empty(0, dtype=torch.uint8)  # a wire bucket not made yet
 
 
+def sampled_full(out: Any, base: Base) -> str:
+    """``"auto"`` with a snapshot: why the version goes full by a sample of what changed ("" when a
+    delta would take at most ``WORTH`` of it); the whole version is compared first (a pipelined
+    snapshot is waited for). Its time counts as encode time."""
+    total = out.manifest.total_bytes
+    if out.progress is not None:
+        out.progress.wait(total, out.deadline(total))
+    began = time.monotonic()
+    guess = sum(delta.estimate(out.buckets[i], base.flat[lo:hi], delta.segments(out.manifest, lo, hi))
+                for i, (lo, hi) in enumerate(out.ranges))
+    out.encode_seconds += time.monotonic() - began
+    return f"sampled, the delta would be about {guess / max(total, 1):.0%} of the version" \
+        if guess > WORTH * total else ""
+
+
 def _encoded(out: Any, base: Base, i: int, auto: bool) -> tuple[torch.Tensor, int]:
     """Staged bucket ``i`` of ``out`` as a delta against ``base`` (on the bucket's device), and the
     staged bucket's digest (0 with checksums off or an empty bucket)."""
@@ -281,9 +299,46 @@ def _as_packed(out: Any, base: Base, auto: bool) -> WirePlan:
     return plan
 
 
+def share_coder(out: Any, member: str, plan: Sequence[Sequence[Any]], segments: Sequence[Sequence[delta.Segment]]
+                ) -> tuple[Callable[[int, torch.Tensor], torch.Tensor], dict[str, Any]] | None:
+    """A sliced member's deltas: ``code(i, share)``, its share of bucket i (``plan``: its routes)
+    encoded against its share of the base, each segment as :func:`weightsync.format.delta.encode`
+    chooses (``"auto"``: dense ones as they are), its length told to it alone; and the Announce
+    fields it gets. None where it goes full: it does not hold its share of the base, or the version
+    goes full for everyone (:func:`why_full`; ``"auto"`` with a snapshot: a sample of the whole
+    version says a delta would not halve it, :func:`sampled_full`, taken once per version)."""
+    base: Base | None = out.base
+    if why_full(out, base, ()) or (out.encoding == AUTO and out.prefer_full):
+        return None
+    assert base is not None
+    digest = base.shares.get(member)
+    if digest is None:
+        return None
+    auto = out.encoding == AUTO
+    if auto and out.snapshot is not None:  # sampled once per version, over the whole of it (as a broadcast)
+        if out.share_sample is None:
+            out.share_sample = sampled_full(out, base)
+        if out.share_sample:
+            return None
+
+    def code(i: int, share: torch.Tensor) -> torch.Tensor:
+        began = time.monotonic()
+        lo, hi = out.ranges[i]
+        held = slicing.gather(base.flat[lo:hi], plan[i])
+        wire = delta.encode(share, held, segments[i], auto=auto).wire.to(share.device)
+        out.encode_seconds += time.monotonic() - began
+        out.tell_sizes(i, (wire.numel(),), (member,))
+        return wire
+
+    return code, {"encoding": DELTA, "base": base.version, "base_digest": digest, "wire_later": True, "wire": ()}
+
+
 class DeltaDecoder:
     def plan(self, announce: Any, buckets: Sequence[torch.Tensor], base: Base | None = None,
-             sizes: Callable[[int], int] | None = None) -> WirePlan:
+             sizes: Callable[[int], int] | None = None,
+             segments: Callable[[int], Sequence[Any]] | None = None) -> WirePlan:
+        """``segments``: a sliced member's, bucket i's share cut into its segments (``buckets`` are
+        its shares); None: each bucket of the manifest's layout."""
         manifest = announce.manifest
         ranges = (layout.bucket_ranges(manifest.total_bytes, announce.bucket_bytes) if announce.assembly is None
                   else sharding.bucket_plan(manifest, announce.bucket_bytes))
@@ -301,9 +356,12 @@ class DeltaDecoder:
         wire: list[torch.Tensor] = [_NOTHING] * len(buckets)
         problems: list[str] = []
 
-        def size(i: int) -> None:  # bucket i's told length, bounded by what a delta of it can take
+        def segs(i: int) -> Sequence[delta.Segment]:
             lo, hi = ranges[i]
-            told, most = sizes(i), delta.longest(delta.segments(manifest, lo, hi))
+            return delta.segments(manifest, lo, hi) if segments is None else segments(i)
+
+        def size(i: int) -> None:  # bucket i's told length, bounded by what a delta of it can take
+            told, most = sizes(i), delta.longest(segs(i))
             if not 0 <= told <= most:  # the publisher's word, on our own connection: not a relay's
                 raise ProtocolError(f"version {announce.version}: wire bucket {i} told as {told} bytes, "
                                     f"a delta of it takes at most {most}")
@@ -316,7 +374,7 @@ class DeltaDecoder:
             lo, hi = ranges[i]
             try:
                 held = base.flat[lo:hi] if base.part is None else base.part(i)
-                delta.decode(wire[i], held, buckets[i], delta.segments(manifest, lo, hi))
+                delta.decode(wire[i], held, buckets[i], segs(i))
             except delta.DeltaError as err:
                 problems.append(f"bucket {i}: {err}")
             wire[i] = _NOTHING  # decoded: its bytes are not held to the end of the version

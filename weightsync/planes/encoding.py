@@ -9,7 +9,9 @@ base, a corrupted wire, a bug in either end), never only the wire's bytes.
 
 Publisher side, per version and per part that carries the encoding (the group's broadcast; the
 same-host segment holds the staged bytes and its members read them as they are, and members sent
-point to point are sent gathered staged bytes), the Sender asks ``encoder(name).plan(out)``:
+point to point are sent gathered staged bytes, or, with the built-in deltas, a sliced member a
+delta of its share: :func:`weightsync.planes.delta.share_coder`), the Sender asks
+``encoder(name).plan(out)``:
 
 - ``wire``: the tensors the plane moves, one per bucket (the staged buckets for ``"full"``);
 - ``sizes``: each wire bucket's length, told in the Announce before any byte moves (empty when
@@ -23,7 +25,9 @@ point to point are sent gathered staged bytes), the Sender asks ``encoder(name).
 
 Member side, ``decoder(name).plan(announce, buckets, base)``, where ``buckets`` are the slot's
 (where the decoded bytes belong), and for an Announce with ``wire_later`` a fourth argument,
-``sizes``: ``sizes(i)`` waits for wire bucket i's told length. It returns
+``sizes``: ``sizes(i)`` waits for wire bucket i's told length; a sliced member (only the
+built-in deltas go to one) also passes ``segments``: ``segments(i)``, its share of bucket i cut
+into the delta codec's segments. It returns
 ``wire`` (what the plane receives into; the slot's buckets for ``"full"``), ``before(i)``: sizes
 wire bucket i before it is received (``later``), and ``decode(i)``: runs once wire bucket i is
 in, before the member's digest of bucket i.
@@ -39,7 +43,7 @@ encodings (:func:`register_encoding`) must be registered on both ends.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -92,6 +96,9 @@ class Base:
     #: member, a sharded lane: wire bucket i's base bytes, gathered from ``flat`` (the whole
     #: readable version); None: ``flat[lo:hi]``
     part: Callable[[int], torch.Tensor] | None = None
+    #: publisher: per sliced member known to hold its share of this version, that share's digest
+    #: (over its per-bucket checksums, as the member names it)
+    shares: Mapping[str, bytes] = field(default_factory=dict)
 
 
 def base_digest(version: int, checksums: Sequence[int]) -> bytes:
@@ -110,7 +117,8 @@ class Encoder(Protocol):
 
 class Decoder(Protocol):
     def plan(self, announce: Any, buckets: Sequence[torch.Tensor], base: Base | None = None,
-             sizes: Callable[[int], int] | None = None) -> WirePlan: ...
+             sizes: Callable[[int], int] | None = None,
+             segments: Callable[[int], Sequence[Any]] | None = None) -> WirePlan: ...
 
 
 @dataclass(frozen=True)
@@ -131,7 +139,8 @@ class _FullDecoder:
     """...straight into the member's slot."""
 
     def plan(self, announce: Any, buckets: Sequence[torch.Tensor], base: Base | None = None,
-             sizes: Callable[[int], int] | None = None) -> WirePlan:
+             sizes: Callable[[int], int] | None = None,
+             segments: Callable[[int], Sequence[Any]] | None = None) -> WirePlan:
         return WirePlan(buckets)
 
 

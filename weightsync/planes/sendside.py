@@ -90,6 +90,16 @@ class SendSide:
             own.update(part.digests())
         return own
 
+    @staticmethod
+    def wire_of(by: Mapping[SendPart, tuple[str, ...]]) -> dict[str, int]:
+        """Per member a part sent bytes of its own (a sliced member's share, or its delta): how many."""
+        sent: dict[str, int] = {}
+        for part in by:
+            wire_of = getattr(part, "wire_of", None)
+            if wire_of is not None:
+                sent.update(wire_of())
+        return sent
+
     def close(self) -> None:
         for part in self.parts.values():
             part.close()

@@ -92,6 +92,16 @@ log = logging.getLogger("weightsync.subscriber")
 _ENGINE_RIDS = itertools.count(1)  # negative rids: apart from the rendezvous calls' on the same connection
 
 
+class _Held(NamedTuple):
+    """What this member (a lane: this lane's part of it) verified of a version a delta may be against."""
+
+    version: int
+    digest: bytes  # planes.encoding.base_digest over its buckets' digests
+    manifest: Any = None  # a lane or a sliced member: the manifest it came under (a lane's own),
+    assembly: Any = None  # ...and a lane's Assembly
+    sliced: bool = False  # a sliced member's share: its bytes lie in its own slot layout
+
+
 class _Staged(NamedTuple):
     """A verified version in the receiving slot, with what exposing it records."""
 
@@ -100,16 +110,7 @@ class _Staged(NamedTuple):
     version: int
     nbytes: int
     began: float  # monotonic: when its receive started
-    digest: bytes | None  # its base digest (what a delta against it names); None: not a base
-
-
-class _Held(NamedTuple):
-    """What this member (a lane: this lane's part of it) verified of a version a delta may be against."""
-
-    version: int
-    digest: bytes  # planes.encoding.base_digest over its buckets' digests
-    manifest: Any = None  # a lane: its own manifest, and the Assembly it came under
-    assembly: Any = None
+    held: _Held | None  # what a delta against it names; None: not a base
 
 
 class ReceiverState(enum.Enum):
@@ -459,9 +460,13 @@ class Receiver:
             try:  # the wire form the plane receives; decoded into the slot's buckets before each digest
                 decoder = encoding.decoder(announce.encoding)
                 told = self._told_sizes(announce, ranges)  # only a decoder of such versions is asked with it
-                lane_base = self._base(placer if isinstance(placer, sharding.Placer) else None)
-                wire = (decoder.plan(announce, buckets, lane_base) if told is None
-                        else decoder.plan(announce, buckets, lane_base, told))
+                held_base = self._base(placer)
+                if isinstance(placer, slicing.SlicePlacer) and placer.segments:
+                    # a sliced member's share is cut into its own segments (only built-in deltas go to one)
+                    wire = decoder.plan(announce, buckets, held_base, told, segments=placer.segments.__getitem__)
+                else:
+                    wire = (decoder.plan(announce, buckets, held_base) if told is None
+                            else decoder.plan(announce, buckets, held_base, told))
             except KeyError:
                 raise ProtocolError(f"version {announce.version} is in encoding {announce.encoding[:32]!r}, "
                                     "which this member does not have") from None
@@ -511,8 +516,8 @@ class Receiver:
                 sealing = time.monotonic() - moving - in_move
             if assembly is not None:
                 # this lane's part, verified: a base for the next one once the whole version is readable
-                self._held = (_Held(announce.version, encoding.base_digest(announce.version, sums), manifest, assembly)
-                              if verify else None)
+                self._held = (_Held(announce.version, encoding.base_digest(announce.version, sums), manifest, assembly,
+                                    sliced=self.want is not None) if verify else None)
                 if self._slots.part_done(self.lane, assembly.world, announce.version, epoch):
                     self._rec.record("publish", generation=announce.generation, version=announce.version,
                                      nbytes=assembly.manifest.total_bytes).complete()
@@ -520,8 +525,10 @@ class Receiver:
                     self._on_publish()
             elif self._slots.version is None or announce.version > self._slots.version:
                 # what a delta against this version must name: only a whole slot, proven by its digests
-                staged = _Staged(announce.generation, announce.seq, announce.version, manifest.total_bytes, t0,
-                                 encoding.base_digest(announce.version, sums) if verify and self.want is None else None)
+                held = (_Held(announce.version, encoding.base_digest(announce.version, sums),
+                              manifest if self.want is not None else None, sliced=self.want is not None)
+                        if verify else None)
+                staged = _Staged(announce.generation, announce.seq, announce.version, manifest.total_bytes, t0, held)
                 if self.deadlines.settings.activation == "all":
                     self._staged = staged  # readable only on the publisher's Commit
                     self._rec.record("stage", generation=announce.generation, version=announce.version,
@@ -560,7 +567,7 @@ class Receiver:
     def _expose(self, staged: _Staged) -> None:
         """The verified version in the receiving slot becomes readable, atomically."""
         self._slots.publish(staged.version)
-        self._held = None if staged.digest is None else _Held(staged.version, staged.digest)
+        self._held = staged.held
         self._rec.record("publish", generation=staged.generation, version=staged.version,
                          nbytes=staged.nbytes).complete()
         log.debug("%s: version %d readable (%d bytes)", self.member_id, staged.version, staged.nbytes)
@@ -586,16 +593,25 @@ class Receiver:
         except ControlFailure:
             pass
 
-    def _base(self, placer: sharding.Placer | None = None) -> encoding.Base | None:
+    def _base(self, placer: sharding.Placer | slicing.SlicePlacer | None = None) -> encoding.Base | None:
         """The readable slot as a delta's base, when this member holds a whole version it verified
         (a lane, ``placer``: when it verified its own part of the readable version; its bytes are
-        gathered from where they lie in the slot). Only a receiver swaps the slots, and a lane's
-        only once every lane is done with the next version, so the base stays put while a delta
-        is decoded against it."""
+        gathered from where they lie in the slot; a sliced member: its share of each bucket,
+        gathered from its own slot). Only a receiver swaps the slots, and a lane's only once every
+        lane is done with the next version, so the base stays put while a delta is decoded
+        against it."""
         slot, held = self._slots.readable, self._held
         if held is None or slot.version != held.version or slot.flat is None or slot.manifest is None:
             return None
         whole = slot.flat[: slot.manifest.total_bytes]
+        if isinstance(placer, slicing.SlicePlacer):
+            if not held.sliced:
+                return None
+            share = placer
+            return encoding.Base(slot.version, whole, held.manifest, held.digest, assembly=held.assembly,
+                                 part=lambda i: share.held(i, whole))
+        if held.sliced:
+            return None
         if held.assembly is None:
             return None if placer is not None else encoding.Base(slot.version, whole, slot.manifest, held.digest)
         if placer is None or slot.manifest != held.assembly.manifest:
@@ -625,6 +641,9 @@ class Receiver:
             slot, epoch = self._slots.prepare_part(self.lane, mine, self.deadlines.readers())
         try:
             placer = slicing.SlicePlacer(slot, plan)
+            if announce.encoding in (encoding.DELTA, encoding.AUTO):
+                placer.segments = slicing.cached_share_segments(announce.manifest, None if assembly is None
+                                                                else assembly.pieces, full, self.want, tuple(ranges))
         except ValueError as err:
             raise ProtocolError(f"version {announce.version}: {err}") from err
         return placer, placer.targets, epoch

@@ -33,7 +33,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -190,6 +190,7 @@ class Sender:
         # member -> the version it acknowledged whole last (a delta goes only to members holding its
         # base); forgotten when a member joins again, and when a delta it was sent did not apply
         self._holds: dict[str, int] = {}
+        self._shares: dict[str, bytes] = {}  # a sliced member in _holds: the digest of its share of that version
         # same-host members reading snapshots in place: the versions each may read now (the one it
         # acknowledged last, and one it was sent but did not acknowledge); staging parks their buffers
         self._in_place: dict[str, frozenset[int]] = {}
@@ -296,6 +297,7 @@ class Sender:
             self.side.retain(self.membership.is_member_or_joining)
             self.side.admit(event.member_id, event.transport, event.want)
             self._holds.pop(event.member_id, None)  # a newcomer, a replacement, a rejoin: no base known
+            self._shares.pop(event.member_id, None)
             self._in_place.pop(event.member_id, None)
             self._gens.register(event.member_id, event.incarnation, host=event.host, pid=event.pid,
                                 transport=event.transport)
@@ -395,6 +397,7 @@ class Sender:
                 # generation, costing nobody a strike; they hold no base until they acknowledge it
                 for member in failed:
                     self._holds.pop(member, None)
+                    self._shares.pop(member, None)
                 if not self._resendable(job):
                     break
                 full, attempts = True, attempts + 1
@@ -476,7 +479,7 @@ class Sender:
                        digest=self.digest, keeps_base=kept is not None)
         by = side.split(members)
         # an encoder that sizes its wire buckets as it makes them tells the members each one's length
-        out.tell_sizes = lambda first, sizes: gens.tell(out.receivers, _wire.WireSizes(
+        out.tell_sizes = lambda first, sizes, to=None: gens.tell(out.receivers if to is None else to, _wire.WireSizes(
             generation=gen, seq=seq, version=job.version, first=first, sizes=sizes))
         try:
             fields = side.prepare(out, by)
@@ -487,7 +490,8 @@ class Sender:
         if out.full_reason:
             log.debug("channel %r: version %d goes full, not %r: %s", self.channel, job.version, out.encoding,
                       out.full_reason)
-        self._sent_delta = any(f.get("encoding", "full") != "full" for f in fields.values())
+        self._sent_delta = any(f.get("encoding", "full") != "full" for part in fields.values()
+                               for f in (part, *part.get("each", {}).values()))
         if kept is not None and members and job.spill is not kept.flat:
             kept.refill(out, job.version)  # each bucket into the kept copy once packed and encoded
         # digests only where a part's members check them (a sealed same-host snapshot is not checked)
@@ -509,7 +513,13 @@ class Sender:
         sums: list[int] = []  # the staged buckets' digests (the Seal's, and what names this version as a base)
         try:
             for part, to in by.items():
-                gens.tell(to, msgspec.structs.replace(announce, **fields[part]) if fields[part] else announce)
+                own = dict(fields[part])
+                each = own.pop("each", {})  # members with fields of their own (a sliced member's delta)
+                rest = tuple(m for m in to if m not in each)
+                if rest:
+                    gens.tell(rest, msgspec.structs.replace(announce, **own) if own else announce)
+                for member, extra in each.items():
+                    gens.tell((member,), msgspec.structs.replace(announce, **own, **extra))
             entry.complete()
             if members:
                 # each bucket's digest is taken once it is on the wire, while the next one transfers;
@@ -538,7 +548,7 @@ class Sender:
             job.encode_seconds += out.encode_seconds
         self._note_in_place(job, members, acked, gens.last_still_read,
                             staged=self.settings.activation == "all")
-        forms = self._forms(job, by, fields, out.wire_bytes())
+        forms = self._forms(job, by, fields, out.wire_bytes(), side.wire_of(by))
         job.members_done |= acked
         if verify and job.flat is not None and len(sums) == len(ranges):
             job.digests = tuple(sums)  # what names this version (a lane: this rank's part) as the next one's base
@@ -546,11 +556,13 @@ class Sender:
             kept.digests = tuple(sums)
         sliced = side.digests(by)  # keyed by every sliced member in the version
         commits = self.settings.activation == "all"  # acked means staged: held only once committed
-        holders = dict.fromkeys((m for m in acked if m not in sliced), job.version)  # a sliced one holds its share
+        # a sliced member holds its share, named by its digests (none without checksums: no base)
+        holders = dict.fromkeys((m for m in acked if m not in sliced or verify), job.version)
+        shares = {m: base_digest(job.version, sliced[m]) for m in acked if m in sliced and verify}
         for member in acked:
             job.forms[member] = forms[member]
         if not commits:
-            self._holds.update(holders)
+            self._hold(holders, shares)
         if self._sent_delta and out.base is not None:
             job.base = out.base.version
         if acked and not failed:
@@ -563,7 +575,7 @@ class Sender:
         if commits:
             arrivals = self._commit(gens, job, gen, seq, tuple(sorted(acked)))
             self._committed_in_place(job, tuple(sorted(acked)))
-            self._holds.update(holders)
+            self._hold(holders, shares)
         job.exposure_spread = max(arrivals.values()) - min(arrivals.values()) if arrivals else 0.0
         self._finish(job, t0)
         return None
@@ -606,25 +618,35 @@ class Sender:
         """What ``job`` may go as a delta against: the retained version, kept while ``job`` is in
         flight, named by its digests (copy=False: the ``kept`` copy); with the members known to hold it."""
         if job.flat is None:
-            return None if kept is None else kept.base(self._holds)
+            return None if kept is None else kept.base(self._holds, self._shares)
         base = self.staging.base
         if base is None or base.flat is None or not base.digests or job is base:
             return None
-        holders = frozenset(m for m, v in self._holds.items() if v == base.version)
+        holders = frozenset(m for m, v in self._holds.items() if v == base.version and m not in self._shares)
         return Base(base.version, base.flat, base.manifest, base_digest(base.version, base.digests), holders,
-                    assembly=base.assembly)
+                    assembly=base.assembly,
+                    shares={m: d for m, d in self._shares.items() if self._holds.get(m) == base.version})
+
+    def _hold(self, holders: dict[str, int], shares: dict[str, bytes]) -> None:
+        """``holders`` hold their versions now (a sliced member: its share, named by ``shares``)."""
+        self._holds.update(holders)
+        for member in holders:
+            self._shares.pop(member, None)
+        self._shares.update(shares)
 
     def _forms(self, job: Job, by: dict[Any, tuple[str, ...]], fields: dict[Any, dict[str, Any]],
-               encoded: int | None) -> dict[str, tuple[str, int]]:
-        """Per member in this attempt: the encoding its part sends, and the bytes that put on the wire
-        (``encoded``: an encoded version's, once moved)."""
+               encoded: int | None, own: Mapping[str, int]) -> dict[str, tuple[str, int]]:
+        """Per member in this attempt: the encoding it was sent in, and the bytes that put on the wire
+        (``encoded``: an encoded version's, once moved; ``own``: members sent their own bytes, a
+        sliced member's share or its delta)."""
         forms: dict[str, tuple[str, int]] = {}
         for part, to in by.items():
             got = fields[part]
-            name = got.get("encoding", "full")
-            size = encoded if name != "full" and encoded is not None else job.manifest.total_bytes
+            each = got.get("each", {})
             for member in to:
-                forms[member] = (name, size)
+                name = each.get(member, got).get("encoding", "full")
+                size = encoded if name != "full" and encoded is not None else job.manifest.total_bytes
+                forms[member] = (name, own.get(member, size))
         return forms
 
     def _generation_broken(self) -> bool:
