@@ -9,7 +9,10 @@ generator processes, measured side by side in one run:
 - ``sliced`` (with ``--sliced``): as ``sharded``, but the 2 generators are one tensor-parallel
   engine (2 ranks; even layers split by rows, odd ones by columns, as column- and row-parallel
   linears are) made with ``want=``: each receives only its half, point to point. Against
-  ``sharded``, whose generators receive every byte (and keep half, in a TP engine).
+  ``sharded``, whose generators receive every byte (and keep half, in a TP engine);
+- ``sliced-delta`` (with ``--sliced --delta``): as ``sliced``, but each version is an RL-sized
+  step (one element in 33 of each shard moves, where the other modes change every element) put
+  with ``encoding="delta"``: each trainer rank sends each TP rank a delta of its share.
 
 Per version: the time from the ranks' common start (a barrier) until every generator has the
 version readable, and each rank's peak extra memory during the push (the kernel's high-water
@@ -20,6 +23,7 @@ no slower than gather-then-push at W=2.
     python -m benchmarks.sharded                     # 256 MiB, W = 1 2 4, 3 versions each
     python -m benchmarks.sharded --mib 64 --ranks 2  # quicker
     python -m benchmarks.sharded --sliced            # also: TP generators receiving only their halves
+    python -m benchmarks.sharded --sliced --delta --ranks 2   # ...and deltas of their halves
 
 Writes ``sharded.json`` and ``sharded.png`` to ``--out``.
 """
@@ -79,7 +83,8 @@ async def trainer(spec: dict) -> dict:
     lo, hi = min(rank * chunk, rows), min((rank + 1) * chunk, rows)
     sd = {}
     for i in range(TENSORS):
-        local = torch.full((hi - lo, 1024), float(i), dtype=torch.float32)
+        # random values (what a delta of them costs depends on them; a full version's does not)
+        local = torch.randn((hi - lo, 1024), generator=torch.Generator().manual_seed(i * 64 + rank))
         sd[f"layer{i}.weight"] = DTensor.from_local(local, mesh, [Shard(0)], shape=(rows, 1024),
                                                     stride=(1024, 1), run_check=False)
     local_bytes = sum(t.to_local().numel() * 4 for t in sd.values())
@@ -87,14 +92,15 @@ async def trainer(spec: dict) -> dict:
     address_file = Path(spec["address_file"])
     out: dict = {"rank": rank, "local_bytes": local_bytes, "starts": [], "extra_kib": []}
     publisher: ws.Publisher | None = None
-    if mode in ("sharded", "sliced"):
+    sparse = mode == "sliced-delta"
+    if mode in ("sharded", "sliced", "sliced-delta"):
         address = "127.0.0.1:0"
         if rank:
             while not address_file.exists():
                 await asyncio.sleep(0.05)
             address = address_file.read_text()
         publisher = ws.Publisher(CHANNEL, address=address, rank=rank, world_size=world, bucket_bytes=bucket,
-                                 timeout=60)
+                                 timeout=60, encoding="delta" if sparse else "auto")
     elif rank == 0:
         publisher = ws.Publisher(CHANNEL, address="127.0.0.1:0", bucket_bytes=bucket, timeout=60)
     if publisher is not None:
@@ -107,12 +113,13 @@ async def trainer(spec: dict) -> dict:
     for version in range(spec["versions"] + 1):  # version 0 warms up (groups form, buffers exist)
         with torch.no_grad():
             for t in sd.values():
-                t.to_local().add_(1)
+                local = t.to_local().view(-1)
+                (local[version % 33::33] if sparse else local).add_(1e-3)
         dist.barrier()
         before = _status_kib("VmRSS")
         _reset_peak()
         start = time.time()
-        if mode in ("sharded", "sliced"):
+        if mode in ("sharded", "sliced", "sliced-delta"):
             assert publisher is not None
             handle = await publisher.put(sd, version=version, copy=spec["copy"])
             await handle.delivered(timeout=300)
@@ -163,7 +170,7 @@ async def generator(spec: dict) -> dict:
     from weightsync.fr import process_recorder
 
     address_file = Path(spec["address_file"])
-    want = _tp_want(spec) if spec["mode"] == "sliced" else None
+    want = _tp_want(spec) if spec["mode"].startswith("sliced") else None
     while not address_file.exists():
         await asyncio.sleep(0.05)
     arrivals = []
@@ -179,8 +186,9 @@ async def generator(spec: dict) -> dict:
         import torch.distributed as dist
 
         dist.destroy_process_group()
-    received = sum(e.nbytes for e in process_recorder().snapshot() if e.op == "bucket_recv" and e.state == "completed")
-    return {"arrivals": arrivals, "received_bytes": received / (spec["versions"] + 1)}
+    received = sum(e.nbytes for e in process_recorder().snapshot()
+                   if e.op == "bucket_recv" and e.state == "completed" and e.version >= 1)  # not the warm-up
+    return {"arrivals": arrivals, "received_bytes": received / spec["versions"]}
 
 
 def _run(world: int, mode: str, args: argparse.Namespace, tmp: Path) -> dict:
@@ -239,6 +247,8 @@ def main() -> int:
     parser.add_argument("--no-copy", action="store_true", help="put with copy=False (the target: two buckets)")
     parser.add_argument("--sliced", action="store_true",
                         help="also run the generators as one 2-rank TP engine receiving only its halves (want=)")
+    parser.add_argument("--delta", action="store_true",
+                        help="with --sliced: also RL-sized steps as deltas to the TP ranks (sliced-delta)")
     parser.add_argument("--out", default="bench-out")
     parser.add_argument("--role", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -251,13 +261,14 @@ def main() -> int:
     points = []
     with tempfile.TemporaryDirectory(prefix="ws-sharded-") as tmp:
         for world in args.ranks:
-            for mode in ("sharded", "gather", *(("sliced",) if args.sliced else ())):
+            for mode in ("sharded", "gather", *(("sliced",) if args.sliced else ()),
+                         *(("sliced-delta",) if args.sliced and args.delta else ())):
                 point = _run(world, mode, args, Path(tmp))
                 points.append(point)
                 extra = ", ".join(f"{b / 2**20:.0f}" for b in point["peak_extra_bytes"])
                 local = ", ".join(f"{b / 2**20:.0f}" for b in point["local_bytes"])
                 got = ", ".join(f"{b / 2**20:.0f}" for b in point["received_bytes_per_generator"])
-                print(f"W={world} {mode:8s} every generator has it after {point['delivery_s']:.3f} s; "
+                print(f"W={world} {mode:12s} every generator has it after {point['delivery_s']:.3f} s; "
                       f"peak extra MiB per rank [{extra}] (local shards [{local}]); "
                       f"MiB received per generator [{got}]")
     by = {(p["world"], p["mode"]): p for p in points}
@@ -283,13 +294,21 @@ def main() -> int:
             allowed = [local + 2 * bucket for local in sliced["local_bytes"]]
             targets[f"W={world}: sliced, every rank's extra memory <= its shard + two buckets"] = all(
                 e <= a for e, a in zip(sliced["peak_extra_bytes"], allowed, strict=True))
+        if args.sliced and args.delta:
+            sparse, sliced = by[(world, "sliced-delta")], by[(world, "sliced")]
+            ratio = sparse["delivery_s"] / sliced["delivery_s"]
+            share = max(sparse["received_bytes_per_generator"]) / max(sliced["received_bytes_per_generator"])
+            print(f"W={world}: sliced delta / sliced full: delivery time {ratio:.2f}x, "
+                  f"bytes per TP rank {share:.3f}x")
+            targets[f"W={world}: a TP rank's delta of an RL-sized step at most 0.2x its half"] = share <= 0.2
     path = report.write_json(args.out, "sharded", {"mib": args.mib, "bucket_mib": args.bucket_mib,
                                                    "copy": not args.no_copy, "points": points})
     plt = report.pyplot()
     if plt is not None:
         fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-        for mode, color in (("sharded", "tab:blue"), ("gather", "tab:orange"), ("sliced", "tab:green")):
-            if mode == "sliced" and not args.sliced:
+        for mode, color in (("sharded", "tab:blue"), ("gather", "tab:orange"), ("sliced", "tab:green"),
+                            ("sliced-delta", "tab:red")):
+            if not any(p["mode"] == mode for p in points):
                 continue
             ws_ = [p["world"] for p in points if p["mode"] == mode]
             left.plot(ws_, [p["delivery_s"] for p in points if p["mode"] == mode], "o-", color=color, label=mode)

@@ -127,17 +127,19 @@ def test_cost_model_lanes_count_what_each_generator_relays_in_every_lane() -> No
 
 def test_sharded_bench_runs_every_mode_and_measures_every_rank(tmp_path: Path) -> None:
     out = run("-m", "benchmarks.sharded", "--mib", "4", "--ranks", "1", "2", "--versions", "1", "--bucket-mib", "1",
-              "--sliced", "--out", str(tmp_path))
+              "--sliced", "--delta", "--out", str(tmp_path))
     assert out.returncode in (0, 1), out.stdout[-2000:] + out.stderr[-3000:]  # 1: a target missed at this toy size
     report = msgspec.json.decode((tmp_path / "sharded.json").read_bytes())
     kinds = {(p["world"], p["mode"]) for p in report["points"]}
-    assert kinds == {(w, m) for w in (1, 2) for m in ("sharded", "gather", "sliced")}
+    assert kinds == {(w, m) for w in (1, 2) for m in ("sharded", "gather", "sliced", "sliced-delta")}
     for point in report["points"]:
         assert point["delivery_s"] > 0 and len(point["peak_extra_bytes"]) == point["world"]
         assert sum(point["local_bytes"]) >= 4 << 20
         got, model = point["received_bytes_per_generator"], sum(point["local_bytes"])
         if point["mode"] == "sliced":  # the two TP ranks split every tensor (unevenly): each byte once
             assert sum(got) == model and max(got) < 0.55 * model, point
+        elif point["mode"] == "sliced-delta":  # one element in 33 moved: each TP rank is sent a delta of its half
+            assert 0 < sum(got) < 0.2 * model, point
         else:
             assert got == [model, model], point
     assert (tmp_path / "sharded.png").stat().st_size > 10_000
