@@ -3,7 +3,8 @@
 Checked: the kernel's count of this process's private memory does not grow with the versions a
 same-host member receives, streams and loads (nothing is copied); a version a member still reads
 stays intact while newer ones are put (staging parks its buffer instead of writing it); parking is
-bounded, and a holder past the bound is evicted while its late read is refused, never served torn;
+bounded, and a holder past the bound is evicted while its late read is refused, never served torn
+(end to end: a reader holding a version too long gets its member evicted and its block refused);
 the last version stays readable, in private memory, once the publisher is gone.
 """
 
@@ -309,3 +310,29 @@ async def test_an_insider_on_the_host_cannot_write_a_segment_honest_members_read
                 os.close(handle)
         again = await sub.get(timeout=10)
         assert digests(again) == digests(sd) == digests(w)
+
+
+@pytest.mark.asyncio
+async def test_a_reader_holding_a_version_too_long_is_evicted_and_its_block_refused_once_written() -> None:
+    """A ``stream`` block holds version 0 while the trainer goes on putting. The member receives 1
+    (its Ack says a reader still holds 0, so 0's buffer is parked, not written), but can receive 2
+    into neither slot: it fails 2 past its deadline and is evicted, as a frozen reader is, while
+    the trainer's puts went on. Nobody holds 0 now: the next puts write its buffer again, and the
+    block, still open, ends in Superseded instead of handing out bytes written under it."""
+    sds = [model(v, mib=2) for v in range(6)]
+    async with ws.Publisher("overdue", timeout=4, bucket_bytes=2 * MIB, encoding="full") as pub:
+        sub = ws.Subscriber("overdue", address=pub.address, member_id="m", timeout=4, transport="shm")
+        async with sub:
+            await pub.wait_subscribers(1, timeout=20)
+            await (await pub.put(sds[0], version=0)).delivered(timeout=30)
+            with pytest.raises(ws.Superseded, match="written again"):
+                async with sub.stream(min_version=0, timeout=10) as w:
+                    assert w.version == 0
+                    assert (await (await pub.put(sds[1], version=1)).delivered(timeout=30)).members == ("m",)
+                    assert digests(dict(w)) == digests(sds[0])  # parked: intact while the member reads on
+                    two = await (await pub.put(sds[2], version=2)).delivered(timeout=60)
+                    assert two.members == () and [e.member_id for e in pub.evicted] == ["m"]
+                    for v in range(3, len(sds)):  # to nobody; staging reuses what nobody holds now
+                        await (await pub.put(sds[v], version=v)).delivered(timeout=30)
+                    dict(w)  # what the views hold now is not version 0: the block's exit says so
+            assert pub.peak_snapshots() <= 2 + 2
