@@ -169,14 +169,6 @@ def cached_share_segments(source: _wire.Manifest, pieces: tuple[_wire.Piece, ...
     return tuple(share_segments(mine, runs) for runs in cached_routes(source, pieces, full, wants, ranges))
 
 
-def gather_held(slot: torch.Tensor, runs: Sequence[Run]) -> torch.Tensor:
-    """What a sliced member held of a bucket's share: its ``runs``' slot bytes back to back (the
-    base a delta of that share is rebuilt against), a new tensor."""
-    if not runs:
-        return slot[:0].clone()
-    return torch.cat([slot[dst : dst + n] for _src, dst, n in runs])
-
-
 def _extend(runs: list[Run], run: Run) -> None:
     """Append ``run``, merged into the last one when both sides continue it."""
     if runs:
@@ -235,8 +227,9 @@ class SlicePlacer:
                 self.targets.append(slot[:0])
 
     def held(self, i: int, readable: torch.Tensor) -> torch.Tensor:
-        """Bucket ``i``'s share as the readable slot ``readable`` holds it (a delta's base)."""
-        return gather_held(readable, self._plan[i])
+        """Bucket ``i``'s share as the readable slot ``readable`` holds it (a delta's base): its
+        runs' slot bytes back to back (a view when one run)."""
+        return gather(readable, [(dst, src, n) for src, dst, n in self._plan[i]])
 
     def place(self, i: int) -> None:
         """Bucket ``i``'s share arrived: scatter it into the slot (nothing to do for a view)."""
@@ -292,7 +285,10 @@ class Fanout:
         for rank, member in enumerate(self._group, start=1):
             piece = bucket
             if member in self._plans:
-                share, piece = coded[member] if member in coded else (self._share(member, i, bucket),) * 2
+                if member in coded:
+                    share, piece = coded[member]
+                else:
+                    share = piece = self._share(member, i, bucket)
                 sliced.append((member, share))
                 self.wire[member] += piece.numel()
             pairs.append((rank, piece))

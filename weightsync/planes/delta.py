@@ -153,15 +153,14 @@ class KeptBase:
     def fits(self, manifest: Any, assembly: Any, device: torch.device) -> bool:
         return self.manifest == manifest and self.assembly == assembly and self.flat.device == device
 
-    def base(self, holds: dict[str, int], shares: dict[str, bytes]) -> Base | None:
+    def base(self, holding: Callable[[int], tuple[frozenset[str], dict[str, bytes]]]) -> Base | None:
         """The base a next version may go as a delta against, with the members that hold it (and
-        their shares of it: sliced members)."""
+        sliced members' shares of it): ``holding(version)``, the Sender's word."""
         if self.version < 0 or not self.digests:
             return None
-        return Base(self.version, self.flat, self.manifest, base_digest(self.version, self.digests),
-                    frozenset(m for m, v in holds.items() if v == self.version and m not in shares),
-                    assembly=self.assembly,
-                    shares={m: d for m, d in shares.items() if holds.get(m) == self.version})
+        holders, shares = holding(self.version)
+        return Base(self.version, self.flat, self.manifest, base_digest(self.version, self.digests), holders,
+                    assembly=self.assembly, shares=shares)
 
     def refill(self, out: Any, version: int) -> None:
         """Copy each bucket of ``out`` (an attempt at ``version`` packed from the caller's tensors)

@@ -618,14 +618,18 @@ class Sender:
         """What ``job`` may go as a delta against: the retained version, kept while ``job`` is in
         flight, named by its digests (copy=False: the ``kept`` copy); with the members known to hold it."""
         if job.flat is None:
-            return None if kept is None else kept.base(self._holds, self._shares)
+            return None if kept is None else kept.base(self._holding)
         base = self.staging.base
         if base is None or base.flat is None or not base.digests or job is base:
             return None
-        holders = frozenset(m for m, v in self._holds.items() if v == base.version and m not in self._shares)
+        holders, shares = self._holding(base.version)
         return Base(base.version, base.flat, base.manifest, base_digest(base.version, base.digests), holders,
-                    assembly=base.assembly,
-                    shares={m: d for m, d in self._shares.items() if self._holds.get(m) == base.version})
+                    assembly=base.assembly, shares=shares)
+
+    def _holding(self, version: int) -> tuple[frozenset[str], dict[str, bytes]]:
+        """The members known to hold ``version`` whole, and the sliced ones' digests of their shares of it."""
+        shares = {m: d for m, d in self._shares.items() if self._holds.get(m) == version}
+        return frozenset(m for m, v in self._holds.items() if v == version and m not in self._shares), shares
 
     def _hold(self, holders: dict[str, int], shares: dict[str, bytes]) -> None:
         """``holders`` hold their versions now (a sliced member: its share, named by ``shares``)."""
