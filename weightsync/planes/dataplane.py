@@ -123,6 +123,10 @@ class DataPlane(Protocol):
     def close(self) -> None: ...
 
 
+def _tell_nobody(_first: int, _sizes: Any, _to: Any = None) -> None:
+    """A closed version's ``tell_sizes``: there is nobody left to tell."""
+
+
 @dataclass
 class Outgoing:
     """One version leaving the publisher, as the Sender hands it to the send side's parts.
@@ -191,9 +195,19 @@ class Outgoing:
         return sum(plan.told) if plan.later else sum(plan.sizes) if plan.sizes else None
 
     def close(self) -> None:
-        """The version is done with (moved or given up on): an encoder still at work stops."""
-        if self._wire is not None and self._wire.close is not None:
-            self._wire.close()
+        """The version is done with (moved or given up on): an encoder still at work stops, and the
+        hooks go. They close over this object (and it holds them), so without this each version's
+        buckets, hooks and encoder state stayed in a reference cycle until the cyclic collector ran,
+        on whichever thread it ran: measured on the trainer's event loop, pauses of 100-200 ms
+        that also freed the bytes they held. ``wire_bytes`` still answers after it."""
+        plan = self._wire
+        if plan is not None:
+            if plan.close is not None:
+                plan.close()
+            plan.hook = plan.before = plan.close = None
+        self.afters.clear()
+        self.before = None
+        self.tell_sizes = _tell_nobody
 
     def encoded(self, receivers: tuple[str, ...]) -> WirePlan:
         """The version in its encoding for ``receivers`` (planned once, by the first part that carries

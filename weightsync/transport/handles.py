@@ -110,7 +110,10 @@ class PutHandle:
         self._loop = loop
         self._delivered: asyncio.Future[DeliveryReport] = loop.create_future()
         self._released: asyncio.Future[None] = loop.create_future()
-        self._spill: Callable[[], None] | None = None  # copy=False: copy what is not sent yet, let go
+        # copy=False: the version's Job's spill_rest, weakly (a Job holds its handle: a strong
+        # reference both ways kept the caller's tensors, the snapshot and any spill alive until
+        # the cyclic collector ran); None once the sender let the Job go, nothing left to spill
+        self._spill: Callable[[], Callable[[], None] | None] | None = None
 
     async def delivered(self, timeout: float | None = None, *, min_members: int = 0) -> DeliveryReport:
         """The DeliveryReport; SyncTimeout if it is not known within ``timeout`` seconds.
@@ -138,8 +141,9 @@ class PutHandle:
         released after that copy; the rest of the version goes from the copy. Without it, the
         tensors are released once the last bucket was packed from them."""
         check_timeout("timeout", timeout)
-        if spill and self._spill is not None and not self._released.done():
-            await asyncio.to_thread(self._spill)  # a copy: not on the event loop
+        rest = self._spill() if spill and self._spill is not None and not self._released.done() else None
+        if rest is not None:
+            await asyncio.to_thread(rest)  # a copy: not on the event loop
         await wait_future(self._released, timeout, "release", channel=self.channel, version=self.version)
 
     def done(self) -> bool:

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -137,7 +138,8 @@ class Job:
     pack_lock: threading.Lock = field(default_factory=threading.Lock)  # packing, and spilling, one at a time
 
     def __post_init__(self) -> None:
-        self.handle._spill = self.spill_rest  # noqa: SLF001 - the handle's released(spill=True)
+        # the handle's released(spill=True), weakly: the Job holds the handle (no cycle to collect)
+        self.handle._spill = weakref.WeakMethod(self.spill_rest)  # noqa: SLF001
 
     def release(self) -> None:
         """Sender thread: the caller may change its tensors again (resolves ``handle.released``)."""
