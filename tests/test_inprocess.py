@@ -404,6 +404,62 @@ async def test_a_delivered_version_leaves_no_reference_cycle() -> None:
         await close(pub, subs)
 
 
+@pytest.mark.parametrize("streams", [1, 3])
+async def test_buckets_take_turns_on_as_many_gloo_connections_as_the_publisher_says(streams: int) -> None:
+    """Publisher(streams=) reaches every member at admission and each end's gloo backend has that
+    many devices (a connection per pair each). Consecutive buckets take turns on them, which only
+    works when every end built as many: several versions of several buckets, broadcast and point
+    to point (a sliced member), arrive bit-exact."""
+    name = f"streams-{streams}"
+    pub = ws.Publisher(name, **FAST, bucket_bytes=1 << 15, streams=streams, encoding="full")
+    await pub.start()
+    whole = ws.Subscriber(name, address=pub.address, member_id="whole", timeout=FAST["timeout"], transport="group")
+    sliced = ws.Subscriber(name, address=pub.address, member_id="sliced", timeout=FAST["timeout"], transport="group",
+                           want={"w": torch.empty(200, 257)})  # only "w": its bytes go point to point
+    subs = [whole, sliced]
+    try:
+        await asyncio.gather(*(s.start() for s in subs))
+        await pub.wait_subscribers(2, timeout=10)
+        assert pub.settings.streams == streams
+        for version in range(3):
+            sd = {"w": torch.randn(200, 257), "b": torch.randn(4099)}
+            report = await (await pub.put(sd, version=version)).delivered(timeout=30)
+            assert set(report.members) == {"whole", "sliced"}
+            w = await whole.get(min_version=version, timeout=5)
+            assert torch.equal(w["w"], sd["w"]) and torch.equal(w["b"], sd["b"])
+            part = {"w": torch.empty(200, 257)}
+            await sliced.get_into(part, min_version=version, timeout=5)
+            assert torch.equal(part["w"], sd["w"])
+        for sub in subs:
+            receiver = sub._receiver
+            assert receiver is not None and receiver.deadlines is not None
+            assert receiver.deadlines.settings.streams == streams
+            plane = receiver._plane
+            assert plane is not None and plane.group is not None
+            assert len(plane.group._pg.options._devices) == streams
+    finally:
+        await close(pub, subs)
+
+
+async def test_a_member_refuses_more_gloo_connections_than_it_may_build() -> None:
+    """An Admit asking for more connections per pair than MAX_STREAMS is a protocol error on the
+    member, before it builds anything; the publisher's own option is checked the same way."""
+    from types import SimpleNamespace
+
+    from weightsync._errors import ProtocolError
+    from weightsync.options import MAX_STREAMS, ChannelOptions
+    from weightsync.pg.groupsend import member_plane
+
+    for bad in (0, MAX_STREAMS + 1, True):
+        ctx = SimpleNamespace(admit=SimpleNamespace(settings=SimpleNamespace(streams=bad)))
+        with pytest.raises(ProtocolError, match="gloo connections per pair"):
+            member_plane(ctx)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="streams must be"):
+            ChannelOptions(streams=bad)
+    with pytest.raises(ValueError, match="streams must be"):
+        ws.Publisher("bad-streams", streams=0)
+
+
 @pytest.mark.parametrize("copy", [True, False], ids=["snapshot", "copy-false"])
 async def test_put_casts_to_the_engines_dtype_in_the_snapshot(copy: bool) -> None:
     """put(dtype=torch.bfloat16): fp32 and fp64 tensors arrive as exactly `.to(torch.bfloat16)`,

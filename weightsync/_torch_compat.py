@@ -173,7 +173,25 @@ def gloo_device(host: str | None) -> Any:
     return gloo.create_default_device()
 
 
-def make_gloo(store: dist.Store, rank: int, size: int, timeout: float, host: str | None = None) -> Any:
+def gloo_options(timeout: float, host: str | None, streams: int) -> Any:
+    """A gloo backend's options with ``streams`` devices, hence as many connections per pair.
+
+    ProcessGroupGloo keeps one context (a full mesh of pairs) per device and gives consecutive
+    operations consecutive tags, each run on the context its tag names (``tag % devices``), by
+    as many worker threads as there are devices (two at least). So bucket i and bucket i+1, both
+    in flight, travel on different sockets and threads (what that buys: docs/benchmarks.md, "Two
+    connections per pair").
+    """
+    gloo: Any = dist.ProcessGroupGloo
+    options = gloo._Options()
+    options._timeout = _td(timeout)
+    options._devices = [gloo_device(host) for _ in range(streams)]
+    options._threads = max(2, streams)
+    return options
+
+
+def make_gloo(store: dist.Store, rank: int, size: int, timeout: float, host: str | None = None,
+              streams: int = 1) -> Any:
     """A standalone gloo backend whose pairs connect lazily, on first use.
 
     Measured on torch 2.13 (the soak test, 1 of 4 members killed just after a generation
@@ -184,16 +202,15 @@ def make_gloo(store: dist.Store, rank: int, size: int, timeout: float, host: str
     a receiver can also give up when told to. torch only offers this through the
     ``TORCH_GLOO_LAZY_INIT`` environment variable, read by the constructor: it is set around
     this one call (under a lock) and restored, never left behind.
+
+    ``streams``: connections per pair (:func:`gloo_options`).
     """
     with _lazy_lock:
         previous = os.environ.get(_LAZY_ENV)
         os.environ[_LAZY_ENV] = "1"
         try:
             gloo: Any = dist.ProcessGroupGloo
-            options = gloo._Options()
-            options._timeout = _td(timeout)
-            options._devices = [gloo_device(host)]
-            return gloo(store, rank, size, options)
+            return gloo(store, rank, size, gloo_options(timeout, host, streams))
         finally:
             if previous is None:
                 del os.environ[_LAZY_ENV]
@@ -201,7 +218,8 @@ def make_gloo(store: dist.Store, rank: int, size: int, timeout: float, host: str
                 os.environ[_LAZY_ENV] = previous
 
 
-def make_gloo_reconfigurable(store: dist.Store, slot: int, timeout: float, host: str | None = None) -> Any:
+def make_gloo_reconfigurable(store: dist.Store, slot: int, timeout: float, host: str | None = None,
+                             streams: int = 1) -> Any:
     """A gloo backend (2.14+) that joins a group only through :func:`reconfigure`.
 
     ``slot`` must be unique among the backends that will ever share a group: it is part of the
@@ -214,10 +232,8 @@ def make_gloo_reconfigurable(store: dist.Store, slot: int, timeout: float, host:
         previous = os.environ.pop(_LAZY_ENV, None)
         try:
             gloo: Any = dist.ProcessGroupGloo
-            options = gloo._Options()
-            options._timeout = _td(timeout)
+            options = gloo_options(timeout, host, streams)
             options.enable_reconfigure = True
-            options._devices = [gloo_device(host)]
             return gloo(store, slot, slot + 1, options)
         finally:
             if previous is not None:

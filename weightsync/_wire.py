@@ -26,7 +26,7 @@ from typing import Union
 
 import msgspec
 
-PROTOCOL_VERSION = 13  # 2: settings in Admit; CRC32C. 3: link probes. 4: same-host shm. 5: sharded (lanes).
+PROTOCOL_VERSION = 14  # 2: settings in Admit; CRC32C. 3: link probes. 4: same-host shm. 5: sharded (lanes).
 # 6: sliced members (Join.want, point-to-point buckets: Announce.direct)
 # 7: tied tensors sent once (Manifest.ties); Challenge.open
 # 8: each member's Announce names the version's encoding on the wire (Announce.encoding, .wire)
@@ -35,6 +35,7 @@ PROTOCOL_VERSION = 13  # 2: settings in Admit; CRC32C. 3: link probes. 4: same-h
 # 11: Announce.digest (the Seal's digest function, chosen by the publisher's CPU: format.checksum)
 # 12: Announce.wire_later, WireSizes (a delta's wire buckets are sized as they are encoded, while earlier ones move)
 # 13: same-host members read snapshots in place; the publisher parks a buffer a member still reads (Ack.still_read)
+# 14: ChannelSettings.streams (a gloo group's connections per pair: every end builds as many)
 
 
 class TensorSpec(msgspec.Struct, frozen=True, array_like=True):
@@ -173,6 +174,9 @@ class ChannelSettings(msgspec.Struct, frozen=True):
     # "each": a member exposes a version once it has verified it; "all": it stages the verified
     # version, acknowledges it, and exposes it only on the publisher's Commit
     activation: str = "each"
+    # gloo: connections per pair of ends (one gloo device each; consecutive buckets take turns).
+    # Every end of a group must build as many, so the publisher says how many
+    streams: int = 1
 
 
 class Admit(msgspec.Struct, frozen=True, tag="admit"):

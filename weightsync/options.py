@@ -17,6 +17,13 @@ import torch
 from weightsync._wire import PROTOCOL_VERSION, ChannelSettings
 
 MiB = 1 << 20
+MAX_STREAMS = 8  # gloo connections per pair: each is a socket and a thread on every end
+
+
+def valid_streams(streams: object) -> bool:
+    """A count of gloo connections per pair an end may build: an int in [1, MAX_STREAMS]."""
+    return isinstance(streams, int) and not isinstance(streams, bool) and 1 <= streams <= MAX_STREAMS
+
 #: a member is dead after this many silent heartbeat intervals ...
 DEAD_AFTER_BEATS = 5
 #: ... and never sooner than this: a loaded machine delays beats, and an eviction is costly
@@ -32,12 +39,14 @@ class ChannelOptions(msgspec.Struct, frozen=True, kw_only=True):
         min_bandwidth: bytes/s; a bucket's deadline is ``timeout + nbytes / min_bandwidth``.
         bucket_bytes: size of one broadcast (publisher only; subscribers follow announcements).
         heartbeat_interval: seconds between a subscriber's liveness beats.
+        streams: gloo connections per pair of ends (consecutive buckets take turns on them).
     """
 
     timeout: float = 30.0
     min_bandwidth: float = 50e6
     bucket_bytes: int = 64 * MiB
     heartbeat_interval: float = 1.0
+    streams: int = 2
 
     def __post_init__(self) -> None:
         if not self.timeout > 0:
@@ -48,12 +57,15 @@ class ChannelOptions(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"bucket_bytes must be in [4 KiB, 16 GiB], got {self.bucket_bytes}")
         if not 0 < self.heartbeat_interval <= self.timeout:
             raise ValueError(f"heartbeat_interval must be in (0, timeout], got {self.heartbeat_interval}")
+        if not valid_streams(self.streams):
+            raise ValueError(f"streams must be an int in [1, {MAX_STREAMS}], got {self.streams!r}")
 
     def settings(self, *, checksum: bool, in_place: bool, activation: str = "each") -> ChannelSettings:
         """What members are told at admission."""
         return ChannelSettings(protocol=PROTOCOL_VERSION, bucket_bytes=self.bucket_bytes, timeout=self.timeout,
                                min_bandwidth=self.min_bandwidth, heartbeat_interval=self.heartbeat_interval,
-                               checksum=checksum, in_place=in_place, activation=activation)
+                               checksum=checksum, in_place=in_place, activation=activation,
+                               streams=self.streams)
 
 
 ACTIVATIONS = ("each", "all")  # when a member exposes a version (Publisher(activation=))

@@ -95,7 +95,7 @@ class DedicatedGroup:
     @classmethod
     def build(cls, store: Any, *, channel: str, member: str, spec: GenerationSpec, backend: str,
               device: torch.device, recorder: FlightRecorder, max_ctas: int = 4,
-              host: str | None = None) -> DedicatedGroup:
+              host: str | None = None, streams: int = 1) -> DedicatedGroup:
         """Rendezvous with the other members; blocks at most ``spec.timeout`` seconds.
 
         ``store`` is a connection owned by the calling thread; it is cloned, never shared.
@@ -116,7 +116,7 @@ class DedicatedGroup:
                 if backend == "nccl":
                     pg = compat.make_nccl(prefixed, spec.rank, size, spec.timeout, device, max_ctas)
                 else:
-                    pg = compat.make_gloo(prefixed, spec.rank, size, spec.timeout, host)
+                    pg = compat.make_gloo(prefixed, spec.rank, size, spec.timeout, host, streams)
         except Exception as err:
             entry.fail(err)
             log.warning("%s: the %s group of generation %d did not form: %s", member, backend, spec.generation, err)
@@ -248,14 +248,14 @@ class Reconfigurable:
     """One member's gloo backend for its whole membership, re-formed in place every generation."""
 
     def __init__(self, store: Any, *, channel: str, member: str, slot: int, timeout: float,
-                 recorder: FlightRecorder, host: str | None = None) -> None:
+                 recorder: FlightRecorder, host: str | None = None, streams: int = 1) -> None:
         self.channel, self.member, self.slot = channel, member, slot
         self._recorder = recorder
         self._rec = recorder.scope(channel, member)
         self._store = compat.clone_store(store, timeout)
         # every member's backend shares this prefix: the rendezvous keys live under the uuid
         self._pg = compat.make_gloo_reconfigurable(compat.prefix_store(reconfigure_prefix(channel), self._store), slot,
-                                                   timeout, host)
+                                                   timeout, host, streams)
 
     def handle(self) -> str:
         return compat.reconfigure_handle(self._pg)
@@ -295,14 +295,16 @@ class GroupPlane:
         timeout: bound of creating the in-place backend.
         host: the local address gloo binds (this end's control-connection address; see
             ``_torch_compat.gloo_device``); None for gloo's default.
+        streams: gloo connections per pair (``ChannelSettings.streams``: every end the same).
     """
 
     in_group, moves_alone = True, False
 
     def __init__(self, store: Any, *, channel: str, member: str, backend: str, device: torch.device,
                  recorder: FlightRecorder, in_place: bool = False, slot: int = 0, timeout: float = 30.0,
-                 host: str | None = None) -> None:
+                 host: str | None = None, streams: int = 1) -> None:
         self._store, self.channel, self.member, self.host = store, channel, member, host
+        self.streams = streams
         self.backend, self.device, self.in_place, self.slot = backend, device, in_place, slot
         self._recorder = recorder
         self._timeout = timeout
@@ -332,7 +334,8 @@ class GroupPlane:
         if self._backend is None:
             try:
                 self._backend = Reconfigurable(self._store, channel=self.channel, member=self.member, slot=self.slot,
-                                               timeout=self._timeout, recorder=self._recorder, host=self.host)
+                                               timeout=self._timeout, recorder=self._recorder, host=self.host,
+                                               streams=self.streams)
             except Exception as err:  # noqa: BLE001 - any backend error is this step's failure
                 raise PeerFailure(f"could not create the reconfigurable backend: {type(err).__name__}: {err}") \
                     from err
@@ -350,7 +353,7 @@ class GroupPlane:
         else:
             self.group = DedicatedGroup.build(self._store, channel=self.channel, member=self.member, spec=spec,
                                               backend=self.backend, device=self.device, recorder=self._recorder,
-                                              host=self.host)
+                                              host=self.host, streams=self.streams)
 
     def move(self, transfer: Transfer) -> None:
         """Rank 0: broadcast the buckets. A member: receive them, point to point where the Announce

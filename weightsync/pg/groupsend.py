@@ -18,8 +18,10 @@ from typing import Any
 import torch
 
 from weightsync import _wire
+from weightsync._errors import ProtocolError
 from weightsync.format import slicing
 from weightsync.format.checksum import checksum
+from weightsync.options import MAX_STREAMS, valid_streams
 from weightsync.pg.group import GroupPlane
 from weightsync.planes.dataplane import MemberContext, Outgoing, PlaneSpec, PublisherContext, Transfer
 from weightsync.planes.encoding import AUTO, DELTA
@@ -129,9 +131,12 @@ class GroupSend:
 
 
 def member_plane(ctx: MemberContext) -> GroupPlane:
+    streams = ctx.admit.settings.streams
+    if not valid_streams(streams):
+        raise ProtocolError(f"the publisher asks for {streams!r} gloo connections per pair; at most {MAX_STREAMS}")
     return GroupPlane(ctx.store(), channel=ctx.channel, member=ctx.member, backend=ctx.backend, device=ctx.device,
                       recorder=ctx.recorder, in_place=ctx.admit.settings.in_place, slot=ctx.admit.slot,
-                      timeout=ctx.rendezvous_timeout, host=ctx.client.local_host)
+                      timeout=ctx.rendezvous_timeout, host=ctx.client.local_host, streams=streams)
 
 
 PLANE = PlaneSpec("group", send_part=GroupSend, member_plane=member_plane)

@@ -53,7 +53,8 @@ class PlaneSet:
         host = None if self._bind_host in ("0.0.0.0", "::", "") else self._bind_host  # gloo binds the control's
         return GroupPlane(LocalStore(self._table, timeout), channel=self.channel, member="publisher",
                           backend=self.backend, device=self.slot_device, recorder=self._recorder,
-                          in_place=self.settings.in_place, slot=0, timeout=timeout, host=host)
+                          in_place=self.settings.in_place, slot=0, timeout=timeout, host=host,
+                          streams=self.settings.streams)
 
     def open(self) -> None:
         if self.segments is not None:
