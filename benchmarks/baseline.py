@@ -60,10 +60,11 @@ class BlockingBroadcast:
             work.wait()
 
     async def wait_unpacked(self, mode: str, mib: int, rep: int) -> None:
-        """Until every receiver has unpacked push ``rep`` (they count it on the store)."""
-        key = f"done/{mode}/{mib}/{rep}"
-        while self.store.add(key, 0) < self.n:
-            await asyncio.sleep(0.0005)  # polling a counter between pushes, never inside one
+        """Until every receiver has unpacked push ``rep``: each sets its own key, and the store's own
+        wait runs on a thread, as weightsync's to-all is waited for (no polling while generators
+        still receive; before 2026-12-03 this polled a counter every 0.5 ms)."""
+        keys = [f"done/{mode}/{mib}/{rep}/{rank}" for rank in range(1, self.n + 1)]
+        await asyncio.to_thread(self.store.wait, keys, dt.timedelta(seconds=600))
 
     def close(self, timeout: float = 600) -> None:
         try:

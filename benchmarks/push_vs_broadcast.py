@@ -88,6 +88,7 @@ class Report(msgspec.Struct):
     rows: list[Row]
     targets: dict[str, bool]
     transport: str = "auto"
+    streams: int = 2  # the publisher's gloo connections per pair (Publisher(streams=))
 
 
 # ceilings --------------------------------------------------------------------------------------
@@ -167,13 +168,14 @@ async def run_baselines(sizes: list[int], n: int, reps: int, packed_bytes: int, 
 
 # weightsync ----------------------------------------------------------------------------------------
 async def run_weightsync(sizes: list[int], n: int, reps: int, step_ms: float, tmp: Path,
-                         progress, transport: str = "auto") -> list[Row]:  # type: ignore[no-untyped-def]
+                         progress, transport: str = "auto",  # type: ignore[no-untyped-def]
+                         streams: int = 2) -> list[Row]:
     rows = []
     workers = Workers(tmp)
     last_version = len(sizes) * len(WS_MODES) * (reps + 1) - 1
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=dt.timedelta(seconds=300))
     plan = [(mib, len(WS_MODES) * (reps + 1)) for mib in sizes]
-    async with ws.Publisher("bench", timeout=120, bucket_bytes=64 << 20, encoding="full") as pub:
+    async with ws.Publisher("bench", timeout=120, bucket_bytes=64 << 20, encoding="full", streams=streams) as pub:
         for i in range(n):
             workers.spawn(role="subscriber", address=pub.address, member=f"gen{i}", last_version=last_version,
                           transport=transport, plan=plan, host="127.0.0.1", port=store.port)
@@ -291,7 +293,7 @@ def plot(report: Report, path: Path) -> None:
 
 
 async def bench(sizes: list[int], subscribers: list[int], reps: int, step_ms: float, packed_bytes: int,
-                transport: str = "auto") -> Report:
+                transport: str = "auto", streams: int = 2) -> Report:
     print("ceilings: memcpy and loopback TCP, measured now ...", flush=True)
     ceiling = Ceiling(memcpy_gbps=memcpy_gbps(), loopback_gbps=loopback_gbps())
     print(f"  memcpy {ceiling.memcpy_gbps:.1f} GB/s, loopback TCP {ceiling.loopback_gbps:.2f} GB/s", flush=True)
@@ -306,7 +308,7 @@ async def bench(sizes: list[int], subscribers: list[int], reps: int, step_ms: fl
     with tempfile.TemporaryDirectory(prefix="ws-bench-") as tmp:
         for n in subscribers:
             await run_baselines(sizes, n, reps, packed_bytes, Path(tmp), progress)
-            await run_weightsync(sizes, n, reps, step_ms, Path(tmp), progress, transport)
+            await run_weightsync(sizes, n, reps, step_ms, Path(tmp), progress, transport, streams)
     add_ratios(rows)
     naive = {(r.mib, r.subscribers): r for r in rows if r.mode == "naive"}
     for r in rows:
@@ -314,7 +316,7 @@ async def bench(sizes: list[int], subscribers: list[int], reps: int, step_ms: fl
             r.to_all_vs_naive = r.to_all_ms / naive[r.mib, r.subscribers].to_all_ms
     return Report(when=time.strftime("%Y-%m-%d %H:%M:%S"), torch=str(torch.__version__), cores=os.cpu_count() or 0,
                   step_ms=step_ms, packed_bytes=packed_bytes, reps=reps, ceiling=ceiling, rows=rows,
-                  targets=check_targets(rows, transport), transport=transport)
+                  targets=check_targets(rows, transport), transport=transport, streams=streams)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -326,6 +328,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--packed-mib", type=int, default=1024, help="the packed baseline's buffer size")
     parser.add_argument("--transport", default="auto", choices=("auto", "group", "shm"),
                         help="the generators' transport (auto: shared memory, they run on this host)")
+    parser.add_argument("--streams", type=int, default=2,
+                        help="the publisher's gloo connections per pair (Publisher(streams=); 1 before 2026-12-03)")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args(argv)
     try:
@@ -340,7 +344,8 @@ def main(argv: list[str] | None = None) -> int:
           f"(peak memory about {need:.1f} GiB)", flush=True)
     import uvloop
 
-    report = uvloop.run(bench(sizes, subscribers, args.reps, args.step_ms, args.packed_mib << 20, args.transport))
+    report = uvloop.run(bench(sizes, subscribers, args.reps, args.step_ms, args.packed_mib << 20, args.transport,
+                              args.streams))
     json_path = write_json(args.out, "bench", report)
     plot(report, Path(args.out) / "bench.png")
     print()

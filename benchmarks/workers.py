@@ -43,7 +43,7 @@ def baseline(spec: dict) -> WorkerResult:
                     buf = flat[i % 2][: chunk.nbytes]
                     pg.broadcast([buf], opts).wait()
                     chunk.unpack(buf)
-            store.add(f"done/{mode}/{mib}/{rep}", 1)
+            store.set(f"done/{mode}/{mib}/{rep}/{spec['rank']}", b"1")
     return WorkerResult()
 
 
