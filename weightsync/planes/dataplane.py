@@ -124,7 +124,7 @@ class DataPlane(Protocol):
 
 
 def _tell_nobody(_first: int, _sizes: Any, _to: Any = None) -> None:
-    """A closed version's ``tell_sizes``: there is nobody left to tell."""
+    """``tell_sizes`` before the Sender sets it, and once the version is closed: nobody to tell."""
 
 
 @dataclass
@@ -175,7 +175,7 @@ class Outgoing:
     #: tells the members of an encoded version wire buckets ``first``, ``first + 1``...'s lengths
     #: (a plan made ``later``: each before its bucket moves), ``tell_sizes(first, sizes, to=None)``:
     #: to ``to`` alone where given (a sliced member's delta), else to ``receivers``; set by the Sender
-    tell_sizes: Callable[..., None] = lambda _first, _sizes, _to=None: None
+    tell_sizes: Callable[..., None] = _tell_nobody
     _wire: WirePlan | None = None
 
     def wrap(self, outer: Callable[[Callable[[int], None]], Callable[[int], None]]) -> None:
