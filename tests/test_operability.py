@@ -25,7 +25,7 @@ import weightsync as ws
 from tests.conftest import REPO, Procs
 from weightsync import _wire
 from weightsync.control.framing import HEADER
-from weightsync.testing import Faults, inject
+from weightsync.testing import Faults, Hooks, inject
 
 pytestmark = [pytest.mark.timeout(120)]
 FAST = {"timeout": 5.0, "heartbeat_interval": 0.25}
@@ -280,6 +280,7 @@ def test_the_blocking_api_pushes_and_reads_without_an_event_loop() -> None:
             borrowed["w"].zero_()
             handle.delivered(timeout=10)
             assert sub.get(min_version=4, timeout=10)["w"][0].item() == 4.0
+            assert sub.get_into(dest, min_version=4, timeout=10, as_received=True) == 4 and dest["w"][0].item() == 4.0
             with pytest.raises(ws.SyncTimeout):  # the same errors as the asynchronous API
                 sub.get(min_version=99, timeout=0.2)
             with pytest.raises(ValueError, match="strictly increase"):
@@ -364,6 +365,85 @@ async def test_get_into_only_newer_copies_nothing_the_destination_already_holds(
             await (await pub.put({"w": torch.full((64,), 2.0)}, version=2)).delivered(timeout=10)
             assert await sub.get_into(other, min_version=2, timeout=10, only_newer=True) == 2
             assert other["w"][0].item() == 2.0 and sub.statistics().reads_skipped == 1
+
+
+class _Watch(Hooks):
+    """At the last bucket of each version (before it is verified and readable): what the waiting
+    ``get_into``'s destination and the subscriber's readable version were."""
+
+    def __init__(self, dest: dict[str, torch.Tensor], name: str, last_bucket: int, corrupt: int | None = None) -> None:
+        self.dest, self.name, self.last_bucket = dest, name, last_bucket
+        self.sub: ws.Subscriber | None = None
+        self.corrupt = corrupt
+        self.seen: list[tuple[int, int | None, float]] = []
+
+    def after_bucket(self, version: int, index: int, bucket: torch.Tensor, seconds: float) -> None:
+        if index == 0 and version == self.corrupt:
+            self.corrupt = None
+            bucket[0] ^= 0xFF  # the first tensor's first byte, as a bad link would flip it
+        if index == self.last_bucket:
+            assert self.sub is not None
+            self.seen.append((version, self.sub.version, self.dest[self.name].flatten()[0].item()))
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("transport", ["group", "shm"])
+async def test_get_into_as_received_writes_a_version_into_the_destination_while_it_arrives(transport: str) -> None:
+    # 16 tensors of 64 KiB in buckets of 128 KiB: the first tensor is written long before the last bucket
+    sd = {f"w{i:02d}": torch.full((16384,), float(i)) for i in range(16)}
+    dest = {name: torch.zeros_like(t) for name, t in sd.items()}
+    watch = _Watch(dest, "w00", last_bucket=7)
+    async with ws.Publisher("ahead", bucket_bytes=1 << 17, **FAST) as pub:
+        sub = ws.Subscriber("ahead", address=pub.address, timeout=5.0, transport=transport)
+        inject(sub, watch)
+        watch.sub = sub
+        async with sub:
+            await pub.wait_subscribers(1, timeout=10)
+            for version in (1, 2):
+                waiting = asyncio.create_task(sub.get_into(dest, min_version=version, timeout=10, as_received=True))
+                await until(lambda: sub._slots.into is not None, 10, "the call waiting")  # noqa: B023
+                # copy=False over shared memory: a private copy out of the ring, written ahead too
+                handle = await pub.put({n: t + 100 * version for n, t in sd.items()}, version=version,
+                                       copy=transport == "group")
+                assert await waiting == version
+                await handle.delivered(timeout=10)
+                assert all(torch.equal(dest[n], t + 100 * version) for n, t in sd.items())
+            # the first tensor was already the new version's while the subscriber still read the old one
+            assert watch.seen == [(1, None, 100.0), (2, 1, 200.0)]
+            assert sub.statistics().reads_as_received == 2 and sub._slots.into is None
+            # a version already readable is copied as a plain get_into copies it
+            fresh = {name: torch.zeros_like(t) for name, t in sd.items()}
+            assert await sub.get_into(fresh, as_received=True) == 2 and sub.statistics().reads_as_received == 2
+            assert all(torch.equal(fresh[n], t + 200) for n, t in sd.items())
+
+
+@pytest.mark.asyncio
+async def test_get_into_as_received_never_returns_a_version_that_failed_its_checks() -> None:
+    sd = {f"w{i:02d}": torch.full((16384,), float(i)) for i in range(16)}
+    dest = {name: torch.zeros_like(t) for name, t in sd.items()}
+    watch = _Watch(dest, "w00", last_bucket=7, corrupt=1)
+    async with ws.Publisher("ahead-bad", bucket_bytes=1 << 17, **FAST) as pub:
+        sub = ws.Subscriber("ahead-bad", address=pub.address, timeout=5.0, transport="group")
+        inject(sub, watch)
+        watch.sub = sub
+        async with sub:
+            await pub.wait_subscribers(1, timeout=10)
+            waiting = asyncio.create_task(sub.get_into(dest, min_version=1, timeout=10, as_received=True))
+            await until(lambda: sub._slots.into is not None, 10, "the call waiting")
+            report = await (await pub.put({n: t + 100 for n, t in sd.items()}, version=1)).delivered(timeout=10)
+            assert await waiting == 1 and sub.member_id in report.members
+            assert all(torch.equal(dest[n], t + 100) for n, t in sd.items())
+            # the flipped byte reached the destination before the checks caught it; the re-send wrote it again
+            flipped = torch.tensor([100.0]).view(torch.uint8)
+            flipped[0] ^= 0xFF
+            assert watch.seen[0] == (1, None, flipped.view(torch.float32).item()) and len(watch.seen) == 2
+            assert sub.statistics().checksum_failures == 1
+            # a call that gives up waiting takes its destination back: nothing more is written there
+            with pytest.raises(ws.SyncTimeout):
+                await sub.get_into(dest, min_version=2, timeout=0.2, as_received=True)
+            assert sub._slots.into is None
+            await (await pub.put({n: t + 200 for n, t in sd.items()}, version=2)).delivered(timeout=10)
+            assert all(torch.equal(dest[n], t + 100) for n, t in sd.items())
 
 
 @pytest.mark.asyncio

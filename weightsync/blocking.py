@@ -295,10 +295,11 @@ class BlockingSubscriber(_BlockingEnd):
         return self._bridge.call(self._sub.get(min_version=min_version, timeout=timeout), timeout, "get")
 
     def get_into(self, dest: Mapping[str, torch.Tensor], *, min_version: int | None = None,
-                 timeout: float | None = None, only_newer: bool = False) -> int:
+                 timeout: float | None = None, only_newer: bool = False, as_received: bool = False) -> int:
         check_timeout("timeout", timeout)
         return self._bridge.call(self._sub.get_into(dest, min_version=min_version, timeout=timeout,
-                                                    only_newer=only_newer), timeout, "get_into")
+                                                    only_newer=only_newer, as_received=as_received),
+                                 timeout, "get_into")
 
     def updates(self, *, timeout: float | None = None) -> Iterator[Weights]:
         """Each newer version, skipping ones that came in between; ends when the subscriber closes."""

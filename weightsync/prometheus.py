@@ -97,7 +97,8 @@ def subscriber_metrics(s: SubscriberStatistics) -> Iterator[Metric]:
                        ("receive_failures", "Versions whose receive failed"),
                        ("checksum_failures", "Versions whose bytes did not match the publisher's digests"),
                        ("reads", "Reads that returned a version"),
-                       ("reads_skipped", "get_into(only_newer=True) calls that copied nothing")):
+                       ("reads_skipped", "get_into(only_newer=True) calls that copied nothing"),
+                       ("reads_as_received", "get_into(as_received=True) calls written as the version arrived")):
         yield _counter(f"weightsync_subscriber_{field}", doc, labels, getattr(s, field))
     yield _counter("weightsync_subscriber_received_bytes", "Payload bytes received", labels, s.bytes_received)
     yield _gauge("weightsync_subscriber_version", "The latest readable version (-1: none yet)", labels,

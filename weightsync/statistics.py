@@ -110,6 +110,8 @@ class SubscriberStatistics(msgspec.Struct, frozen=True):
         checksum_failures: of those, the ones whose bytes did not match the publisher's digests.
         reads: ``get``, ``get_into``, ``stream`` and ``load`` calls that returned a version.
         reads_skipped: ``get_into(only_newer=True)`` calls that copied nothing (already held).
+        reads_as_received: ``get_into(as_received=True)`` calls whose version was written into the
+            destination as it arrived (nothing copied after it was readable).
         receive: from the Announce to the version being readable, per version.
         evicted: True once the publisher dropped this subscriber.
     """
@@ -126,6 +128,7 @@ class SubscriberStatistics(msgspec.Struct, frozen=True):
     reads_skipped: int
     receive: Quantiles
     evicted: bool
+    reads_as_received: int = 0
 
 
 class Distribution:
@@ -225,4 +228,4 @@ class SubscriberTally:
                 versions_received=c["versions_received"], bytes_received=c["bytes_received"],
                 receive_failures=c["receive_failures"], checksum_failures=c["checksum_failures"],
                 reads=c["reads"], reads_skipped=c["reads_skipped"], receive=self._receive.quantiles(),
-                evicted=evicted)
+                evicted=evicted, reads_as_received=c["reads_as_received"])

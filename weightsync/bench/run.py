@@ -245,8 +245,9 @@ async def trainer_weightsync(n: int, sizes: list[int], reps: int, step_ms: float
 
 async def generator_weightsync(rank: int, member: bool, sizes: list[int], reps: int, device: torch.device,
                                ctrl: Any, transport: str = "auto", group: Any = None) -> list[bool]:
-    """Ranks 1..n: a Subscriber copying every version into this generator's own model tensors
-    (``get_into``, as the baselines broadcast or unpack into theirs), checking it bit for bit, then
+    """Ranks 1..n: a Subscriber writing every version into this generator's own model tensors as it
+    arrives (``get_into(as_received=True)``, as the baselines broadcast or unpack into theirs),
+    checking it bit for bit, then
     entering ``group``'s barrier: where the trainer's time to all ends."""
     channel, address, token = _bcast_text("", ctrl).split()
     if not member:  # a rank beyond this round's subscriber count
@@ -266,7 +267,7 @@ async def generator_weightsync(rank: int, member: bool, sizes: list[int], reps: 
                     for t in model.values():
                         t.zero_()  # what is there must be this version, not the last one
                     await asyncio.to_thread(dist.barrier, group=group)  # as the baselines: cleared before the clock
-                    got = await sub.get_into(model, min_version=version, timeout=600)
+                    got = await sub.get_into(model, min_version=version, timeout=600, as_received=True)
                     ok = ok and got == version and _digest(model) == expected
                     await asyncio.to_thread(dist.barrier, group=group)
                     version += 1

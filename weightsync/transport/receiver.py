@@ -77,6 +77,7 @@ from weightsync.planes.dataplane import DataPlane, GenerationSpec, MemberContext
 from weightsync.recorder.recorder import FlightRecorder
 from weightsync.statistics import SubscriberTally
 from weightsync.testing import Hooks
+from weightsync.transport.into import DestWriter
 from weightsync.transport.lifecycle import Latch
 from weightsync.transport.slots import SlotPair
 
@@ -429,6 +430,7 @@ class Receiver:
         assembly, epoch = announce.assembly, 0
         in_place: tuple[torch.Tensor, Callable[[], bool]] | None = None
         placer: sharding.Placer | slicing.SlicePlacer | None = None
+        ahead: DestWriter | None = None
         self._staged = None  # whatever waited for a Commit is overwritten now: it was given up on
         try:
             if assembly is not None and assembly.rank != self.lane:
@@ -442,6 +444,9 @@ class Receiver:
                 flat = (self._slots.prepare(manifest, self.deadlines.readers()) if in_place is None
                         else self._slots.prepare_in_place(manifest, *in_place, self.deadlines.readers()))
                 buckets = [flat[lo:hi] for lo, hi in ranges]
+                into = self._slots.into  # a get_into(as_received=True) waiting: written as buckets come
+                if into is not None and in_place is None and self.deadlines.settings.activation != "all":
+                    ahead = into.writer(announce.version, manifest, flat)
             else:  # this lane's part of a sharded version, straight into its places in the full slot
                 full, epoch = self._slots.prepare_part(self.lane, assembly.manifest, self.deadlines.readers())
                 try:
@@ -489,6 +494,8 @@ class Receiver:
                     sums.append(checksum(buckets[i], kind) if buckets[i].numel() else 0)
                 if placer is not None:
                     placer.place(i)
+                if ahead is not None:
+                    ahead.upto(ranges[i][1])
                 last[0] = time.monotonic()
                 checking[0] += last[0] - began
 
@@ -535,6 +542,8 @@ class Receiver:
                                      nbytes=manifest.total_bytes).complete()
                     self._hooks.after_stage(announce.version)
                 else:
+                    if ahead is not None:
+                        ahead.finish()  # before it is readable: the waiting get_into finds it written
                     self._expose(staged)
             ok = True
             entry.complete()

@@ -24,6 +24,7 @@ import torch
 
 from weightsync._errors import LocalFailure
 from weightsync._wire import Manifest
+from weightsync.transport.into import IntoDest
 
 
 class Slot:
@@ -49,6 +50,7 @@ class SlotPair:
         # per lane, the version it last wrote in full there (None while it writes one)
         self._parts: dict[int, int | None] = {}
         self._epoch = 0  # bumped whenever the receiving slot's buffer or meaning changes
+        self.into: IntoDest | None = None  # a get_into(as_received=True) waiting: written as received
 
     @property
     def version(self) -> int | None:

@@ -43,6 +43,7 @@ from weightsync.statistics import SubscriberStatistics, SubscriberTally
 from weightsync.testing import Hooks
 from weightsync.transport import lifecycle
 from weightsync.transport.handles import Weights, WeightStream, check_timeout
+from weightsync.transport.into import IntoDest
 from weightsync.transport.lifecycle import EndState, call_soon
 from weightsync.transport.receiver import Receiver, ReceiverState
 from weightsync.transport.slots import Slot, SlotPair
@@ -314,7 +315,7 @@ class Subscriber:
         return Weights(version, layout.views(flat, manifest), manifest.total_bytes)
 
     async def get_into(self, dest: Mapping[str, torch.Tensor], *, min_version: int | None = None,
-                       timeout: float | None = None, only_newer: bool = False) -> int:
+                       timeout: float | None = None, only_newer: bool = False, as_received: bool = False) -> int:
         """Copy the latest version into ``dest`` in place; returns its version.
 
         Names, dtypes and shapes are checked first: on any mismatch ManifestMismatch is
@@ -327,17 +328,31 @@ class Subscriber:
         wrote it there, and torch's in-place counter of every tensor in it says nobody wrote
         them since), nothing is copied and that version is returned at once. The caller keeps
         no bookkeeping; a tensor changed by anyone else is written again.
+
+        ``as_received=True``: while this call waits for a version, the receiver writes that
+        version's tensors into ``dest`` as their buckets arrive, so the copy overlaps the transfer
+        instead of following it. ``dest`` is the receiver's until the call ends: it may hold part
+        of a version in flight, or of one that failed its checks (the call then waits on for the
+        next). The call returns only a version ``dest`` holds whole and verified; if it raises
+        instead (deadline, publisher gone), ``dest`` may hold part of an unverified version.
         """
         if not isinstance(dest, Mapping):
             raise TypeError(f"dest must be a Mapping[str, Tensor], got {type(dest).__name__}")
         bad = next((name for name, t in dest.items() if not isinstance(t, torch.Tensor)), None)
         if bad is not None:
             raise TypeError(f"dest[{bad!r}] must be a torch.Tensor, got {type(dest[bad]).__name__}")
-        await self._wait_version(min_version, timeout)
+        into = await self._wait_into(dest, min_version, timeout) if as_received else None
+        if not as_received:
+            await self._wait_version(min_version, timeout)
         assert self._loop is not None
         slot = self._slots.pin()
         try:
             assert slot.manifest is not None and slot.flat is not None and slot.version is not None
+            if into is not None and into.done == slot.version:  # written as it arrived, then verified
+                self._written = (slot.version, {id(t): (weakref.ref(t), t._version) for t in dest.values()}, len(dest))
+                self._tally.count("reads")
+                self._tally.count("reads_as_received")
+                return slot.version
             if only_newer and self._holds(dest, slot.version):
                 self._tally.count("reads_skipped")
                 return slot.version
@@ -351,6 +366,27 @@ class Subscriber:
             return slot.version
         finally:
             self._slots.unpin(slot)
+
+    async def _wait_into(self, dest: Mapping[str, torch.Tensor], min_version: int | None,
+                         timeout: float | None) -> IntoDest | None:
+        """Wait for a version as ``_wait_version`` does; where none is readable yet (and this member
+        receives whole versions), the receiver writes the next one into ``dest`` meanwhile. Returns
+        that arrangement, ended: nothing is written into ``dest`` after this returns or raises."""
+        have = self._slots.version
+        if self._want is not None or (have is not None and (min_version is None or have >= min_version)):
+            await self._wait_version(min_version, timeout)
+            return None
+        into = IntoDest(dest, min_version)
+        self._slots.into = into
+        try:
+            await self._wait_version(min_version, timeout)
+        finally:
+            if self._slots.into is into:
+                self._slots.into = None
+            into.close()  # waits for the receiver's writes of one bucket at most
+            if into.touched:
+                self._written = None  # dest holds something else now, whatever only_newer thought
+        return into
 
     def _holds(self, dest: Mapping[str, torch.Tensor], version: int) -> bool:
         """``dest`` is what the last ``get_into`` wrote ``version`` into, untouched since."""
