@@ -11,8 +11,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from benchmarks.procs import Workers
+from benchmarks.procs import Launch, Workers
+from weightsync._torch_compat import gloo_options
 from weightsync.bench.model import packed_chunks
+
+
+def group(store: Any, rank: int, world: int, own: str | None) -> Any:
+    """The baselines' gloo group; with ``own``, bound to that address (one connection per pair,
+    as users get by default)."""
+    prefixed = dist.PrefixStore("baseline", store)
+    if own is None:
+        return dist.ProcessGroupGloo(prefixed, rank, world, dt.timedelta(seconds=300))
+    return dist.ProcessGroupGloo(prefixed, rank, world, gloo_options(300.0, own, 1))
 
 
 class BlockingBroadcast:
@@ -22,24 +32,27 @@ class BlockingBroadcast:
     ``make_state_dict(mib)`` from the same number, so the layouts match.
     """
 
-    def __init__(self, n: int, plan: list[tuple[str, int, int]], packed_bytes: int, tmp: Path) -> None:
+    def __init__(self, n: int, plan: list[tuple[str, int, int]], packed_bytes: int, tmp: Path,
+                 host: str = "127.0.0.1", hosts: list[str] | None = None, launch: Launch | None = None) -> None:
+        """``hosts`` and ``launch``: receivers on emulated hosts (rank r at ``hosts[r - 1]``),
+        reaching this trainer at ``host``; each end's gloo binds its own address."""
         self.n = n
         self.packed_bytes = packed_bytes
-        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+        self.host = host if hosts else None
+        self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
                                    timeout=dt.timedelta(seconds=300))
-        self.workers = Workers(tmp)
+        self.workers = Workers(tmp, launch)
         for rank in range(1, n + 1):
-            self.workers.spawn(role="baseline", host="127.0.0.1", port=self.store.port, rank=rank, world=n + 1,
-                               plan=plan, packed_bytes=packed_bytes)
+            self.workers.spawn(role="baseline", host=host, port=self.store.port, rank=rank, world=n + 1,
+                               plan=plan, packed_bytes=packed_bytes, own=hosts[rank - 1] if hosts else None)
         self._bufs: list[torch.Tensor] = []
         self._pg: Any = None
         self._opts = dist.BroadcastOptions()
         self._opts.rootRank, self._opts.rootTensor = 0, 0
 
     async def connect(self) -> None:
-        self._pg = await asyncio.get_running_loop().run_in_executor(
-            None, lambda: dist.ProcessGroupGloo(dist.PrefixStore("baseline", self.store), 0, self.n + 1,
-                                                dt.timedelta(seconds=300)))
+        self._pg = await asyncio.get_running_loop().run_in_executor(None, lambda: group(self.store, 0, self.n + 1,
+                                                                                         self.host))
 
     def push(self, sd: dict[str, torch.Tensor], mode: str) -> None:
         """Blocking, on the caller's thread (the event loop): exactly what users do today."""

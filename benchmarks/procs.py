@@ -5,21 +5,31 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
 
+# where the k-th worker runs: (k, argv, env) -> its process (an emulated host's popen, benchmarks.netns)
+Launch = Callable[[int, list[str], dict[str, str]], "subprocess.Popen[bytes]"]
+
 
 class Workers:
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, launch: Launch | None = None) -> None:
         self.tmp = tmp
+        self.launch = launch
         self.procs: list[tuple[subprocess.Popen[bytes], Path]] = []
 
     def spawn(self, **spec: object) -> None:
         out = self.tmp / f"w{len(self.procs)}.json"
         env = dict(os.environ, TORCH_CPP_LOG_LEVEL="ERROR")
-        proc = subprocess.Popen([sys.executable, "-m", "benchmarks.workers",
-                                 msgspec.json.encode({**spec, "result": str(out)}).decode()], env=env)
+        argv = [sys.executable, "-m", "benchmarks.workers", msgspec.json.encode({**spec, "result": str(out)}).decode()]
+        if self.launch is not None:
+            env.pop("GLOO_SOCKET_IFNAME", None)
+            env["PYTHONPATH"] = str(Path(__file__).resolve().parent.parent)
+            proc = self.launch(len(self.procs), argv, env)
+        else:
+            proc = subprocess.Popen(argv, env=env)
         self.procs.append((proc, out))
 
     def results(self, timeout: float) -> list[dict]:

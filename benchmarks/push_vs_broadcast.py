@@ -8,6 +8,10 @@ Modes, each pushing the same LLM-shaped state dict from a trainer to N generator
 - ``packed``    a blocking packed-bucket broadcast with two flat buffers (vLLM's way; 1 GiB
                 buffers by default), packing one while the other is on the wire;
 - ``ws_copy``   ``await pub.put(sd)``: returns after the snapshot, the transfer runs behind;
+                the generators wait in ``get_into(model, as_received=True)``, so each tensor is
+                written into their model as its buckets arrive;
+- ``ws_after``  ``ws_copy`` with the generators copying each version into their model once it
+                is readable (a plain ``get_into``; every weightsync mode did so before 2026-12-03);
 - ``ws_nocrc``  ``ws_copy`` with per-bucket checksums off (``Publisher(checksum=False)``): what
                 the default-on corruption check costs, measured beside it;
 - ``ws_nocopy`` ``await pub.put(sd, copy=False)`` overlapped with a synthetic training step of
@@ -21,9 +25,9 @@ ceiling measured in the same run (memcpy and loopback TCP bandwidth). Ratios are
 ``packed``, and the to-all figures against ``naive`` too.
 
 Like with like: every to-all figure ends with the bytes in the generator's model tensors. The
-baselines broadcast (``naive``) or unpack (``packed``) into them; a weightsync generator copies
-each version from its subscriber into them (``get_into``) once it is readable, and counts it on a
-store the trainer polls, as the baselines' receivers do. ``acked ms`` is weightsync's earlier
+baselines broadcast (``naive``) or unpack (``packed``) into them; a weightsync generator has
+each version written into them (``get_into``) and counts it on a store the trainer waits on, as
+the baselines' receivers do. ``acked ms`` is weightsync's earlier
 point, every generator's acknowledgement (verified bytes in its subscriber's slot).
 """
 
@@ -31,10 +35,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime as dt
 import os
 import socket
 import statistics
+import subprocess
 import tempfile
 import threading
 import time
@@ -46,15 +52,16 @@ import torch
 import torch.distributed as dist
 
 import weightsync as ws
+from benchmarks import netns
 from benchmarks.baseline import BlockingBroadcast
 from benchmarks.lag import LagMeter
-from benchmarks.procs import Workers
+from benchmarks.procs import Launch, Workers
 from benchmarks.report import verdict, write_json
 from weightsync.bench.model import make_state_dict, nbytes
 from weightsync.bench.run import add_ratios, draw
 
-MODES = ("naive", "packed", "ws_copy", "ws_nocrc", "ws_nocopy")
-WS_MODES = ("ws_copy", "ws_nocrc", "ws_nocopy")
+MODES = ("naive", "packed", "ws_copy", "ws_after", "ws_nocrc", "ws_nocopy")
+WS_MODES = ("ws_copy", "ws_after", "ws_nocrc", "ws_nocopy")
 
 
 class Row(msgspec.Struct):
@@ -89,6 +96,9 @@ class Report(msgspec.Struct):
     targets: dict[str, bool]
     transport: str = "auto"
     streams: int = 2  # the publisher's gloo connections per pair (Publisher(streams=))
+    link_mbit: float | None = None  # generators on emulated hosts behind links of this rate (--link-mbit)
+    pipeline: bool | None = None  # Publisher(pipeline=): None, its default (on from 4 CPUs)
+    bucket_mib: int = 64  # Publisher(bucket_bytes=) in MiB
 
 
 # ceilings --------------------------------------------------------------------------------------
@@ -136,9 +146,11 @@ def _timed(fn) -> float:  # type: ignore[no-untyped-def]
 
 
 async def run_baselines(sizes: list[int], n: int, reps: int, packed_bytes: int, tmp: Path,
-                        progress) -> list[Row]:  # type: ignore[no-untyped-def]
+                        progress, cluster: netns.Cluster | None = None) -> list[Row]:  # type: ignore[no-untyped-def]
     plan = [(mode, mib, reps + 1) for mib in sizes for mode in ("naive", "packed")]
-    sender = BlockingBroadcast(n, plan, packed_bytes, tmp)
+    sender = (BlockingBroadcast(n, plan, packed_bytes, tmp) if cluster is None else
+              BlockingBroadcast(n, plan, packed_bytes, tmp, host=cluster.trainer_ip,
+                                hosts=[h.ip for h in cluster.hosts], launch=_launcher(cluster)))
     rows = []
     try:
         await sender.connect()
@@ -169,16 +181,20 @@ async def run_baselines(sizes: list[int], n: int, reps: int, packed_bytes: int, 
 # weightsync ----------------------------------------------------------------------------------------
 async def run_weightsync(sizes: list[int], n: int, reps: int, step_ms: float, tmp: Path,
                          progress, transport: str = "auto",  # type: ignore[no-untyped-def]
-                         streams: int = 2) -> list[Row]:
+                         streams: int = 2, cluster: netns.Cluster | None = None,
+                         pipeline: bool | None = None, bucket_mib: int = 64) -> list[Row]:
     rows = []
-    workers = Workers(tmp)
+    workers = Workers(tmp, None if cluster is None else _launcher(cluster))
+    host = "127.0.0.1" if cluster is None else cluster.trainer_ip
     last_version = len(sizes) * len(WS_MODES) * (reps + 1) - 1
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=dt.timedelta(seconds=300))
+    store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=dt.timedelta(seconds=300))
     plan = [(mib, len(WS_MODES) * (reps + 1)) for mib in sizes]
-    async with ws.Publisher("bench", timeout=120, bucket_bytes=64 << 20, encoding="full", streams=streams) as pub:
+    async with ws.Publisher("bench", address=f"{host}:0", timeout=120, bucket_bytes=bucket_mib << 20, encoding="full",
+                            streams=streams, pipeline=pipeline) as pub:
         for i in range(n):
             workers.spawn(role="subscriber", address=pub.address, member=f"gen{i}", last_version=last_version,
-                          transport=transport, plan=plan, host="127.0.0.1", port=store.port)
+                          transport=transport, plan=plan, host=host, port=store.port,
+                          modes=WS_MODES, reps=reps)
         try:
             await pub.wait_subscribers(n, timeout=300)
             version = 0
@@ -228,6 +244,14 @@ async def run_weightsync(sizes: list[int], n: int, reps: int, step_ms: float, tm
     for row in rows:
         row.lag_p99_generators_ms = max(gen_lags)
     return rows
+
+
+def _launcher(cluster: netns.Cluster) -> Launch:
+    """The k-th worker runs on emulated host k."""
+    def launch(k: int, argv: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
+        return cluster.popen(k, argv, env=env, cwd=netns.REPO)
+
+    return launch
 
 
 async def _all_set(store: Any, keys: list[str]) -> float:
@@ -293,7 +317,8 @@ def plot(report: Report, path: Path) -> None:
 
 
 async def bench(sizes: list[int], subscribers: list[int], reps: int, step_ms: float, packed_bytes: int,
-                transport: str = "auto", streams: int = 2) -> Report:
+                transport: str = "auto", streams: int = 2, link_mbit: float | None = None,
+                pipeline: bool | None = None, bucket_mib: int = 64) -> Report:
     print("ceilings: memcpy and loopback TCP, measured now ...", flush=True)
     ceiling = Ceiling(memcpy_gbps=memcpy_gbps(), loopback_gbps=loopback_gbps())
     print(f"  memcpy {ceiling.memcpy_gbps:.1f} GB/s, loopback TCP {ceiling.loopback_gbps:.2f} GB/s", flush=True)
@@ -305,10 +330,13 @@ async def bench(sizes: list[int], subscribers: list[int], reps: int, step_ms: fl
               f"stall {row.stall_ms:8.1f} ms   to all {row.to_all_ms:8.1f} ms", flush=True)
         rows.append(row)
 
-    with tempfile.TemporaryDirectory(prefix="ws-bench-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="ws-bench-") as tmp, contextlib.ExitStack() as stack:
+        # --link-mbit: every generator on an emulated host of its own behind a link of that rate
+        cluster = None if link_mbit is None else stack.enter_context(netns.Cluster([link_mbit] * max(subscribers)))
         for n in subscribers:
-            await run_baselines(sizes, n, reps, packed_bytes, Path(tmp), progress)
-            await run_weightsync(sizes, n, reps, step_ms, Path(tmp), progress, transport, streams)
+            await run_baselines(sizes, n, reps, packed_bytes, Path(tmp), progress, cluster)
+            await run_weightsync(sizes, n, reps, step_ms, Path(tmp), progress, transport, streams, cluster,
+                                 pipeline, bucket_mib)
     add_ratios(rows)
     naive = {(r.mib, r.subscribers): r for r in rows if r.mode == "naive"}
     for r in rows:
@@ -316,7 +344,8 @@ async def bench(sizes: list[int], subscribers: list[int], reps: int, step_ms: fl
             r.to_all_vs_naive = r.to_all_ms / naive[r.mib, r.subscribers].to_all_ms
     return Report(when=time.strftime("%Y-%m-%d %H:%M:%S"), torch=str(torch.__version__), cores=os.cpu_count() or 0,
                   step_ms=step_ms, packed_bytes=packed_bytes, reps=reps, ceiling=ceiling, rows=rows,
-                  targets=check_targets(rows, transport), transport=transport, streams=streams)
+                  targets=check_targets(rows, transport), transport=transport, streams=streams,
+                  link_mbit=link_mbit, pipeline=pipeline, bucket_mib=bucket_mib)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -330,6 +359,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="the generators' transport (auto: shared memory, they run on this host)")
     parser.add_argument("--streams", type=int, default=2,
                         help="the publisher's gloo connections per pair (Publisher(streams=); 1 before 2026-12-03)")
+    parser.add_argument("--link-mbit", type=float, default=None,
+                        help="run every generator on an emulated host of its own (network namespace, needs root) "
+                             "behind a link shaped to this many Mbit/s; implies --transport group")
+    parser.add_argument("--pipeline", choices=("auto", "on", "off"), default="auto",
+                        help="send the snapshot while it is taken (Publisher(pipeline=); auto: on from 4 CPUs)")
+    parser.add_argument("--bucket-mib", type=int, default=64,
+                        help="weightsync's bucket size (Publisher(bucket_bytes=))")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args(argv)
     try:
@@ -337,15 +373,23 @@ def main(argv: list[str] | None = None) -> int:
         subscribers = [int(s) for s in args.subscribers.split(",")]
     except ValueError:
         parser.error("--sizes and --subscribers take comma-separated integers")
-    if min(sizes) < 1 or min(subscribers) < 1 or args.reps < 1:
-        parser.error("sizes, subscribers and reps must be >= 1")
+    if min(sizes) < 1 or min(subscribers) < 1 or args.reps < 1 or args.bucket_mib < 1:
+        parser.error("sizes, subscribers, reps and --bucket-mib must be >= 1")
     need = max(sizes) * (3 + 2 * max(subscribers) + 2) / 1024
     print(f"bench: sizes {sizes} MiB x subscribers {subscribers}, {args.reps} reps "
           f"(peak memory about {need:.1f} GiB)", flush=True)
     import uvloop
 
+    if args.link_mbit is not None:
+        if args.link_mbit <= 0:
+            parser.error("--link-mbit must be > 0")
+        reason = netns.unavailable()
+        if reason is not None:
+            parser.error(f"--link-mbit needs network namespaces: {reason}")
+        args.transport = "group"  # namespaces share the kernel: shared memory would bypass the links
     report = uvloop.run(bench(sizes, subscribers, args.reps, args.step_ms, args.packed_mib << 20, args.transport,
-                              args.streams))
+                              args.streams, args.link_mbit,
+                              None if args.pipeline == "auto" else args.pipeline == "on", args.bucket_mib))
     json_path = write_json(args.out, "bench", report)
     plot(report, Path(args.out) / "bench.png")
     print()

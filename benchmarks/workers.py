@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 import weightsync as ws
+from benchmarks.baseline import group
 from benchmarks.lag import LagMeter
 from weightsync.bench.model import make_state_dict, packed_chunks
 
@@ -27,8 +28,7 @@ class WorkerResult(msgspec.Struct):
 def baseline(spec: dict) -> WorkerResult:
     """Receive every planned push by blocking broadcasts, as a generator does today."""
     store = dist.TCPStore(spec["host"], spec["port"], is_master=False, timeout=dt.timedelta(seconds=120))
-    pg = dist.ProcessGroupGloo(dist.PrefixStore("baseline", store), spec["rank"], spec["world"],
-                               dt.timedelta(seconds=300))
+    pg = group(store, spec["rank"], spec["world"], spec.get("own"))
     opts = dist.BroadcastOptions()
     opts.rootRank, opts.rootTensor = 0, 0
     for mode, mib, reps in spec["plan"]:
@@ -62,10 +62,13 @@ async def subscriber(spec: dict) -> WorkerResult:
         if store is None:
             await sub.get(min_version=spec["last_version"], timeout=3600)
         version = 0
+        modes, per_mode = spec.get("modes") or [], spec.get("reps", 0) + 1
         for mib, count in spec.get("plan") or []:
             model = make_state_dict(mib)  # the generator's model tensors: the same layout the trainer puts
-            for _ in range(count):
-                await sub.get_into(model, min_version=version, timeout=3600)
+            for k in range(count):
+                # written as it arrives, except in ws_after: copied once readable (as before 2026-12-03)
+                after = bool(modes) and modes[k // per_mode] == "ws_after"
+                await sub.get_into(model, min_version=version, timeout=3600, as_received=not after)
                 store.set(f"done/ws/{version}/{spec['member']}", b"1")
                 version += 1
     p99 = await meter.stop()

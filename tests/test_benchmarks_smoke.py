@@ -10,6 +10,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from benchmarks import netns
+
 REPO = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.timeout(300)
 
@@ -24,7 +26,7 @@ def test_bench_runs_every_mode_and_writes_json_and_plot(tmp_path: Path) -> None:
     assert out.returncode in (0, 1), out.stderr[-3000:]  # 1: a target missed at this toy size
     report = msgspec.json.decode((tmp_path / "bench.json").read_bytes())
     modes = {row["mode"] for row in report["rows"]}
-    assert modes == {"naive", "packed", "ws_copy", "ws_nocrc", "ws_nocopy"}
+    assert modes == {"naive", "packed", "ws_copy", "ws_after", "ws_nocrc", "ws_nocopy"}
     assert all(row["to_all_ms"] > 0 and row["stall_ms"] >= 0 for row in report["rows"])
     # weightsync's rows carry the acknowledgement time beside the time to the generators' model tensors
     # (which comes later in truth; the two are stamped on different threads and processes, so their
@@ -34,6 +36,23 @@ def test_bench_runs_every_mode_and_writes_json_and_plot(tmp_path: Path) -> None:
     assert report["ceiling"]["memcpy_gbps"] > 0 and report["ceiling"]["loopback_gbps"] > 0
     assert (tmp_path / "bench.png").stat().st_size > 10_000
     assert "PASS" in out.stdout or "FAIL" in out.stdout
+
+
+@pytest.mark.netns
+@pytest.mark.skipif(netns.unavailable() is not None, reason=f"no network namespaces here: {netns.unavailable()}")
+def test_bench_runs_every_contender_with_generators_on_emulated_hosts(tmp_path: Path) -> None:
+    out = run("-m", "benchmarks.push_vs_broadcast", "--sizes", "8", "--subscribers", "2", "--reps", "1",
+              "--link-mbit", "2000", "--out", str(tmp_path))
+    assert out.returncode in (0, 1), out.stderr[-3000:]  # 1: a target missed at this toy size
+    report = msgspec.json.decode((tmp_path / "bench.json").read_bytes())
+    assert report["link_mbit"] == 2000 and report["transport"] == "group"
+    assert {(row["mode"], row["subscribers"]) for row in report["rows"]} == {
+        (mode, 2) for mode in ("naive", "packed", "ws_copy", "ws_after", "ws_nocrc", "ws_nocopy")}
+    # 8 MiB to each of two hosts behind 2000 Mbit/s links: no contender can beat the wire (33 ms)
+    assert all(row["to_all_ms"] > 30 for row in report["rows"])
+    # the bench took its hosts down with it: no namespace is left whose owner is gone
+    owners = {int(m.group(1)) for m in map(netns.NS_RE.match, netns.namespaces()) if m}
+    assert all(netns._alive(pid) for pid in owners), owners
 
 
 def test_same_host_bench_runs_both_transports_and_both_pipelines(tmp_path: Path) -> None:
