@@ -298,12 +298,14 @@ def check_targets(rows: list[Row], transport: str = "auto") -> dict[str, bool]:
     }
 
 
-def table(rows: list[Row], ceiling: Ceiling) -> str:
+def table(rows: list[Row], ceiling: Ceiling, link_mbit: float | None = None) -> str:
     head = (f"{'MiB':>6} {'subs':>4} {'mode':<10} {'stall ms':>9} {'to-all ms':>10} {'acked ms':>9} {'GB/s':>6} "
             f"{'of ceil':>7} {'lag99 trn':>9} {'lag99 gen':>9} {'stall/pk':>8} {'all/pk':>7} {'all/nv':>7}")
     lines = [head, "-" * len(head)]
     for r in sorted(rows, key=lambda r: (r.subscribers, r.mib, MODES.index(r.mode))):
-        ceil = ceiling.loopback_gbps  # one sender's loopback is the shared bottleneck for every copy
+        # one sender's loopback is the shared bottleneck for every copy; behind shaped links, each
+        # generator's link carries every byte once
+        ceil = ceiling.loopback_gbps if link_mbit is None else r.subscribers * link_mbit / 8e3
         acked = f"{r.acked_ms:9.1f}" if r.acked_ms else f"{'':9}"
         lines.append(f"{r.mib:6.0f} {r.subscribers:4d} {r.mode:<10} {r.stall_ms:9.1f} {r.to_all_ms:10.1f} {acked} "
                      f"{r.gbps:6.2f} {r.gbps / ceil:7.2f} {r.lag_p99_trainer_ms:9.1f} {r.lag_p99_generators_ms:9.1f} "
@@ -393,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
     json_path = write_json(args.out, "bench", report)
     plot(report, Path(args.out) / "bench.png")
     print()
-    print(table(report.rows, report.ceiling))
+    print(table(report.rows, report.ceiling, report.link_mbit))
     print()
     status = verdict(report.targets)
     print(f"\nwrote {json_path} and {Path(args.out) / 'bench.png'}")
