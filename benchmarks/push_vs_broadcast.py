@@ -1,6 +1,11 @@
 """weightsync against blocking broadcasts, side by side in one run (``make bench``).
 
     python -m benchmarks.push_vs_broadcast [--sizes 64,256,512] [--subscribers 1,2,4] [--reps 3] [--step-ms 300]
+    python -m benchmarks.push_vs_broadcast --link-mbit 8000 [--pipeline on] [--bucket-mib 64]   # remote generators
+
+With ``--link-mbit R`` (root; benchmarks/netns.py) every generator, the baselines' included, runs on an
+emulated host of its own behind a link shaped to R Mbit/s each way, over the group, as a generator
+on another machine receives.
 
 Modes, each pushing the same LLM-shaped state dict from a trainer to N generator processes:
 
