@@ -11,9 +11,9 @@ What the caller gives up: while the call waits, ``dest`` is the receiver's. It m
 version in flight, and one that then fails its checks stays partly written until the next version
 is written over it (the call goes on waiting for that one). The call never returns a version
 ``dest`` does not hold whole and verified. Only a whole, unsliced version over the group or a
-private shared-memory copy is written ahead (not a lane's part, a sliced member's boxes, a version
-read in place, nor one that waits for the publisher's Commit); any other version is copied as a
-plain ``get_into`` copies it.
+private shared-memory copy, into host memory, is written ahead (not a lane's part, a sliced
+member's boxes, a version read in place, one received on a GPU, nor one that waits for the
+publisher's Commit); any other version is copied as a plain ``get_into`` copies it.
 
 The receiver thread and the waiting call share one lock: the receiver holds it while it writes
 the tensors of one bucket, and the call takes it to end the arrangement, after which nothing more

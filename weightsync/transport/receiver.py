@@ -445,7 +445,9 @@ class Receiver:
                         else self._slots.prepare_in_place(manifest, *in_place, self.deadlines.readers()))
                 buckets = [flat[lo:hi] for lo, hi in ranges]
                 into = self._slots.into  # a get_into(as_received=True) waiting: written as buckets come
-                if into is not None and in_place is None and self.deadlines.settings.activation != "all":
+                # (host memory only: a device bucket is complete on the plane's stream, not the writer's)
+                if into is not None and in_place is None and self.device.type == "cpu" \
+                        and self.deadlines.settings.activation != "all":
                     ahead = into.writer(announce.version, manifest, flat)
             else:  # this lane's part of a sharded version, straight into its places in the full slot
                 full, epoch = self._slots.prepare_part(self.lane, assembly.manifest, self.deadlines.readers())
