@@ -12,7 +12,6 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.procs import Launch, Workers
-from weightsync._torch_compat import gloo_options
 from weightsync.bench.model import packed_chunks
 
 
@@ -22,7 +21,11 @@ def group(store: Any, rank: int, world: int, own: str | None) -> Any:
     prefixed = dist.PrefixStore("baseline", store)
     if own is None:
         return dist.ProcessGroupGloo(prefixed, rank, world, dt.timedelta(seconds=300))
-    return dist.ProcessGroupGloo(prefixed, rank, world, gloo_options(300.0, own, 1))
+    gloo: Any = dist.ProcessGroupGloo
+    options = gloo._Options()
+    options._devices = [gloo.create_device(hostname=own)]
+    options._timeout = dt.timedelta(seconds=300)
+    return gloo(prefixed, rank, world, options)
 
 
 class BlockingBroadcast:
