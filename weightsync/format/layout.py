@@ -266,6 +266,15 @@ def pack_range(
         out[a - lo : b - lo].copy_(src_bytes[a - spec.offset : b - spec.offset], non_blocking=True)
 
 
+def write_ties(flat: torch.Tensor, manifest: Manifest, dest: Mapping[str, torch.Tensor]) -> None:
+    """Write each tied name of ``manifest`` into ``dest`` from ``flat``, unless ``dest`` ties it to
+    its source too (then writing the source wrote it)."""
+    specs = spec_map(manifest) if manifest.ties else {}
+    for name, source in manifest.ties:
+        if specs[name].nbytes and dest[name].data_ptr() != dest[source].data_ptr():
+            dest[name].copy_(tensor_view(flat, specs[name]))
+
+
 def check_destination(manifest: Manifest, dest: Mapping[str, torch.Tensor]) -> None:
     """Raise ManifestMismatch naming every difference between ``manifest`` and ``dest``.
 

@@ -89,12 +89,10 @@ class DestWriter:
             self._write(self._manifest.total_bytes)
             if not self._live:
                 return False
-            dest, specs = self._target.dest, layout.spec_map(self._manifest)
+            dest = self._target.dest
             try:
                 with torch.no_grad():
-                    for name, source in self._manifest.ties:
-                        if specs[name].nbytes and dest[name].data_ptr() != dest[source].data_ptr():
-                            dest[name].copy_(layout.tensor_view(self._flat, specs[name]))
+                    layout.write_ties(self._flat, self._manifest, dest)
                 if any(t.is_cuda for t in dest.values()):
                     torch.cuda.synchronize()
             except RuntimeError as err:

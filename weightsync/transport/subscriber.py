@@ -341,15 +341,13 @@ class Subscriber:
         bad = next((name for name, t in dest.items() if not isinstance(t, torch.Tensor)), None)
         if bad is not None:
             raise TypeError(f"dest[{bad!r}] must be a torch.Tensor, got {type(dest[bad]).__name__}")
-        into = await self._wait_into(dest, min_version, timeout) if as_received else None
-        if not as_received:
-            await self._wait_version(min_version, timeout)
+        into = await self._wait_into(dest, min_version, timeout, as_received)
         assert self._loop is not None
         slot = self._slots.pin()
         try:
             assert slot.manifest is not None and slot.flat is not None and slot.version is not None
             if into is not None and into.done == slot.version:  # written as it arrived, then verified
-                self._written = (slot.version, {id(t): (weakref.ref(t), t._version) for t in dest.values()}, len(dest))
+                self._remember(dest, slot.version)
                 self._tally.count("reads")
                 self._tally.count("reads_as_received")
                 return slot.version
@@ -361,19 +359,21 @@ class Subscriber:
             layout.check_destination(slot.manifest, dest)
             await self._loop.run_in_executor(None, self._copy_into, slot, dest)
             self._check_intact(slot, slot.version)
-            self._written = (slot.version, {id(t): (weakref.ref(t), t._version) for t in dest.values()}, len(dest))
+            self._remember(dest, slot.version)
             self._tally.count("reads")
             return slot.version
         finally:
             self._slots.unpin(slot)
 
     async def _wait_into(self, dest: Mapping[str, torch.Tensor], min_version: int | None,
-                         timeout: float | None) -> IntoDest | None:
-        """Wait for a version as ``_wait_version`` does; where none is readable yet (and this member
-        receives whole versions), the receiver writes the next one into ``dest`` meanwhile. Returns
-        that arrangement, ended: nothing is written into ``dest`` after this returns or raises."""
+                         timeout: float | None, as_received: bool) -> IntoDest | None:
+        """Wait for a version as ``_wait_version`` does; with ``as_received``, where none is readable
+        yet (and this member receives whole versions), the receiver writes the next one into
+        ``dest`` meanwhile. Returns that arrangement, ended: nothing is written into ``dest``
+        after this returns or raises."""
         have = self._slots.version
-        if self._want is not None or (have is not None and (min_version is None or have >= min_version)):
+        if not as_received or self._want is not None or (have is not None
+                                                         and (min_version is None or have >= min_version)):
             await self._wait_version(min_version, timeout)
             return None
         into = IntoDest(dest, min_version)
@@ -387,6 +387,10 @@ class Subscriber:
             if into.touched:
                 self._written = None  # dest holds something else now, whatever only_newer thought
         return into
+
+    def _remember(self, dest: Mapping[str, torch.Tensor], version: int) -> None:
+        """``dest`` now holds ``version``, as torch's in-place counters say (read by ``_holds``)."""
+        self._written = (version, {id(t): (weakref.ref(t), t._version) for t in dest.values()}, len(dest))
 
     def _holds(self, dest: Mapping[str, torch.Tensor], version: int) -> bool:
         """``dest`` is what the last ``get_into`` wrote ``version`` into, untouched since."""
@@ -544,11 +548,7 @@ class Subscriber:
                         local.copy_(layout.tensor_view(slot.flat, spec)[box])
                 else:
                     target.copy_(layout.tensor_view(slot.flat, spec))
-            specs = layout.spec_map(slot.manifest) if slot.manifest.ties else {}
-            for name, source in slot.manifest.ties:  # tied in dest too: already written with its source
-                target, tied = dest[name], dest[source]
-                if specs[name].nbytes and target.data_ptr() != tied.data_ptr():
-                    target.copy_(layout.tensor_view(slot.flat, specs[name]))
+            layout.write_ties(slot.flat, slot.manifest, dest)
         if any(t.is_cuda for t in dest.values()):
             torch.cuda.synchronize()
 
