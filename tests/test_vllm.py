@@ -77,9 +77,10 @@ def patch_report(tmp_path_factory: pytest.TempPathFactory, run_transport: str) -
 
 
 def once_per_suite(run_transport: str) -> None:
-    """The checks after a load read the engine, not the wire: they run in the default pass only."""
+    """What does not depend on the test run's transport (the checks after a load read the engine,
+    not the wire; the example picks its own) runs in the default pass only."""
     if run_transport != "auto":
-        pytest.skip("engine-side checks run once, in the --transport auto pass (make test-vllm runs both)")
+        pytest.skip("runs once, in the --transport auto pass (make test-vllm runs both)")
 
 
 @pytest.fixture(scope="module", params=sorted(driver.MOE_FAMILIES))
@@ -192,7 +193,8 @@ def test_vllm_trainer_api_switches_backend_by_name(report: driver.Report) -> Non
     assert max_diff(report.trainer_api, report.before) <= 1e-3
 
 
-def test_grpo_example_learns_with_the_engine_in_the_loop(tmp_path: Path) -> None:
+def test_grpo_example_learns_with_the_engine_in_the_loop(tmp_path: Path, run_transport: str) -> None:
+    once_per_suite(run_transport)  # the example runs as users run it, on the default transport, whatever the pass
     out, log = tmp_path / "run", tmp_path / "example.log"
     code = run_bounded(["-m", "rl_examples.vllm_grpo", "--out", str(out)], log)
     assert code == 0, f"the example exited {code}; log:\n{log.read_text(errors='replace')[-4000:]}"
