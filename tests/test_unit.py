@@ -339,3 +339,42 @@ def test_bench_verdict_and_its_refusals() -> None:
     # seeded: every rank builds the same bytes; sizes below 64 MiB come out near what was asked
     a, b = make_state_dict(8, seed=3), make_state_dict(8, seed=3)
     assert all(torch.equal(a[k], b[k]) for k in a) and 7.5 < nbytes(a) / 2**20 < 8.5
+
+
+def test_a_teardown_that_never_ends_is_left_behind_and_the_teardowns_after_it_go_on() -> None:
+    """On torch 2.13 a retired gloo backend whose receive waits on a pair its peer never connected
+    never finishes its destructor (seen in tests/test_inprocess.py's packing-error test: its close
+    took 30 s, the drains' bounds, one run in three). One such teardown must not hold back the
+    next, a close's drain, or a fork (``TEARDOWN``)."""
+    from weightsync.pg.reaper import TEARDOWN, Reaper
+
+    release = threading.Event()
+    torn: list[str] = []
+
+    class Backend:
+        def __init__(self, name: str, hangs: bool) -> None:
+            self.name, self.hangs = name, hangs
+
+        def abort(self) -> None:
+            torn.append(self.name)
+
+        def __del__(self) -> None:  # the destructor that waits on the receive
+            if self.hangs:
+                release.wait(60)
+
+    reaper = Reaper()
+    reaper.STUCK = 0.5
+    rec = ws.FlightRecorder(capacity=100)
+    hung = rec.record("abort", channel="c", member="m", generation=1).start()
+    after = rec.record("abort", channel="c", member="m", generation=2).start()
+    reaper.retire([Backend("hung", True), None, []], hung)  # the handoff holds the only reference
+    reaper.retire([Backend("after", False), None, []], after)
+    try:
+        assert reaper.drain(30)
+        assert torn == ["hung", "after"] and reaper.stuck == 1
+        assert after.state == "completed"
+        assert hung.state == "failed" and "left on its own thread" in hung.error
+        assert TEARDOWN.acquire(timeout=5)
+        TEARDOWN.release()
+    finally:
+        release.set()

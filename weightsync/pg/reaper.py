@@ -6,10 +6,18 @@ a retired group again (its owner abandoned it first), so tearing it down can wai
 recorder entry completes when it is really gone. ``aclose`` drains it (bounded): a backend
 still being torn down when the interpreter exits takes the process down with it
 ("terminate called without an active exception").
+
+Each teardown is bounded too (``Reaper.STUCK``). Measured on torch 2.13 (lazily connected gloo
+pairs): a receive posted on a pair its peer never connected (the publisher gave the version up
+before sending, or the relay above was killed first) waits for that connection with no
+deadline, and the backend's destructor waits for the receive; neither ``abort()`` nor
+``shutdown()`` wakes it (tests/test_unit.py says where it was seen). Such a teardown is
+left on its own thread, the flight recorder says so, and the teardowns after it go on.
 """
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -28,11 +36,16 @@ PUBLISHER_GRACE = 3.0  # seconds rank 0 keeps a retired group before tearing it 
 #: without deregistering then gets events for a pair that is gone.
 TEARDOWN = threading.Lock()
 
+log = logging.getLogger("weightsync.planes")
+
 
 class Reaper:
     """One daemon thread, started on demand, that aborts retired backends in turn."""
 
     IDLE_EXIT = 30.0
+    #: seconds one teardown may take before it is left behind: above the longest measured
+    #: (6.8 s, an abort beside a frozen peer), below every close's bound (3 x its timeout)
+    STUCK = 10.0
 
     def __init__(self) -> None:
         self._queue: queue.SimpleQueue[tuple[list[Any], Any, float]] = queue.SimpleQueue()
@@ -40,6 +53,7 @@ class Reaper:
         self._thread: threading.Thread | None = None
         self._busy = False
         self._idle = threading.Condition()
+        self.stuck = 0  # teardowns left behind (each still blocked on its own thread)
 
     def retire(self, handoff: list[Any], entry: Any, after: float = 0.0) -> None:
         self._queue.put((handoff, entry, time.monotonic() + after))
@@ -80,15 +94,36 @@ class Reaper:
             self._busy = True
             time.sleep(max(due - time.monotonic(), 0.0))  # a grace the retiring end asked for (see retire)
             items = handoff[:]
-            handoff.clear()  # from here on, this thread holds the only references
-            with TEARDOWN:  # never while this process forks (see TEARDOWN)
-                if items and items[0] is not None:
-                    compat.abort(items[0])
-                del items  # destructors (the backend's, hung works') run here, on no thread that waits
-            entry.complete()
+            handoff.clear()  # from here on, the teardown thread holds the only references
+            done = threading.Event()
+            TEARDOWN.acquire()  # never while this process forks (see TEARDOWN)
+            try:
+                threading.Thread(target=_tear_down, args=(items, done), name="ws-group-teardown",
+                                 daemon=True).start()
+                del items
+                finished = done.wait(self.STUCK)
+            finally:
+                TEARDOWN.release()  # a stuck teardown closed nothing yet: forks may go on
+            if finished:
+                entry.complete()
+            else:
+                self.stuck += 1
+                entry.fail(f"teardown still blocked after {self.STUCK:.0f} s (a receive waits on a connection its "
+                           "peer never made): left on its own thread")
+                log.warning("a retired gloo backend is still being torn down after %.0f s: left behind (%d so far)",
+                            self.STUCK, self.stuck)
             with self._idle:
                 self._busy = self._queue.qsize() > 0
                 self._idle.notify_all()
+
+
+def _tear_down(items: list[Any], done: threading.Event) -> None:
+    """Abort the backend (``items[0]``) and drop every reference: the destructors (the backend's,
+    hung works') run here, on a thread nobody waits on without a bound."""
+    if items and items[0] is not None:
+        compat.abort(items[0])
+    items.clear()
+    done.set()
 
 
 _reaper = Reaper()
