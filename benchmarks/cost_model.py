@@ -26,7 +26,8 @@ Mbit/s by 71-73 %.) Prints both tables, writes ``cost_model.json`` and ``cost_mo
 against measured).
 
 Then it projects to real clusters (:func:`project`): one TCP stream's rate on this CPU,
-measured in the same run, bounds what a hop carries; each generator's CPU term is ``c`` per
+measured in the same run, times the connections weightsync opens per pair (``Publisher``'s
+``streams``, 2 by default) bounds what a hop carries; each generator's CPU term is ``c`` per
 byte on its own host; sharded trainers send in W lanes (:func:`lane_seconds`: the busiest
 link, with relays rotated across lanes as weightsync does, or in one order as before); and
 deltas carry 2.2 % of the bytes at the CPU cost measured by ``make bench-delta``.
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import inspect
 import os
 import statistics
 import subprocess
@@ -252,7 +254,7 @@ class Projection(msgspec.Struct):
     lanes_same_order: float  # 8 ranks, each lane's tree in one order (before lanes took turns)
     lanes: dict[str, float]  # W ranks (LANES), lanes rotated: "8", "256"
     lanes_delta: dict[str, float]  # the same, each version a delta: DELTA_SHARE of the bytes on the wire
-    hop_gbit: float  # what one hop carries: the NIC at eta, at most one TCP stream
+    hop_gbit: float  # what one hop carries: the NIC at eta, at most `streams` TCP streams
     receiver_cpu: float  # a generator receiving into host memory: k per byte of the version, this CPU
     delta_cpu: float  # a generator applying a delta on this CPU (a trainer rank's share to make it is less)
 
@@ -268,13 +270,15 @@ class Result(msgspec.Struct):
     stream_gbit: float = 0.0  # one TCP stream on this CPU (loopback), measured in the same run
     cpu: str = ""
     c0_seconds: float = 0.0  # per receiver per version, on the shared cores
+    streams: int = 1  # connections per pair the projections count (Publisher's default)
 
 
-def project(eta: float, a: float, k: float, stream_bps: float) -> list[Projection]:
+def project(eta: float, a: float, k: float, stream_bps: float, streams: int) -> list[Projection]:
     """The checked model on real clusters: bf16 weights, every node's NIC (each trainer rank's
     included) at ``nic`` Gbit/s, gloo's tree with 64 MiB buckets. A hop carries the NIC's rate at
-    ``eta``, and each lane's hop at most one TCP stream (``stream_bps``, measured: gloo moves a
-    pair's bytes over one): one sender cannot fill a NIC faster than that, W lanes can.
+    ``eta``, and each lane's hop at most ``streams`` TCP streams of ``stream_bps`` each (measured:
+    one gloo connection is one stream; weightsync opens ``streams`` per pair and consecutive
+    buckets take turns on them): one sender cannot fill a NIC faster than that, W lanes can.
 
     The wire's figures assume the receivers keep up (a GPU receiving into its own memory). A
     generator receiving into host memory has its own host, and its CPU work overlaps the wire,
@@ -286,9 +290,9 @@ def project(eta: float, a: float, k: float, stream_bps: float) -> list[Projectio
         for n in (8, 32, 128):
             for nic in (100.0, 400.0):
                 link = nic * 1e9 * eta
-                hop = min(link, stream_bps)  # one sender: one stream per hop
+                hop = min(link, streams * stream_bps)  # one sender: its connections per hop
                 one = a + wire_seconds(n, nbytes, 64 << 20, hop, root_bps=hop)
-                kw = {"trainer_bps": link, "stream_bps": stream_bps}
+                kw = {"trainer_bps": link, "stream_bps": streams * stream_bps}
                 same = a + lane_seconds(n, 8, nbytes, 64 << 20, link, rotate=False, **kw)
                 lanes = {str(w): a + lane_seconds(n, w, nbytes, 64 << 20, link, **kw) for w in LANES}
                 deltas = {str(w): a + lane_seconds(n, w, int(nbytes * DELTA_SHARE), 64 << 20, link, **kw)
@@ -311,8 +315,9 @@ def analyse(points: list[Point], rules: set[tuple[str, str, str]], stream_bps: f
     predictions = [Prediction(p.generators, p.rate_mbit, p.nbytes / 2**20, p.seconds, predict(p, a, eta, k, c0),
                               held(p, rules)) for p in points]
     worst = max((abs(x.error) for x in predictions if x.held_out), default=0.0)
-    return Result(points, a, eta, k, predictions, worst, project(eta, a, k, stream_bps), stream_bps / 1e9,
-                  report.cpu_name(), c0)
+    streams = inspect.signature(ws.Publisher).parameters["streams"].default
+    return Result(points, a, eta, k, predictions, worst, project(eta, a, k, stream_bps, streams), stream_bps / 1e9,
+                  report.cpu_name(), c0, streams)
 
 
 def show(result: Result) -> None:
@@ -324,9 +329,10 @@ def show(result: Result) -> None:
         print(f"{x.generators:3d} {x.rate_mbit:7.0f} {x.mib:7.1f} {x.measured * 1e3:7.0f}ms {x.predicted * 1e3:7.0f}ms "
               f"{x.error:+7.1%}  {'held out' if x.held_out else 'fit'}")
     print(f"worst held-out error: {result.worst_held_out:.1%} (target: within 25%)")
-    print(f"\nprojection (bf16; gloo's tree, 64 MiB buckets, every NIC at the rate given at eta, at most one TCP "
-          f"stream: {result.stream_gbit:.1f} Gb/s on {result.cpu}). Wire columns: receivers that keep up; "
-          "CPU columns: what a generator receiving into host memory (or applying a delta) spends on this CPU, "
+    print(f"\nprojection (bf16; gloo's tree, 64 MiB buckets, every NIC at the rate given at eta, a hop at most "
+          f"{result.streams} TCP streams of {result.stream_gbit:.1f} Gb/s on {result.cpu}). "
+          "Wire columns: receivers that keep up; CPU columns: what a generator receiving into host memory "
+          "(or applying a delta) spends on this CPU, "
           "overlapping the wire (the longer counts):")
     print(f"{'model':>6} {'N':>4} {'NIC':>9} {'1 sender':>9} {'8 same':>8} {'8 lanes':>8} {'256 lanes':>9} "
           f"{'+delta':>8} {'CPU recv':>9} {'CPU delta':>9}")

@@ -144,6 +144,16 @@ def test_cost_model_lanes_count_what_each_generator_relays_in_every_lane() -> No
     assert lane_seconds(2, 1, int(s), int(b), r, trainer_bps=r) == pytest.approx(2 * one)
 
 
+def test_cost_model_projection_counts_every_connection_of_a_pair() -> None:
+    from benchmarks.cost_model import project
+
+    # one stream at 28.6 Gb/s, a 100 Gb/s NIC at eta 1: one sender's hop is its connections' sum
+    one, two = (project(1.0, 0.0, 0.0, 28.6e9, streams) for streams in (1, 2))
+    for a, b in zip(one, two, strict=True):
+        assert b.hop_gbit == pytest.approx(min(a.nic_gbit, 2 * 28.6)) and a.hop_gbit == pytest.approx(28.6)
+        assert b.seconds < a.seconds and b.lanes["256"] <= a.lanes["256"]
+
+
 def test_sharded_bench_runs_every_mode_and_measures_every_rank(tmp_path: Path) -> None:
     out = run("-m", "benchmarks.sharded", "--mib", "4", "--ranks", "1", "2", "--versions", "1", "--bucket-mib", "1",
               "--sliced", "--delta", "--out", str(tmp_path))
