@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import msgspec
@@ -30,7 +31,11 @@ BOUND = driver.FAIL_TIMEOUT + 5.0  # an update that fails must fail within its t
 
 def run_bounded(argv: list[str], log: Path, env: dict[str, str] | None = None) -> int | None:
     """Run ``python ARGV`` in its own process group, output into ``log``; its exit code, or None
-    when it outlived DEADLINE. Whatever it started is killed either way."""
+    when it outlived DEADLINE. Whatever it started is killed either way, and the rendezvous files
+    its engines left in the temporary directory (``vllm_dist_*``: an engine killed, not shut
+    down, leaves its own) are removed. Not TMPDIR pointed elsewhere: vLLM's caches there went
+    cold and an engine took 20 s longer to start."""
+    before = rendezvous_files()
     with open(log, "wb") as fh:
         proc = subprocess.Popen([sys.executable, *argv], cwd=REPO, stdout=fh, stderr=subprocess.STDOUT,
                                 env=dict(os.environ, PYTHONPATH=str(REPO), **(env or {})), start_new_session=True)
@@ -40,6 +45,12 @@ def run_bounded(argv: list[str], log: Path, env: dict[str, str] | None = None) -
             return None
         finally:
             kill_group(proc.pid)
+            for left in rendezvous_files() - before:
+                left.unlink(missing_ok=True)
+
+
+def rendezvous_files() -> set[Path]:
+    return set(Path(tempfile.gettempdir()).glob("vllm_dist_*"))
 
 
 def run_driver(role: str, work: Path, env: dict[str, str] | None = None) -> bytes:
