@@ -96,14 +96,11 @@ class Reaper:
             items = handoff[:]
             handoff.clear()  # from here on, the teardown thread holds the only references
             done = threading.Event()
-            TEARDOWN.acquire()  # never while this process forks (see TEARDOWN)
-            try:
+            with TEARDOWN:  # never while this process forks (see TEARDOWN); a stuck teardown closed nothing yet
                 threading.Thread(target=_tear_down, args=(items, done), name="ws-group-teardown",
                                  daemon=True).start()
                 del items
                 finished = done.wait(self.STUCK)
-            finally:
-                TEARDOWN.release()  # a stuck teardown closed nothing yet: forks may go on
             if finished:
                 entry.complete()
             else:
