@@ -24,6 +24,7 @@ class FakeControl:
         self.released: list[tuple[str, str]] = []
         self.scopes: dict[str, Any] = {}  # member -> the rendezvous keys it may touch (its last grant)
         self.probes: list[int] = []  # the sizes of the probe rounds asked for
+        self.links: dict[str, tuple[float, float, int, int]] = {}  # member -> what link_seconds answers
 
     def send(self, incarnation: str, message: Any) -> bool:
         self.outbox[incarnation].put(message)
@@ -46,8 +47,8 @@ class FakeControl:
     def begin_transfer(self) -> None:
         """No probes to void."""
 
-    def link_seconds(self, member_id: str) -> tuple[float, float, int] | None:
-        return None
+    def link_seconds(self, member_id: str) -> tuple[float, float, int, int] | None:
+        return self.links.get(member_id)
 
     def grant(self, member_id: str, scope: Any) -> None:
         self.scopes[member_id] = scope

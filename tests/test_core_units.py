@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import queue
+import socket
 import threading
 import time
 
@@ -14,6 +15,8 @@ import torch
 from tests.fakes import FakeControl, FakePlane, FakeTable
 from weightsync import _wire
 from weightsync._errors import LocalFailure, PeerFailure
+from weightsync.control import client as client_mod
+from weightsync.control.framing import HEADER, MAX_FRAME
 from weightsync.format import layout
 from weightsync.membership.generations import Generations, lane_order
 from weightsync.membership.membership import Membership
@@ -555,6 +558,50 @@ def test_a_member_is_judged_on_what_its_link_took_at_least_against_what_the_othe
     slow_own = {"a": 1.0, "b": 0.1, "c": 0.1, "d": 0.1}
     loose = bounds(dict.fromkeys("abcd", 0.01), dict.fromkeys("abcd", 2.0))
     assert [set(busy.slow_members(policy, slow_own, loose)) for _ in range(3)] == [set(), set(), {"a"}]
+
+
+@pytest.mark.skipif(client_mod.SO_TIMESTAMPNS is None, reason="kernel receive stamps are read on Linux x86-64/arm64")
+def test_a_probe_is_timed_by_when_its_bytes_arrived_not_by_when_the_reader_read_them() -> None:
+    """On 2 cores with 9 processes a member's reader thread waited its turn mid-probe, its measure
+    came out several milliseconds long, x160 for a 20 MiB version, and a healthy generator of 8 on
+    equal links was evicted as 3.3x slow (CI, tests/test_netns.py). The kernel stamps each segment
+    as it arrives: a reader that comes late measures the gap in the arrivals, and nothing else."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    writer = socket.create_connection(listener.getsockname())
+    reader, _ = listener.accept()
+    try:
+        assert client_mod._stamp_arrivals(reader)
+        writer.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        body = bytes(range(256)) * 64
+        half, gap = len(body) // 2, 0.3
+        # a reader waiting for the frame: the second half comes ``gap`` after the first
+        got: list[tuple[bytes, float | None]] = []
+        waiting = threading.Thread(target=lambda: got.append(client_mod._read_stamped_frame(reader, MAX_FRAME)))
+        waiting.start()
+        writer.sendall(HEADER.pack(len(body)) + body[:half])
+        time.sleep(gap)
+        writer.sendall(body[half:])
+        waiting.join(10)
+        assert got and got[0][0] == body and got[0][1] is not None
+        assert gap * 0.8 <= got[0][1] <= gap + 0.2, got[0][1]
+        # the same arrivals, and the reader is held up after the header (the GIL, the scheduler):
+        # the hold-up is not counted
+        writer.sendall(HEADER.pack(len(body)) + body[:half])
+        header, first = client_mod._recv_stamped(reader, HEADER.size)
+        time.sleep(gap)
+        writer.sendall(body[half:])
+        time.sleep(gap)  # the reader comes back long after the last bytes came
+        rest, last = client_mod._recv_stamped(reader, client_mod.frame_length(header, MAX_FRAME))
+        assert rest == body and first is not None and last is not None
+        assert gap * 0.8 <= last - first <= gap + 0.2, last - first  # the reader's own wait: 2 * gap
+        # a frame that came at once measures next to nothing, however late it is read
+        writer.sendall(HEADER.pack(len(body)) + body)
+        time.sleep(gap)
+        data, seconds = client_mod._read_stamped_frame(reader, MAX_FRAME)
+        assert data == body and seconds is not None and seconds < 0.1, seconds
+    finally:
+        for sock in (writer, reader, listener):
+            sock.close()
 
 
 def test_relay_suspects_blame_the_relay_whose_children_were_fed_bad_bytes() -> None:

@@ -8,6 +8,7 @@ import statistics
 import threading
 import time
 import weakref
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -531,18 +532,34 @@ async def test_a_link_probe_counts_only_if_answered_before_the_next_version_move
         control.probe(64 << 10)
         assert await loop.run_in_executor(None, control.settle_probes, 10.0)  # every member answered
         times = {s.member_id: control.link_seconds(s.member_id) for s in subs}
-        assert all(t is not None and t[2] == 64 << 10 and t[0] <= t[1] for t in times.values()), times
-        # a round overtaken by a transfer: nothing to wait for, and its answers (if it was written
-        # before the transfer began) do not count. A member answers its probes in order, so once
-        # the next round is answered, any answer to this one came and went
-        control.probe(64 << 10)
-        control.begin_transfer()
+        assert all(t is not None and t[2] == 64 << 10 and t[0] <= t[1] and t[3] == 1 for t in times.values()), times
+        # a round written and then overtaken by a transfer: nothing to wait for, and its answers
+        # do not count
+        def unanswered() -> int:
+            with control._lock:
+                return sum(len(link.probes) for link in control._links.values() if link.bound)
+
+        async def until(done: Callable[[], bool]) -> bool:
+            deadline = loop.time() + 10
+            while not done() and loop.time() < deadline:
+                await asyncio.sleep(0.01)
+            return done()
+
+        done = threading.Event()
+
+        def write_then_transfer() -> None:  # on the control thread, which reads the answers: none comes between
+            control._probe_all(64 << 10, control._epoch)
+            control.begin_transfer()
+            done.set()
+
+        control._loop.call_soon_threadsafe(write_then_transfer)
+        assert await loop.run_in_executor(None, done.wait, 10.0) and control._round == 2
         assert await loop.run_in_executor(None, control.settle_probes, 0.0)
+        assert await until(lambda: unanswered() == 0)  # their answers came, and were dropped
+        assert {s.member_id: control.link_seconds(s.member_id)[3] for s in subs} == {s.member_id: 1 for s in subs}
         control.probe(64 << 10)
         assert await loop.run_in_executor(None, control.settle_probes, 10.0)
-        with control._lock:
-            counted = {link.member_id: len(link.link_times) for link in control._links.values() if link.bound}
-        assert counted == {s.member_id: 2 for s in subs}  # the first round's and the last's
+        assert {s.member_id: control.link_seconds(s.member_id)[3] for s in subs} == {s.member_id: 3 for s in subs}
         # versions still go, and the next round is timed again
         sd = mixed_state_dict(3, mib=1)
         await (await pub.put(sd, version=0)).delivered(timeout=30)

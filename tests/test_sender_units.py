@@ -47,6 +47,7 @@ class Member:
     control: FakeControl
     seen: list[object] = field(default_factory=list)
     stop: threading.Event = field(default_factory=threading.Event)
+    seconds: float = 0.01  # the receive time its Acks report
 
     def run(self) -> None:
         outbox = self.control.outbox[f"inc-{self.name}"]
@@ -69,7 +70,8 @@ class Member:
 
     def _ack(self, announce: _wire.Announce) -> None:
         self.control.replies.put(_wire.Ack(generation=announce.generation, seq=announce.seq, member_id=self.name,
-                                           version=announce.version, ok=True, seconds=0.01, own_seconds=0.005))
+                                           version=announce.version, ok=True, seconds=self.seconds,
+                                           own_seconds=0.005))
 
     def of(self, kind: type) -> list:
         return [m for m in self.seen if isinstance(m, kind)]
@@ -262,6 +264,38 @@ def test_a_sharded_lane_announces_its_assembly_and_buckets_by_its_plan(rig) -> N
     announce = a.of(_wire.Announce)[-1]
     assert announce.assembly == assembly
     assert announce.num_buckets == len(sharding.bucket_plan(part.lane, SETTINGS.bucket_bytes))
+
+
+def test_each_round_of_link_probes_gives_one_verdict(rig) -> None:
+    """A member's link is judged on its answer to the newest round of probes, once: one slow
+    answer was carried into three versions' verdicts (the largest of the last three answers), and
+    a healthy generator of 8 on equal links was evicted as 3.3x slow (CI, tests/test_netns.py)."""
+    r = rig()
+    members = {name: r.join(name) for name in "abc"}
+    members["a"].seconds = 2.0  # the tree held it up (and its relay), its own time is like the others'
+    items = tensors(100_000, 1.0)
+    nbytes = layout.build_manifest(items).total_bytes
+
+    def slow_verdicts() -> int:
+        return sum(1 for e in r.recorder.snapshot() if e.op == "slow" and e.peers == ("a",))
+
+    def answer(round_: int) -> None:  # a's probe took as long as a version, the others' next to nothing
+        r.control.links = {"a": (1.0, 1.0, nbytes, round_), "b": (0.001, 0.002, nbytes, round_),
+                           "c": (0.001, 0.002, nbytes, round_)}
+
+    answer(1)
+    for version in range(4):  # one round answered, four versions: one verdict, never three in a row
+        r.put(version, items)
+    assert slow_verdicts() == 0 and "a" in r.membership.members
+    for version, round_ in zip(range(4, 7), (2, 2, 3)):  # a late round (2, again) counts once
+        answer(round_)
+        r.put(version, items)
+    assert slow_verdicts() == 0 and "a" in r.membership.members
+    # a link that is slow round after round is found: the third fresh round in a row flags it
+    for version, round_ in zip(range(7, 9), (4, 5)):
+        answer(round_)
+        r.put(version, items)
+    assert slow_verdicts() == 1
 
 
 @pytest.mark.parametrize("lane", [(0, 1), (1, 2)], ids=["unsharded", "a-lane"])

@@ -21,9 +21,11 @@ deadline (``send_timeout``), so a frozen publisher can stall no thread beyond it
 from __future__ import annotations
 
 import os
+import platform
 import queue
 import socket
 import struct
+import sys
 import threading
 import time
 from typing import Any
@@ -47,6 +49,12 @@ from weightsync.planes import shm
 from weightsync.recorder.recorder import RecorderScope
 
 READ_SLICE = 0.5  # the reader wakes this often to show it is alive (``tick``)
+# the kernel's receive time of each segment (SO_TIMESTAMPNS, Linux; the generic value, which
+# x86-64 and arm64 use): a probe is timed from its first segment's arrival to its last, whatever
+# the reader thread was doing meanwhile (waiting for the GIL, or descheduled on a busy host)
+SO_TIMESTAMPNS = 35 if sys.platform == "linux" and platform.machine() in ("x86_64", "aarch64") else None
+STAMP = struct.Struct("=qq")  # struct timespec
+STAMP_SPACE = socket.CMSG_SPACE(STAMP.size) if hasattr(socket, "CMSG_SPACE") else 0
 
 
 class ControlClient:
@@ -213,6 +221,7 @@ class ControlClient:
     def _read_loop(self) -> None:
         assert self._rsock is not None and self._session is not None
         sock, session = self._rsock, self._session
+        stamps = _stamp_arrivals(sock)
         try:
             while not self.closed.is_set():
                 sock.settimeout(READ_SLICE)
@@ -225,9 +234,13 @@ class ControlClient:
                     raise ConnectionError("the publisher closed the connection")
                 sock.settimeout(None if self._send_timeout is None else max(self._send_timeout, READ_SLICE))
                 first = time.monotonic()  # the frame's first bytes are here
-                data = self._read_frame(sock, MAX_FRAME)
+                if stamps:
+                    data, stamped = _read_stamped_frame(sock, MAX_FRAME)
+                else:
+                    data, stamped = self._read_frame(sock, MAX_FRAME), None
                 self.tick = time.monotonic()
-                arriving = self.tick - first  # a busy reader finds them buffered: it can only read less
+                # without the kernel's times: from when this thread saw the first bytes to the last
+                arriving = self.tick - first if stamped is None else stamped
                 try:
                     message = session.open(data, _wire.server_decoder)
                 except BadFrame as err:
@@ -294,6 +307,42 @@ def self_connected(sock: socket.socket) -> bool:
         return bool(sock.getsockname() == sock.getpeername())
     except OSError:
         return False
+
+
+def _stamp_arrivals(sock: socket.socket) -> bool:
+    """Ask the kernel to stamp each segment ``sock`` receives; False where it cannot."""
+    if SO_TIMESTAMPNS is None or not STAMP_SPACE:
+        return False
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
+    except OSError:
+        return False
+    return True
+
+
+def _read_stamped_frame(sock: socket.socket, limit: int) -> tuple[bytes, float | None]:
+    """One frame's body, and the seconds from its first segment's arrival to its last by the
+    kernel's stamps (None when a read came without one). A TCP read is stamped with the newest
+    segment it consumed: the header's read with the first, the body's last read with the last."""
+    header, first = _recv_stamped(sock, HEADER.size)
+    body, last = _recv_stamped(sock, frame_length(header, limit))
+    return body, None if first is None or last is None else max(last - first, 0.0)
+
+
+def _recv_stamped(sock: socket.socket, n: int) -> tuple[bytes, float | None]:
+    buf = bytearray(n)
+    view, got, stamp = memoryview(buf), 0, None
+    while got < n:
+        k, ancillary, _flags, _addr = sock.recvmsg_into([view[got:got + (1 << 20)]], STAMP_SPACE)
+        if not k:
+            raise ConnectionError("the connection closed mid-frame")
+        got += k
+        stamp = None
+        for level, kind, data in ancillary:
+            if level == socket.SOL_SOCKET and kind == SO_TIMESTAMPNS and len(data) >= STAMP.size:
+                seconds, nanos = STAMP.unpack_from(data)
+                stamp = seconds + nanos * 1e-9
+    return bytes(buf), stamp
 
 
 def _recv_exactly(sock: socket.socket, n: int) -> bytes:

@@ -67,11 +67,15 @@ MAX_BACKLOG = 512 << 20
 MAX_REFUSALS = 64  # store ops refused on one connection before it is closed (a member that keeps trying)
 
 
-# a member's link time, from its last three probes, each on a quiet link (no version moving:
-# begin_transfer) and bounded both ways: the member times it from its first bytes to its last, which
-# can only come out shorter than the link (bytes already buffered when a busy reader wakes, near 0
-# on fast links), and the publisher from writing it to the answer, which can only come out longer
+# a member's link time: what it took at least, from its answer to the newest round of probes, and
+# at most, from the last three rounds. Each probe is written on a quiet link (no version moving:
+# begin_transfer) and bounded both ways: the member times it from its first segment's arrival to
+# its last by the kernel's stamps, which can only come out shorter than the link took, and the
+# publisher from writing it to the answer, which can only come out longer (the smallest of three
+# is still a bound, and a tighter one on a busy host). The least is fresh each round: one slow
+# answer is not carried into the next versions' verdicts
 PROBE_WINDOW = 3
+MAX_UNANSWERED = 12  # probes a member left unanswered before they are forgotten
 
 
 @dataclass(eq=False)
@@ -88,8 +92,9 @@ class Link:
     bound: bool = False  # the Sender accepted it as this member's current incarnation
     closed: bool = False
     reported: bool = False
-    probes: dict[int, tuple[float, int]] = field(default_factory=dict)  # probe seq -> (when written, quiet epoch)
-    link_times: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=PROBE_WINDOW))  # (low, high)
+    probes: dict[int, tuple[float, int, int]] = field(default_factory=dict)  # seq -> (when written, epoch, round)
+    link_time: tuple[float, int] | None = None  # (low, round) of its newest answered probe
+    round_trips: deque[float] = field(default_factory=lambda: deque(maxlen=PROBE_WINDOW))  # its last answers
     transport: str = "group"  # "shm": a same-host member that reads the publisher's shared memory
     want: tuple[_wire.Want, ...] | None = None  # a sliced member's boxes (it receives point to point)
     scope: Scope | None = None  # the rendezvous keys it may touch (its current generation's), set by grant()
@@ -129,6 +134,7 @@ class ControlServer:
         self._refusals = Refusals(recorder)  # refused connections, counted per source and reason
         self._probe_seq = 0
         self._probe_bytes = 0
+        self._round = 0  # rounds of probes written so far
         self._lock = threading.Lock()
         # probes time a link only while no version moves: a probe is written in a quiet epoch and
         # counts only if its answer comes before the next transfer begins (begin_transfer)
@@ -267,15 +273,16 @@ class ControlServer:
             self._round_pending = False
             self._unanswered.clear()
 
-    def link_seconds(self, member_id: str) -> tuple[float, float, int] | None:
-        """What a recent probe took on ``member_id``'s link at least and at most (the largest of
-        the member's own measures, the smallest of the round trips), and the probes' size; or None."""
+    def link_seconds(self, member_id: str) -> tuple[float, float, int, int] | None:
+        """What ``member_id``'s link took at least (its newest answered probe) and at most (the
+        shortest of its last round trips), the probes' size, and the round of the newest answer
+        (rounds count up); or None."""
         with self._lock:
             link = self._members.get(member_id)
-        if link is None or not link.link_times:
+        if link is None or link.link_time is None:
             return None
-        times = list(link.link_times)
-        return max(low for low, _ in times), min(high for _, high in times), self._probe_bytes
+        low, round_ = link.link_time
+        return low, min(link.round_trips), self._probe_bytes, round_
 
     def stale(self) -> bool:
         """True when the control loop itself has not run lately (a stalled process): no verdicts."""
@@ -298,7 +305,10 @@ class ControlServer:
             if nbytes != self._probe_bytes:  # another size: older times measured something else
                 self._probe_bytes = nbytes
                 for link in list(self._links.values()):
-                    link.link_times.clear()
+                    link.link_time = None
+                    link.round_trips.clear()
+            self._round += 1
+            round_ = self._round
             with self._lock:
                 links = [link for link in self._links.values() if link.bound and not link.closed]
             self._unanswered = {link.incarnation for link in links}
@@ -306,9 +316,9 @@ class ControlServer:
         pad = bytes(nbytes)
         for link in links:
             self._probe_seq += 1
-            if len(link.probes) > 4 * PROBE_WINDOW:  # unanswered ones: a member that does not care
+            if len(link.probes) > MAX_UNANSWERED:  # unanswered ones: a member that does not care
                 link.probes.clear()
-            link.probes[self._probe_seq] = (time.monotonic(), epoch)
+            link.probes[self._probe_seq] = (time.monotonic(), epoch, round_)
             self._write(link, _wire.Probe(self._probe_seq, pad))
 
     def wait_copied(self, members: tuple[str, ...], generation: int, seq: int, bucket: int, timeout: float,
@@ -451,7 +461,8 @@ class ControlServer:
                     with self._quiet:
                         if sent[1] == self._epoch:  # no version moved since it was written
                             rtt = time.monotonic() - sent[0]
-                            link.link_times.append((min(max(message.seconds, 0.0), rtt), rtt))
+                            link.link_time = (min(max(message.seconds, 0.0), rtt), sent[2])
+                            link.round_trips.append(rtt)
                             self._unanswered.discard(link.incarnation)
                             self._quiet.notify_all()
             elif isinstance(message, _wire.Leave):

@@ -186,6 +186,7 @@ class Sender:
         self._gens: Generations | None = None
         self.tally = tally or PublisherTally(channel)
         self._nobody_streak = False  # the last version reached nobody (its warning was logged)
+        self._probe_round = 0  # the newest round of link probes a verdict was given on
         self._corrupting: dict[str, int] = {}  # relay -> versions it was found corrupting (acks do not reset)
         # member -> the version it acknowledged whole last (a delta goes only to members holding its
         # base); forgotten when a member joins again, and when a delta it was sent did not apply
@@ -711,11 +712,13 @@ class Sender:
 
         A member is slow on its own time (what it spent outside the collective) against the
         others', or on its link's time for a version this size: extrapolated from what its
-        recent probes took at least, capped at its whole receive time, against what the others'
-        took at most (their probes' round trips). The broadcast is a tree, so a slow link's
-        wait lands on other members' collective time too: only the probe, which goes straight
-        to each member, says whose link it is. The next round of probes goes out now, sized at
-        1/32 of the version (at most 128 KiB; none below 256 KiB, where links do not matter).
+        probe of the newest round took at least, capped at its whole receive time, against what
+        the others' took at most (the shortest of their last round trips). The broadcast is a tree, so a slow
+        link's wait lands on other members' collective time too: only the probe, which goes
+        straight to each member, says whose link it is. Links are compared once per round, and
+        only when every member answered it: each verdict stands on a measure of its own. The
+        next round goes out now, sized at 1/32 of the version (at most 128 KiB; none below
+        256 KiB, where links do not matter).
         """
         timings = gens.last_timings
         own = {m: timings[m][1] for m in acked if m in timings}
@@ -726,17 +729,23 @@ class Sender:
         # a sharded publisher's lanes share every link: one lane's probe would time the others'
         # buckets, so its members are scored on their own time alone
         linked = [m for m in own if not part_of(m).moves_alone] if self.lane[1] == 1 else []
-        for member in linked:
-            probed = self.control.link_seconds(member)
-            if probed is not None and probed[2] > 0:
-                low, high, probe_bytes = probed
+        probed = {m: self.control.link_seconds(m) for m in linked}
+        newest = max((p[3] for p in probed.values() if p is not None), default=0)
+        for member, times in probed.items():
+            if times is not None and times[2] > 0 and times[3] == newest > self._probe_round:
+                low, high, probe_bytes, _round = times
                 # never more than its whole receive took: on fast links the extrapolation is
                 # mostly latency and scheduling noise, which this bounds. A member is judged on
                 # what its link took at least against what the others' took at most: a probe whose
-                # bytes were all buffered before a busy reader woke (near 0 s) never makes another
-                # member's honest measure look slow
+                # segments came at once (a shaper's burst) never makes another member's honest
+                # measure look slow
                 scale, whole = nbytes / probe_bytes, timings[member][0]
                 links[member] = (min(low * scale, whole), min(high * scale, whole))
+        if links and len(links) == len(linked):
+            self._probe_round = newest  # this round has had its verdict
+        log.debug("version %d: own seconds %s, link seconds (least, most) %s", version,
+                  {m: round(t, 4) for m, t in own.items()},
+                  {m: (round(a, 4), round(b, 4)) for m, (a, b) in links.items()})
         if nbytes >= PROBE_FROM and self.lane[1] == 1:
             self.control.probe(min(PROBE_MAX, nbytes // 32))
         # a member is compared with members of its own plane only: copies out of shared memory
