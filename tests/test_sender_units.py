@@ -287,12 +287,12 @@ def test_each_round_of_link_probes_gives_one_verdict(rig) -> None:
     for version in range(4):  # one round answered, four versions: one verdict, never three in a row
         r.put(version, items)
     assert slow_verdicts() == 0 and "a" in r.membership.members
-    for version, round_ in zip(range(4, 7), (2, 2, 3)):  # a late round (2, again) counts once
+    for version, round_ in zip(range(4, 7), (2, 2, 3), strict=True):  # a late round (2, again) counts once
         answer(round_)
         r.put(version, items)
     assert slow_verdicts() == 0 and "a" in r.membership.members
     # a link that is slow round after round is found: the third fresh round in a row flags it
-    for version, round_ in zip(range(7, 9), (4, 5)):
+    for version, round_ in zip(range(7, 9), (4, 5), strict=True):
         answer(round_)
         r.put(version, items)
     assert slow_verdicts() == 1
