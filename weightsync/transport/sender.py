@@ -743,9 +743,10 @@ class Sender:
                 links[member] = (min(low * scale, whole), min(high * scale, whole))
         if links and len(links) == len(linked):
             self._probe_round = newest  # this round has had its verdict
-        log.debug("version %d: own seconds %s, link seconds (least, most) %s", version,
-                  {m: round(t, 4) for m, t in own.items()},
-                  {m: (round(a, 4), round(b, 4)) for m, (a, b) in links.items()})
+        if log.isEnabledFor(logging.DEBUG):  # what each verdict below stood on
+            log.debug("version %d: own seconds %s, link seconds (least, most) %s", version,
+                      {m: round(t, 4) for m, t in own.items()},
+                      {m: (round(a, 4), round(b, 4)) for m, (a, b) in links.items()})
         if nbytes >= PROBE_FROM and self.lane[1] == 1:
             self.control.probe(min(PROBE_MAX, nbytes // 32))
         # a member is compared with members of its own plane only: copies out of shared memory
