@@ -145,11 +145,25 @@ def cpu_hog() -> Iterator[subprocess.Popen[bytes]]:
         hog.wait(timeout=10)
 
 
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """Keeps each phase's report on the test, so fixtures can tell at teardown that it failed."""
+    report = yield
+    setattr(item, f"ws_report_{report.when}", report)
+    return report
+
+
 @pytest.fixture
-def procs() -> Iterator[Procs]:
+def procs(request: pytest.FixtureRequest) -> Iterator[Procs]:
     with tempfile.TemporaryDirectory(prefix="ws-test-") as tmp:
         p = Procs(Path(tmp))
         try:
             yield p
         finally:
             p.kill_all()
+            report = getattr(request.node, "ws_report_call", None)
+            if report is not None and report.failed:
+                # every worker's own account of a failure the test saw from outside (pytest shows
+                # a failed test's captured teardown output)
+                for i in range(len(p.procs)):
+                    print(f"--- worker {i} ({p.procs[i][2].name}), exit {p.procs[i][0].returncode} ---\n{p.log(i)}")
