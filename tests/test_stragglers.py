@@ -26,7 +26,7 @@ import torch
 import weightsync as ws
 from tests.conftest import REPO, Procs
 from tests.statedicts import digests
-from weightsync.pg.reaper import drain_retired
+from weightsync.pg.reaper import drain_retired, left_behind
 from weightsync.recorder.recorder import FlightRecorder
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(240)]
@@ -353,6 +353,7 @@ async def test_soak_200_versions_4_subscribers_one_killed_and_replaced_every_50(
             targets: dict[int, dict[int, str]] = {}
             threads: dict[int, list[str]] = {}
             sockets: dict[int, list[str]] = {}
+            stuck: dict[int, int] = {}
             for v in range(200):
                 if v in (50, 100, 150):
                     await pub.wait_subscribers(4, timeout=90)  # the last replacement is in
@@ -383,6 +384,7 @@ async def test_soak_200_versions_4_subscribers_one_killed_and_replaced_every_50(
                     targets[v] = fd_targets()
                     threads[v] = sorted(t.name for t in threading.enumerate())
                     sockets[v] = socket_detail()
+                    stuck[v] = left_behind()
             await pub.wait_subscribers(4, timeout=90)
             report = await (await put_checked(pub, 200, numel)).delivered(timeout=60)
             assert len(report.members) == 4
@@ -398,6 +400,20 @@ async def test_soak_200_versions_4_subscribers_one_killed_and_replaced_every_50(
     if files_late != files_early:  # everything that tells what they are, in full
         print("descriptors at 75:", targets[75], "\nat 199:", targets[199], "\nsockets:", sockets,
               "\nthreads at 75:", threads[75], "\nat 199:", threads[199], file=sys.stderr)
-    assert files_late == files_early, {k: n for k, n in grown.items() if n}
+    # torch 2.13 only: a retired backend whose teardown the reaper left behind (a send or receive
+    # waiting for a lazy pair its peer never connected: docs/torch-versions.md) keeps its own
+    # descriptors until the process ends. Nothing else may grow, and a left-behind backend holds
+    # no more than one gloo backend of these 4 members can: per connection per pair (2 streams),
+    # an epoll, its wake-up pipe, a listener and a socket to each of 3 peers
+    held = stuck[199] - stuck[75]
+    extra_threads = sorted(set(threads[199]) - set(threads[75]))
+    if held == 0:
+        assert files_late == files_early, {k: n for k, n in grown.items() if n}
+    else:
+        print(f"{held} teardown(s) left behind between the samples, holding {files_late - files_early} descriptors",
+              file=sys.stderr)
+        assert {k for k, n in grown.items() if n} <= {"socket", "pipe", "anon_inode"}, grown
+        assert files_late - files_early <= held * 2 * (1 + 2 + 1 + 3), grown
+        assert extra_threads == ["ws-group-teardown"], extra_threads
     assert rss_late - rss_early < 16, samples
     await all_ended_on(200, procs, workers[3:], tmp_path, replacements=3, numel=numel)

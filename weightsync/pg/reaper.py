@@ -131,6 +131,12 @@ def drain_retired(timeout: float) -> bool:
     return _reaper.drain(timeout)
 
 
+def left_behind() -> int:
+    """Teardowns this process left behind so far (``Reaper.STUCK``): each still holds its backend,
+    and that backend's descriptors, until the process ends (torch 2.13, docs/torch-versions.md)."""
+    return _reaper.stuck
+
+
 def retire(handoff: list[Any], entry: Any, after: float = 0.0) -> None:
     """Hand a backend (``handoff[0]``; None: nothing to abort) and whatever must die with it (its
     store, hung works) over for teardown; completes ``entry`` once they are gone.
