@@ -11,6 +11,7 @@ import datetime as dt
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -375,6 +376,47 @@ async def test_the_megatron_tp_pp_recipe_pushes_every_stage_once(procs: Procs, t
     assert {k: digest(t) for k, t in got.items()} == {k: digest(t) for k, (t, _dim) in full.items()}
     assert sum(r["sent"] for r in results) == sum(t.nbytes for t, _dim in full.values())  # each byte once
     del store
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(120)
+async def test_a_member_that_reaches_a_rank_before_its_start_returned_is_admitted() -> None:
+    """Rank 0 tells subscribers rank 1's lane as soon as rank 1 registered it, which can be before
+    rank 1's own start() has returned (its event loop busy elsewhere). A join arriving then is
+    admitted, not refused as "the publisher is shutting down" (seen twice in CI: the TP + PP
+    recipe and the lanes contract test, both with the trainer ranks under load). Here rank 1's
+    start is held after it registered until a member's join has reached its door."""
+    p0 = ws.Publisher("early", rank=0, world_size=2, timeout=5.0)
+    await p0.start()  # rank 0 does not wait for the other ranks
+    p1 = ws.Publisher("early", rank=1, world_size=2, address=p0.address, timeout=5.0)
+    asked = threading.Event()  # rank 1's door was asked whether to admit a member
+    closing = p1._control._closing
+
+    def asking() -> bool:
+        asked.set()
+        return closing()
+
+    p1._control._closing = asking
+    registered = p1._trainers.start
+
+    async def then_held(address: str) -> None:
+        await registered(address)
+        await asyncio.get_running_loop().run_in_executor(None, asked.wait, 60)
+
+    p1._trainers.start = then_held
+    sub = ws.Subscriber("early", address=p0.address, timeout=5.0)
+    try:
+        await asyncio.gather(p1.start(), sub.start())
+        assert asked.is_set()
+        await asyncio.gather(p0.wait_subscribers(1, timeout=30), p1.wait_subscribers(1, timeout=30))
+        sd = {"w": torch.arange(12.0).reshape(4, 3), "b": torch.tensor([7, 8], dtype=torch.int16)}
+        handles = await asyncio.gather(p0.put(sd, version=1, owners={"b": 1}), p1.put(sd, version=1, owners={"b": 1}))
+        await asyncio.gather(*(h.delivered(timeout=30) for h in handles))
+        got = await sub.get(min_version=1, timeout=30)
+        assert torch.equal(got["w"], sd["w"]) and torch.equal(got["b"], sd["b"])
+    finally:
+        await sub.aclose()
+        await asyncio.gather(p0.aclose(), p1.aclose())
 
 
 @pytest.mark.asyncio

@@ -194,7 +194,7 @@ class Publisher:
             name, host=self._bind[0], port=self._bind[1], secret=self._secret,
             mine=auth.fingerprint(self.backend, self.device), table=self._table, recorder=self._rec,
             heartbeat_interval=self.options.heartbeat_interval, dead_after=deadlines.member_silence(),
-            handshake_timeout=self.options.timeout, closing=lambda: self._state is not EndState.RUNNING,
+            handshake_timeout=self.options.timeout, closing=self._closing,
             on_join=self._door.joined, on_leave=self._door.left,
             on_dead=self._door.died, shm_offer=self._planes.offer, planes=self._planes.registered,
             rank_links=self.world_size > 1 and self.rank == 0, wait_bound=deadlines.rendezvous_wait())
@@ -231,6 +231,12 @@ class Publisher:
         self._door.sender, self._door.trainers = self._sender, self._trainers
 
     # lifecycle ----------------------------------------------------------------------------
+    def _closing(self) -> bool:
+        """Whether joins are refused: only once closing. A join that comes while start() is still
+        running is admitted and waits for the sender thread; on a sharded publisher it can (rank 0
+        hands out a rank's lane once that rank registered, before its start() returned)."""
+        return self._state in (EndState.CLOSING, EndState.CLOSED)
+
     async def __aenter__(self) -> Publisher:
         await self.start()
         return self
