@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -54,12 +56,121 @@ def loop_policy(name: str) -> asyncio.AbstractEventLoopPolicy:
     return uvloop.EventLoopPolicy() if name == "uvloop" else asyncio.DefaultEventLoopPolicy()
 
 
+class Forked:
+    """A worker forked by tests/forkserver.py: the part of ``subprocess.Popen`` the tests use."""
+
+    def __init__(self, server: ForkServer, pid: int) -> None:
+        self._server = server
+        self.pid = pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._server.returncode(self.pid)
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        return self._server.wait(self.pid, timeout)
+
+
+class ForkServer:
+    """tests/forkserver.py, started on first use and shared by every test of this process."""
+
+    def __init__(self) -> None:
+        self._log = tempfile.TemporaryFile(prefix="ws-forkserver-")  # noqa: SIM115 - lives as long as the server
+        env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.forkserver"], cwd=REPO, env=env,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log)
+        self._cond = threading.Condition()
+        self._pids: dict[int, int] = {}  # request -> the child's pid
+        self._codes: dict[int, int] = {}  # pid -> exit status (negative: the signal)
+        self._ids = itertools.count()
+        self._reader = threading.Thread(target=self._read, name="ws-test-forkserver", daemon=True)
+        self._reader.start()
+
+    def fork(self, argv: list[str], env: dict[str, str], log: Path, timeout: float = 60.0) -> Forked:
+        from tests.forkserver import Fork
+
+        rid = next(self._ids)
+        assert self.proc.stdin is not None
+        with self._cond:
+            self.proc.stdin.write(msgspec.json.encode(Fork(rid, argv, env, str(REPO), str(log))) + b"\n")
+            self.proc.stdin.flush()
+            if not self._cond.wait_for(lambda: rid in self._pids or not self._reader.is_alive(), timeout):
+                raise RuntimeError(f"the fork server did not start a worker in {timeout} s")
+            if rid not in self._pids:
+                raise RuntimeError(f"the fork server is gone: {self.stderr()}")
+            return Forked(self, self._pids.pop(rid))
+
+    def returncode(self, pid: int) -> int | None:
+        with self._cond:
+            return self._codes.get(pid)
+
+    def wait(self, pid: int, timeout: float | None) -> int:
+        with self._cond:
+            if not self._cond.wait_for(lambda: pid in self._codes or not self._reader.is_alive(), timeout):
+                raise subprocess.TimeoutExpired(f"worker {pid}", timeout or 0.0)
+            if pid not in self._codes:
+                raise RuntimeError(f"the fork server is gone, worker {pid}'s exit is unknown: {self.stderr()}")
+            return self._codes[pid]
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None and self._reader.is_alive()
+
+    def stderr(self) -> str:
+        self._log.seek(0)
+        return self._log.read()[-2000:].decode(errors="replace")
+
+    def _read(self) -> None:
+        from tests.forkserver import Answer, Exited
+
+        decoder = msgspec.json.Decoder(Answer)
+        assert self.proc.stdout is not None
+        try:
+            for line in self.proc.stdout:
+                answer = decoder.decode(line)
+                with self._cond:
+                    if isinstance(answer, Exited):
+                        self._codes[answer.pid] = answer.returncode
+                    else:
+                        self._pids[answer.id] = answer.pid
+                    self._cond.notify_all()
+        finally:
+            with self._cond:
+                self._cond.notify_all()
+
+
+_fork_server: ForkServer | None = None
+_fork_lock = threading.Lock()
+
+
+def fork_server() -> ForkServer | None:
+    """The shared fork server, or None where workers are exec'd (``WS_TEST_EXEC_WORKERS=1``, or
+    a server that died: said once on stderr)."""
+    global _fork_server
+    if os.environ.get("WS_TEST_EXEC_WORKERS") == "1":
+        return None
+    with _fork_lock:
+        if _fork_server is None:
+            _fork_server = ForkServer()
+        if not _fork_server.alive():
+            print(f"the test fork server is gone; workers are exec'd from here on: {_fork_server.stderr()}",
+                  file=sys.stderr)
+            os.environ["WS_TEST_EXEC_WORKERS"] = "1"
+            return None
+        return _fork_server
+
+
 class Procs:
-    """Worker processes started by one test: msgspec JSON results, killed at teardown."""
+    """Worker processes started by one test: msgspec JSON results, killed at teardown.
+
+    A worker with no environment of its own is forked from tests/forkserver.py (torch already
+    imported); one with ``env`` (an ``LD_PRELOAD`` shim, a variable read at import) is exec'd."""
 
     def __init__(self, tmp: Path) -> None:
         self.tmp = tmp
-        self.procs: list[tuple[subprocess.Popen[bytes], Path, Path]] = []
+        self.procs: list[tuple[subprocess.Popen[bytes] | Forked, Path, Path]] = []
 
     def spawn(self, role: str, env: dict[str, str] | None = None, **args: object) -> int:
         """Start ``python -m tests.workers ROLE`` with ``args`` (and ``env``); returns its index."""
@@ -67,10 +178,16 @@ class Procs:
         out = self.tmp / f"{role}-{index}.json"
         log = self.tmp / f"{role}-{index}.log"
         spec = msgspec.json.encode({"role": role, "result": str(out), **args})
+        server = None if env else fork_server()
         env = dict(os.environ, **(env or {}), PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
-        with open(log, "wb") as fh:
-            proc = subprocess.Popen([sys.executable, "-m", "tests.workers", spec.decode()], cwd=REPO, env=env,
-                                    stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+        proc: subprocess.Popen[bytes] | Forked
+        if server is not None:
+            log.touch()  # readable at once, as the exec'd worker's (the child opens it once forked)
+            proc = server.fork([spec.decode()], env, log)
+        else:
+            with open(log, "wb") as fh:
+                proc = subprocess.Popen([sys.executable, "-m", "tests.workers", spec.decode()], cwd=REPO, env=env,
+                                        stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
         self.procs.append((proc, out, log))
         return index
 

@@ -385,7 +385,8 @@ def load_spec(arg: str) -> dict:
     return spec
 
 
-if __name__ == "__main__":
+def run(arg: str) -> int:
+    """Run the worker ``arg`` describes (an exec'd interpreter, or a child of tests/forkserver.py)."""
     # a hung worker tells where it hangs: every thread's stack on SIGUSR2, and on the SIGTERM an
     # orchestrator's aclose() sends before its SIGKILL; a crashed one, where it crashed
     faulthandler.register(signal.SIGUSR2, all_threads=True)
@@ -393,7 +394,7 @@ if __name__ == "__main__":
     faulthandler.enable(all_threads=True)  # a crash (SIGSEGV, SIGABRT) prints where it happened
     # the test run's transport for subscribers that name none (tests/conftest.py's fixture sets it)
     set_default_transport(os.environ.get("WS_TEST_TRANSPORT", "auto"))
-    spec = load_spec(sys.argv[1])
+    spec = load_spec(arg)
     if spec.get("loop") == "uvloop":
         import uvloop
 
@@ -403,3 +404,8 @@ if __name__ == "__main__":
     with open(spec["result"] + ".tmp", "wb") as fh:
         fh.write(msgspec.json.encode(result))
     os.replace(spec["result"] + ".tmp", spec["result"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run(sys.argv[1]))
