@@ -403,8 +403,8 @@ async def test_soak_200_versions_4_subscribers_one_killed_and_replaced_every_50(
     # torch 2.13 only: a retired backend whose teardown the reaper left behind (a send or receive
     # waiting for a lazy pair its peer never connected: docs/torch-versions.md) keeps its own
     # descriptors until the process ends. Nothing else may grow, and a left-behind backend holds
-    # no more than one gloo backend of these 4 members can: per connection per pair (2 streams),
-    # an epoll, its wake-up pipe, a listener and a socket to each of 3 peers
+    # no more than one gloo backend of these 4 members can: for each of its 2 streams an epoll,
+    # its wake-up pipe (2 ends), a listener and a socket to each of 3 peers
     held = stuck[199] - stuck[75]
     extra_threads = sorted(set(threads[199]) - set(threads[75]))
     if held == 0:
