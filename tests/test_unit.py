@@ -265,6 +265,55 @@ def test_checksum_catches_flips_and_swaps_and_ignores_alignment(kind: str) -> No
         checksum(data.view(torch.int64))
 
 
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_a_running_digest_over_pieces_is_the_bucket_digest(kind: str) -> None:
+    data = torch.randint(0, 256, (3 * 4096 + 17,), dtype=torch.uint8)
+    for cut in (1, 7, 4096, 5000):
+        running = checksums.Running(kind)
+        for lo in range(0, data.numel(), cut):
+            running.update(data[lo:lo + cut])
+        assert running.value() == checksums.checksum(data, kind)
+    empty = checksums.Running(kind)
+    empty.update(data[:0])
+    assert empty.value() == checksums.checksum(data[:0], kind)
+    with pytest.raises(ValueError, match="uint8 host bytes"):
+        checksums.Running(kind).update(data.view(torch.int8))
+    with pytest.raises(ValueError, match="unknown digest"):
+        checksums.Running("md5")
+
+
+def test_get_into_as_received_digests_and_writes_each_piece_in_one_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    from weightsync.transport import into
+
+    monkeypatch.setattr(into, "PIECE", 1000)  # pieces smaller than a bucket, buckets smaller than a tensor
+    src = {"a": torch.arange(3000, dtype=torch.float32), "b": torch.arange(600, dtype=torch.bfloat16).view(20, 30),
+           "c": torch.arange(1500, dtype=torch.float32).view(30, 50), "d": torch.ones(3, dtype=torch.float64)}
+    manifest = layout.build_manifest(layout.as_items(src))
+    flat = torch.empty(manifest.total_bytes, dtype=torch.uint8)
+    layout.pack_into(flat, manifest, layout.as_items(src))
+    dest = {"a": torch.nn.Parameter(torch.zeros(3000)), "b": torch.zeros(20, 30, dtype=torch.bfloat16),
+            "c": torch.zeros(50, 30).t(), "d": torch.zeros(3, dtype=torch.float64)}  # c: not contiguous
+    versions = {name: t._version for name, t in dest.items()}
+    target = into.IntoDest(dest, None)
+    writer = target.writer(7, manifest, flat)
+    assert writer is not None
+    spec = layout.spec_map(manifest)
+    for lo, hi in layout.bucket_ranges(manifest.total_bytes, 5000):
+        assert writer.digest_and_write(lo, hi, "xxh3") == checksums.checksum(flat[lo:hi], "xxh3")
+        # a plain tensor has every byte below hi; one that is not, only once it lies wholly below
+        for name in ("a", "b"):
+            got = spec[name].offset
+            n = max(0, min(hi - got, spec[name].nbytes))
+            assert torch.equal(dest[name].detach().reshape(-1).view(torch.uint8)[:n],
+                               flat[got:got + n]), (name, lo, hi)
+        whole = spec["c"].offset + spec["c"].nbytes <= hi
+        assert torch.equal(dest["c"], src["c"]) is whole
+    assert writer.finish() and target.done == 7
+    assert all(torch.equal(dest[name].detach(), t) for name, t in src.items())
+    # torch's in-place counter moved once per tensor, as the copy_ each write stands for moves it
+    assert {name: t._version - versions[name] for name, t in dest.items()} == dict.fromkeys(dest, 1)
+
+
 def test_the_digest_is_chosen_by_measurement_named_pinned_or_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     data = torch.randint(0, 256, (1 << 12,), dtype=torch.uint8)
     assert checksums.checksum(data, "crc32c") != checksums.checksum(data, "xxh3")  # the name decides

@@ -80,6 +80,34 @@ def checksum(buf: torch.Tensor, kind: str = DEFAULT) -> int:
     return fn(_host_view(tail), fn(_host_view(sums.view(torch.uint8))))
 
 
+class Running:
+    """The digest ``kind`` of a host bucket taken piece by piece, in order: :meth:`value` is what
+    :func:`checksum` gives for the pieces joined. A receiver digests each piece while it is in
+    the CPU's cache, just before it copies the same bytes on (``get_into(as_received=True)``)."""
+
+    def __init__(self, kind: str) -> None:
+        if kind not in KINDS:
+            raise ValueError(f"unknown digest {kind[:32]!r}; known: {sorted(KINDS)}")
+        self.kind = kind
+        self._crc = 0
+        self._xxh = xxhash.xxh3_64() if kind == "xxh3" else None
+
+    def update(self, piece: torch.Tensor) -> None:
+        """Add the next bytes (a flat, contiguous uint8 host tensor); both release the GIL."""
+        if piece.dtype != torch.uint8 or piece.dim() != 1 or not piece.is_contiguous() or piece.is_cuda:
+            raise ValueError(f"a running digest takes flat contiguous uint8 host bytes, got {piece.dtype} "
+                             f"{tuple(piece.shape)} on {piece.device}")
+        if not piece.numel():
+            return
+        if self._xxh is not None:
+            self._xxh.update(_host_view(piece))
+        else:
+            self._crc = int(crc32c.crc32c(_host_view(piece), self._crc))
+
+    def value(self) -> int:
+        return int(self._xxh.intdigest()) if self._xxh is not None else self._crc
+
+
 def resolve(kind: str) -> str:
     """A publisher's digest setting as a name in ``KINDS``: ``"auto"`` is :func:`choose`'s."""
     if kind == "auto":
