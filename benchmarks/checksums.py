@@ -15,6 +15,11 @@ Since protocol 11 a publisher uses the faster of ``crc32c`` and ``xxh3`` on its 
 Announce; this prints which one it picks here. The memory-copy rate of the same bucket is
 measured beside them as the ceiling. Prints GB/s and each one's ratio to protocol 1 with the
 CPU's name, writes ``checksums.json`` and ``checksums.png``.
+
+Then what a generator waiting in ``get_into(model, as_received=True)`` does with each bucket it
+receives, on the same bucket and one thread, side by side: the digest pass and then a ``copy_``
+of each tensor into the model (two reads of the bucket from memory, as before 2026-12-03), and
+``DestWriter.digest_and_write`` (each 1 MiB piece digested, then copied while in cache).
 """
 
 from __future__ import annotations
@@ -28,8 +33,10 @@ import torch
 import xxhash
 
 from benchmarks import report
+from weightsync.format import layout
 from weightsync.format.checksum import choose
 from weightsync.testing import digest as checksum
+from weightsync.transport.into import IntoDest
 
 
 def striped_crc32(buf: torch.Tensor) -> int:
@@ -57,6 +64,30 @@ def rate(fn, buf: torch.Tensor, reps: int) -> float:
     return buf.numel() / best / 1e9
 
 
+def into_rows(buf: torch.Tensor, kind: str, reps: int) -> dict[str, float]:
+    """GB/s of a received bucket's digest plus its copy into model tensors, two ways (module docstring)."""
+    n = buf.numel() // 4 // 4  # four fp32 tensors fill the bucket
+    items = [(f"w{i}", torch.empty(n, dtype=torch.float32)) for i in range(4)]
+    manifest = layout.build_manifest(items)
+    flat = torch.zeros(manifest.total_bytes, dtype=torch.uint8)
+    flat[: buf.numel()] = buf
+    model = {name: torch.empty_like(t) for name, t in items}
+    views = [(model[spec.name], layout.tensor_view(flat, spec)) for spec in manifest.tensors]
+
+    def two_passes(_b: torch.Tensor) -> None:
+        checksum(flat, kind)
+        for dst, src in views:
+            dst.copy_(src)
+
+    def one_read(_b: torch.Tensor) -> None:
+        writer = IntoDest(model, None).writer(0, manifest, flat)
+        assert writer is not None
+        writer.digest_and_write(0, manifest.total_bytes, kind)
+
+    return {"digest, then copy_ (two passes)": rate(two_passes, flat, reps),
+            "digest and copy in one read (as_received)": rate(one_read, flat, reps)}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.checksums", description=__doc__.splitlines()[0])
     parser.add_argument("--mib", type=int, default=64)
@@ -75,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         "crc32c": rate(checksum, buf, args.reps),
     }
     picked = choose()
+    into = into_rows(buf, picked, args.reps)
     base = rows["striped-crc32 (protocol 1)"]
     cpu = report.cpu_name()
     print(f"{args.mib} MiB host bucket, one thread, best of {args.reps}, {cpu}")
@@ -82,8 +114,14 @@ def main(argv: list[str] | None = None) -> int:
     for name, gbs in rows.items():
         print(f"{name:<28}{gbs:>8.2f}{gbs / base:>14.2f}")
     print(f"a publisher here uses: {picked}")
+    two, one = into.values()
+    print(f"\na generator's bucket into its model ({picked}, one thread):")
+    for name, gbs in into.items():
+        print(f"{name:<44}{gbs:>8.2f} GB/s")
+    print(f"one read / two passes: {two / one:.2f}x the time")
     json_path = report.write_json(args.out, "checksums", {"mib": args.mib, "reps": args.reps, "cpu": cpu,
-                                                          "chosen": picked, "gb_per_s": rows})
+                                                          "chosen": picked, "gb_per_s": rows,
+                                                          "into_gb_per_s": into})
     plt = report.pyplot()
     if plt is None:
         return 0
