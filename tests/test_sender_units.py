@@ -15,7 +15,7 @@ import asyncio
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,7 +32,7 @@ from weightsync.planes import shm
 from weightsync.planes.dataplane import Transfer
 from weightsync.recorder.recorder import FlightRecorder
 from weightsync.transport.handles import DeliveryReport, PutHandle
-from weightsync.transport.sender import Abort, Join, PutCommitted, Sender
+from weightsync.transport.sender import Abort, Join, Leave, PutCommitted, Sender
 from weightsync.transport.staging import BucketBuffers, Job, Staging
 
 SETTINGS = ChannelOptions(timeout=5.0, bucket_bytes=1 << 12, heartbeat_interval=0.2).settings(checksum=True,
@@ -48,6 +48,7 @@ class Member:
     seen: list[object] = field(default_factory=list)
     stop: threading.Event = field(default_factory=threading.Event)
     seconds: float = 0.01  # the receive time its Acks report
+    on_reconfigure: Callable[[], None] | None = None  # instead of answering Ready: it is leaving
 
     def run(self) -> None:
         outbox = self.control.outbox[f"inc-{self.name}"]
@@ -58,7 +59,9 @@ class Member:
             except queue.Empty:
                 continue
             self.seen.append(message)
-            if isinstance(message, (_wire.Admit, _wire.Reconfigure)):
+            if isinstance(message, _wire.Reconfigure) and self.on_reconfigure is not None:
+                self.on_reconfigure()
+            elif isinstance(message, (_wire.Admit, _wire.Reconfigure)):
                 generation = message.generation if isinstance(message, _wire.Admit) else message.next_generation
                 self.control.replies.put(_wire.Ready(generation=generation, member_id=self.name))
             elif isinstance(message, _wire.Announce):
@@ -80,7 +83,8 @@ class Member:
 class Rig:
     """A Sender thread with its fakes; members join with :meth:`join`, versions go with :meth:`put`."""
 
-    def __init__(self, *, segments: bool = False, digest: str = "crc32c", lane: tuple[int, int] = (0, 1)) -> None:
+    def __init__(self, *, segments: bool = False, digest: str = "crc32c", lane: tuple[int, int] = (0, 1),
+                 heard: Callable[[str], tuple[float | None, bool]] = lambda _m: (time.monotonic(), True)) -> None:
         self.control, self.plane = FakeControl(), FakePlane()
         self.recorder = FlightRecorder(capacity=2000)
         self.segments = shm.SegmentPool("unit") if segments else None
@@ -91,7 +95,7 @@ class Rig:
         else:
             self.staging = Staging(2)
         self.membership = Membership("unit", self.recorder, SETTINGS.heartbeat_interval, dead_after=30.0,
-                                     heard=lambda _m: (time.monotonic(), True))
+                                     heard=heard)
         self.sender = Sender("unit", settings=SETTINGS, staging=self.staging, membership=self.membership,
                              recorder=self.recorder, policy=StragglerPolicy(), control=self.control, table=FakeTable(),
                              make_plane=lambda: self.plane, slot_device=torch.device("cpu"),
@@ -307,3 +311,39 @@ def test_links_are_probed_after_a_version_only_where_no_other_lane_shares_them(r
     r.join("a")
     r.put(0, tensors(100_000, 1.0))  # 400 KB: worth timing links for
     assert len(r.control.probes) == (1 if lane[1] == 1 else 0)  # one round after the version, or none
+
+
+@pytest.mark.parametrize("when", ["planned", "at the rendezvous"])
+def test_members_that_say_goodbye_and_hang_up_are_not_found_dead(rig, when: str) -> None:
+    """A member sends Leave, then closes its connection; the control server queues the Leave
+    before it sees the close. The sender judged liveness between the two (Leave queued, not
+    applied; connection closed): a generator that left cleanly right after another one was
+    evicted as dead, with a flight-recorder dump (``benchmarks.push_vs_broadcast``'s last
+    version at 2 generators, one run in three)."""
+    closed: set[str] = set()
+    armed: set[str] = set()  # members that say goodbye when next looked at
+
+    def heard(member: str) -> tuple[float | None, bool]:
+        if member in armed:  # as the control server: the Leave is queued, then the close is seen
+            armed.discard(member)
+            r.sender.submit(Leave(member))
+            closed.add(member)
+        return time.monotonic(), member not in closed
+
+    r = rig(heard=heard)
+    r.join("a")
+    b = r.join("b")
+    r.put(0, tensors(1000, 1.0))
+    if when == "planned":  # b is leaving too, just as the next generation is planned
+        armed.add("b")
+    else:  # b is leaving too, asked to the next generation
+        b.on_reconfigure = lambda: armed.add("b")
+    r.sender.submit(Leave("a"))
+    closed.add("a")
+    deadline = time.monotonic() + 10
+    while r.membership.members:
+        assert time.monotonic() < deadline, f"still members: {r.membership.members}"
+        time.sleep(0.01)  # polling the sender thread's state, bounded
+    assert when == "planned" or b.of(_wire.Reconfigure), "b was never asked to the next generation"
+    assert r.sender.evicted == []  # both left; nobody died
+    assert not [e for e in r.recorder.snapshot() if e.op == "rendezvous" and e.error]

@@ -190,7 +190,11 @@ class Generations:
         change" means an operation failed mid-flight: every end re-forms from fresh resources.
         """
         for _attempt in range(4):
-            plan = self.membership.plan_next(failed)
+            # who is down is seen before the queued Leaves are applied: a member that said goodbye
+            # and hung up since is then leaving, not dead (Membership.plan_next)
+            down = self.membership.down()
+            self._pump()
+            plan = self.membership.plan_next(failed, down)
             for member in plan.dropped_joiners:
                 self.forget(member, "died while joining")
             fresh = reason != "membership change"
@@ -285,8 +289,9 @@ class Generations:
         extended = False
         waiting = set(plan.members)
         while waiting:
+            down = {m for m in waiting if not self.membership.is_alive(m)}  # before the pump: see advance()
             self._pump()
-            gone = {m for m in waiting if self.membership.is_leaving(m) or not self.membership.is_alive(m)}
+            gone = {m for m in waiting if self.membership.is_leaving(m)} | down
             if gone or self._stopped():
                 return gone or waiting
             message = self._next_reply(deadline)

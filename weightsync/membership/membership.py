@@ -163,8 +163,18 @@ class Membership:
             return {m for m in self.members + self._joining if not self.is_alive(m)}
 
     # generations (sender thread) ---------------------------------------------------------
-    def plan_next(self, failed: Iterable[str] = ()) -> Plan:
-        """The next generation: members that left, died or struck out are dropped."""
+    def down(self) -> set[str]:
+        """The members not alive now (see :meth:`plan_next`'s ``down``)."""
+        with self._lock:
+            return {m for m in self.members if not self.is_alive(m)}
+
+    def plan_next(self, failed: Iterable[str] = (), down: set[str] | None = None) -> Plan:
+        """The next generation: members that left, died or struck out are dropped.
+
+        ``down``: the members found not alive *before* the caller applied the queued requests.
+        A member says Leave and then hangs up, so one whose closed connection was seen first has
+        its Leave applied by then: it left, it did not die. Judged here instead (None), a member
+        that hung up after its Leave was queued, but before it was applied, counts as dead."""
         failed = set(failed)
         with self._lock:
             evicted = []
@@ -173,7 +183,7 @@ class Membership:
             for member in self.members:
                 if member in self._leaving:
                     continue
-                if not self.is_alive(member):
+                if (member in down) if down is not None else not self.is_alive(member):
                     reasons[member] = "dead"
                 elif member in self._evicting:
                     reasons[member] = self._evicting[member]

@@ -271,7 +271,7 @@ class Link:
         self._stop.set()
         if self.client is not None:
             try:
-                self.client.send(_wire.Leave(member_id=rank_member(self.rank)))
+                self.client.goodbye(_wire.Leave(member_id=rank_member(self.rank)))
             except ControlFailure:
                 pass
             self.client.close("rank closed")

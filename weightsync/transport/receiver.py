@@ -743,7 +743,7 @@ class Receiver:
 
     def _leave(self) -> None:
         try:
-            self._client.send(_wire.Leave(member_id=self.member_id))
+            self._client.goodbye(_wire.Leave(member_id=self.member_id))
         except ControlFailure:
             pass
 
