@@ -9,7 +9,10 @@ the group (gloo, loopback), three ways:
 
 - ``naive``     a blocking per-tensor ``broadcast`` loop into the generators' model tensors;
 - ``ws_copy``   ``await pub.put(sd)``, generators waiting in ``get_into(model, as_received=True)``;
-- ``ws_nocrc``  the same with checksums off.
+- ``ws_assign`` ``ws_copy`` with each generator's model a torch module whose parameters become
+                the version's views in the subscriber's slot (``load_state_dict(assign=True)``
+                inside a held ``stream()`` block): no copy into the model;
+- ``ws_nocrc``  the same as ``ws_copy`` with checksums off.
 
 For each, after two warm-up pushes, it reads every thread's CPU time (``/proc/<pid>/task``,
 user + system) of the trainer and of each generator around ``--versions`` pushes, and prints
@@ -41,7 +44,7 @@ import torch.distributed as dist
 
 from benchmarks import report
 
-MODES = ("naive", "ws_copy", "ws_nocrc")
+MODES = ("naive", "ws_copy", "ws_assign", "ws_nocrc")
 WARMUP = 2
 CHANNEL = "p"  # short: the OS keeps 15 characters of a thread's name
 
@@ -136,13 +139,20 @@ def generator(spec: Spec) -> None:
             store.set(f"done/{version}/{spec.rank}", b"1")
     else:
         import weightsync as ws
+        from benchmarks.workers import SlotServed
+        from weightsync.bench.model import make_module
 
         async def follow() -> None:
             async with ws.Subscriber(CHANNEL, address=spec.address, member_id=f"gen{spec.rank}", timeout=120,
                                      transport="group") as sub:
+                served = SlotServed(make_module(model))
                 for version in range(spec.pushes):
-                    await sub.get_into(model, min_version=version, timeout=600, as_received=True)
+                    if spec.mode == "ws_assign":
+                        await served.next(sub, version)
+                    else:
+                        await sub.get_into(model, min_version=version, timeout=600, as_received=True)
                     store.set(f"done/{version}/{spec.rank}", b"1")
+                await served.release(own=model)
                 await asyncio.to_thread(store.wait, ["quit"], dt.timedelta(seconds=600))
 
         asyncio.run(follow())

@@ -6,6 +6,7 @@ file the spec names (never pickle).
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import sys
 
@@ -16,7 +17,7 @@ import torch.distributed as dist
 import weightsync as ws
 from benchmarks.baseline import group
 from benchmarks.lag import LagMeter
-from weightsync.bench.model import make_state_dict, packed_chunks
+from weightsync.bench.model import make_module, make_state_dict, packed_chunks
 
 
 class WorkerResult(msgspec.Struct):
@@ -47,6 +48,32 @@ def baseline(spec: dict) -> WorkerResult:
     return WorkerResult()
 
 
+class SlotServed:
+    """A torch module served from a subscriber's slot (``ws_assign``; docs/examples.md, "Serving
+    from the subscriber's slot"): its parameters become each version's views, and the ``stream()``
+    block that pins a version ends only once the module serves the next one."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+        self._block: contextlib.AbstractAsyncContextManager[ws.WeightStream] | None = None
+
+    async def next(self, sub: ws.Subscriber, version: int) -> None:
+        """Serve ``version`` (or a newer one) from the slot: no copy."""
+        block = sub.stream(min_version=version, timeout=3600)
+        weights = await block.__aenter__()
+        self.module.load_state_dict(dict(weights), assign=True)
+        previous, self._block = self._block, block
+        if previous is not None:
+            await previous.__aexit__(None, None, None)  # the slot it pinned is the receiver's again
+
+    async def release(self, own: dict[str, torch.Tensor]) -> None:
+        """Give the module tensors of its own (``own``) and let the slot go."""
+        if self._block is not None:
+            self.module.load_state_dict(own, assign=True)
+            block, self._block = self._block, None
+            await block.__aexit__(None, None, None)
+
+
 async def subscriber(spec: dict) -> WorkerResult:
     """Follow the channel until the last version, measuring this process's event-loop lag.
 
@@ -65,12 +92,18 @@ async def subscriber(spec: dict) -> WorkerResult:
         modes, per_mode = spec.get("modes") or [], spec.get("reps", 0) + 1
         for mib, count in spec.get("plan") or []:
             model = make_state_dict(mib)  # the generator's model tensors: the same layout the trainer puts
+            served = SlotServed(make_module(model))  # the same tensors as a torch module's parameters
             for k in range(count):
-                # written as it arrives, except in ws_after: copied once readable (as before 2026-12-03)
-                after = bool(modes) and modes[k // per_mode] == "ws_after"
-                await sub.get_into(model, min_version=version, timeout=3600, as_received=not after)
+                mode = modes[k // per_mode] if modes else "ws_copy"
+                if mode == "ws_assign":
+                    await served.next(sub, version)
+                else:
+                    await served.release(own=model)
+                    # written as it arrives, except in ws_after: copied once readable (as before 2026-12-03)
+                    await sub.get_into(model, min_version=version, timeout=3600, as_received=mode != "ws_after")
                 store.set(f"done/ws/{version}/{spec['member']}", b"1")
                 version += 1
+            await served.release(own=model)
     p99 = await meter.stop()
     lags = sorted(meter.samples)
     return WorkerResult(lag_p99_ms=p99, lag_max_ms=lags[-1] * 1e3 if lags else 0.0)

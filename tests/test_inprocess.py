@@ -331,6 +331,43 @@ async def test_stream_and_load_feed_an_engine_without_a_copy() -> None:
         await close(pub, [sub])
 
 
+async def test_a_module_serves_from_the_slot_while_the_next_version_arrives() -> None:
+    """docs/examples.md, "Serve from the subscriber's slot": a torch module's parameters become
+    a version's views (``load_state_dict(assign=True)`` inside a held ``stream()`` block), no copy;
+    the block ends once the module serves the next version, and the receiver goes on meanwhile."""
+    from weightsync.bench.model import make_module, make_state_dict
+
+    pub = ws.Publisher("assign", bucket_bytes=1 << 20, **FAST)
+    await pub.start()
+    sub = ws.Subscriber("assign", address=pub.address, member_id="assign-g0", timeout=FAST["timeout"],
+                        transport="group")
+    try:
+        await sub.start()
+        await pub.wait_subscribers(1, timeout=10)
+        module = make_module(make_state_dict(4))
+        versions = {v: make_state_dict(4, seed=v) for v in range(1, 5)}
+        serving = None
+        for v in range(1, 5):
+            await (await pub.put(versions[v], version=v)).delivered(timeout=10)
+            if v > 1:  # the module still serves v - 1, pinned, while v arrived in the other slot
+                assert digests(module.state_dict()) == digests(versions[v - 1])
+            block = sub.stream(min_version=v, timeout=10)
+            weights = await block.__aenter__()
+            assert weights.version == v
+            module.load_state_dict(dict(weights), assign=True)
+            if serving is not None:
+                await serving.__aexit__(None, None, None)
+            serving = block
+            params = list(module.parameters())
+            assert len({p.untyped_storage().data_ptr() for p in params}) == 1  # one slot: nothing copied
+            assert not any(p.requires_grad for p in params)  # the module's own flags are kept
+            assert digests(module.state_dict()) == digests(versions[v])
+        assert serving is not None
+        await serving.__aexit__(None, None, None)
+    finally:
+        await close(pub, [sub])
+
+
 async def test_a_packing_error_fails_the_put_and_evicts_nobody() -> None:
     """copy=False borrows the caller's tensors; one the caller frees before ``released()`` cannot
     be packed: that is the put's own failure (the handle fails with it), nobody is blamed, and

@@ -33,6 +33,21 @@ def make_state_dict(mib: int, *, seed: int | None = None) -> dict[str, torch.Ten
     return sd
 
 
+def make_module(sd: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """A module whose parameters are ``sd``'s tensors under the same dotted names (a generator's
+    model: ``module.state_dict()`` has ``sd``'s keys), none of them trained."""
+    root = torch.nn.Module()
+    for name, tensor in sd.items():
+        *path, leaf = name.split(".")
+        owner = root
+        for part in path:
+            if part not in owner._modules:
+                owner.add_module(part, torch.nn.Module())
+            owner = owner._modules[part]  # type: ignore[assignment]
+        owner.register_parameter(leaf, torch.nn.Parameter(tensor, requires_grad=False))
+    return root
+
+
 def nbytes(sd: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in sd.values())
 
