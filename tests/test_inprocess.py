@@ -332,7 +332,7 @@ async def test_stream_and_load_feed_an_engine_without_a_copy() -> None:
 
 
 async def test_a_module_serves_from_the_slot_while_the_next_version_arrives() -> None:
-    """docs/examples.md, "Serve from the subscriber's slot": a torch module's parameters become
+    """docs/examples.md, "Serving from the subscriber's slot": a torch module's parameters become
     a version's views (``load_state_dict(assign=True)`` inside a held ``stream()`` block), no copy;
     the block ends once the module serves the next version, and the receiver goes on meanwhile."""
     from weightsync.bench.model import make_module, make_state_dict
