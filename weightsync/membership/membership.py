@@ -176,6 +176,7 @@ class Membership:
         its Leave applied by then: it left, it did not die. Judged here instead (None), a member
         that hung up after its Leave was queued, but before it was applied, counts as dead."""
         failed = set(failed)
+        down = self.down() if down is None else down
         with self._lock:
             evicted = []
             keep = []
@@ -183,7 +184,7 @@ class Membership:
             for member in self.members:
                 if member in self._leaving:
                     continue
-                if (member in down) if down is not None else not self.is_alive(member):
+                if member in down:
                     reasons[member] = "dead"
                 elif member in self._evicting:
                     reasons[member] = self._evicting[member]
