@@ -24,7 +24,7 @@ from weightsync.options import ChannelOptions, Deadlines
 from weightsync.recorder.analyze import analyze, render
 from weightsync.recorder.recorder import Dump, Entry, FlightRecorder
 from weightsync.transport.handles import PutHandle
-from weightsync.transport.staging import Job
+from weightsync.transport.staging import Job, Spills
 
 pytestmark = pytest.mark.timeout(60)
 SETTINGS = ChannelOptions(timeout=2.0, heartbeat_interval=1.0).settings(checksum=True, in_place=False)
@@ -306,6 +306,54 @@ def test_a_spilled_version_never_packs_the_released_tensors_again() -> None:
         assert torch.equal(out.view(torch.float32), torch.arange(32, 64, dtype=torch.float32))
         with pytest.raises(LocalFailure, match="released"):
             job.pack(out, 0, 128)  # a re-send from the start: refused, never the zeroed tensors
+    finally:
+        loop.close()
+
+
+def test_spills_reuse_one_buffer_but_never_one_still_read() -> None:
+    """Each step's ``released(spill=True)`` copies into the buffer the last finished spill used
+    (fresh memory page-faults, which was most of the stall), but a version whose spill is still
+    being sent keeps its own: the next version's spill never writes the bytes it still sends."""
+    loop = asyncio.new_event_loop()
+    spills = Spills()
+
+    def job(version: int) -> tuple[Job, torch.Tensor]:
+        items = [("w", torch.arange(64, dtype=torch.float32) + version)]
+        j = Job(version=version, manifest=layout.build_manifest(items), handle=PutHandle("ch", version, loop),
+                items=items, device=torch.device("cpu"), spills=spills)
+        return j, items[0][1]
+
+    def spilled(j: Job, t: torch.Tensor) -> int:
+        j.spill_rest()
+        t.zero_()  # the caller's next optimizer step
+        assert j.spill is not None
+        return j.spill.data_ptr()
+
+    def rest(j: Job, version: int) -> None:
+        out = torch.empty(256, dtype=torch.uint8)
+        j.pack(out[:128], 0, 128)
+        j.pack(out[128:], 128, 256)
+        assert torch.equal(out.view(torch.float32), torch.arange(64, dtype=torch.float32) + version)
+
+    try:
+        a, b, c = job(1), job(2), job(3)
+        first = spilled(*a)
+        second = spilled(*b)  # while a's spill is still to be sent
+        assert second != first
+        rest(a[0], 1)  # a's last bucket: its buffer is free again
+        assert spilled(*c) == first  # ...and c reuses it, with b's untouched
+        f = job(6)
+        assert spilled(*f) not in (first, second)  # c's and b's are both still to be sent
+        rest(b[0], 2)
+        rest(c[0], 3)
+        rest(f[0], 6)
+        kept = torch.arange(128, dtype=torch.float32).view(torch.uint8).clone()  # larger than any spill
+        d, _ = job(4)
+        d.release()
+        d.spill, d.spill_at = kept, 0  # re-sent from a delta's kept copy: not the pool's
+        d.pack(torch.empty(256, dtype=torch.uint8), 0, 256)
+        e, t = job(5)
+        assert spilled(e, t) != kept.data_ptr()
     finally:
         loop.close()
 

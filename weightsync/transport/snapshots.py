@@ -79,7 +79,7 @@ class Snapshots:
                 self._fail_displaced(displaced, job.version, err)
                 raise
         else:
-            job.items, job.device = items, self._slot_device
+            job.items, job.device, job.spills = items, self._slot_device, self._staging.spills
         displaced = self._staging.commit(job) or displaced
         self._committed(job.version)
         self._done(entry, displaced)
