@@ -26,7 +26,7 @@ def test_bench_runs_every_mode_and_writes_json_and_plot(tmp_path: Path) -> None:
     assert out.returncode in (0, 1), out.stderr[-3000:]  # 1: a target missed at this toy size
     report = msgspec.json.decode((tmp_path / "bench.json").read_bytes())
     modes = {row["mode"] for row in report["rows"]}
-    assert modes == {"naive", "packed", "ws_copy", "ws_after", "ws_assign", "ws_nocrc", "ws_nocopy"}
+    assert modes == {"naive", "packed", "ws_copy", "ws_after", "ws_assign", "ws_nocrc", "ws_nocopy", "ws_ahead"}
     assert all(row["to_all_ms"] > 0 and row["stall_ms"] >= 0 for row in report["rows"])
     # weightsync's rows carry the acknowledgement time beside the time to the generators' model tensors
     # (which comes later in truth; the two are stamped on different threads and processes, so their
@@ -47,7 +47,8 @@ def test_bench_runs_every_contender_with_generators_on_emulated_hosts(tmp_path: 
     report = msgspec.json.decode((tmp_path / "bench.json").read_bytes())
     assert report["link_mbit"] == 2000 and report["transport"] == "group"
     assert {(row["mode"], row["subscribers"]) for row in report["rows"]} == {
-        (mode, 2) for mode in ("naive", "packed", "ws_copy", "ws_after", "ws_assign", "ws_nocrc", "ws_nocopy")}
+        (mode, 2) for mode in ("naive", "packed", "ws_copy", "ws_after", "ws_assign", "ws_nocrc", "ws_nocopy",
+                               "ws_ahead")}
     # 8 MiB to each of two hosts behind 2000 Mbit/s links: no contender can beat the wire (33 ms)
     assert all(row["to_all_ms"] > 30 for row in report["rows"])
     # the bench took its hosts down with it: no namespace is left whose owner is gone

@@ -358,6 +358,59 @@ def test_spills_reuse_one_buffer_but_never_one_still_read() -> None:
         loop.close()
 
 
+def test_a_spill_ahead_meets_the_sender_and_releases_the_tensors() -> None:
+    """``Publisher(spill_ahead=True)``: the version is copied from its end down while the sender
+    packs it from the start; where they meet the tensors are released with no one asking, and a
+    ``released(spill=True)`` before that copies only the gap. Every byte sent is the version's,
+    though the caller changes its tensors at once; packing from both sides at once, too."""
+    loop = asyncio.new_event_loop()
+
+    def job(n: int = 64) -> tuple[Job, torch.Tensor, torch.Tensor]:
+        items = [("w", torch.arange(n, dtype=torch.float32)), ("b", torch.arange(n, dtype=torch.float32) * -1)]
+        want = torch.cat([t.view(torch.uint8) for _, t in items]).clone()
+        j = Job(version=1, manifest=layout.build_manifest(items), handle=PutHandle("ch", 1, loop), items=items,
+                device=torch.device("cpu"), spills=Spills())
+        return j, torch.cat([t for _, t in items]), want
+
+    def sent(j: Job, lo: int, hi: int) -> torch.Tensor:
+        out = torch.empty(hi - lo, dtype=torch.uint8)
+        j.pack(out, lo, hi)
+        return out
+
+    try:
+        j, _, want = job()
+        first = sent(j, 0, 128)  # the first bucket went
+        j.spill_ahead(chunk=48)  # ...then the spiller ran to the sender's frontier
+        assert j.released.is_set() and j.spill_at == 128
+        for _, t in j.items or []:
+            t.zero_()  # the optimizer step
+        assert torch.equal(torch.cat([first, sent(j, 128, 384), sent(j, 384, 512)]), want)
+
+        j, _, want = job()
+        with j.pack_lock:  # a spill ahead that copied [384, 512) so far
+            assert j._open_spill()
+            j._spill_down_to(384)
+        first = sent(j, 0, 128)
+        j.spill_rest()  # released(spill=True): only [128, 384) is left to copy
+        assert j.released.is_set() and j.spill_at == 128
+        for _, t in j.items or []:
+            t.zero_()
+        assert torch.equal(torch.cat([first, sent(j, 128, 512)]), want)
+
+        j, _, want = job(1 << 16)  # 512 KiB: both sides at once, on two threads
+        spiller = threading.Thread(target=j.spill_ahead, args=(4096,))
+        parts, lo = [], 0
+        spiller.start()
+        while lo < want.numel():
+            parts.append(sent(j, lo, min(lo + 8192, want.numel())))
+            lo += 8192
+        spiller.join(10)
+        assert not spiller.is_alive() and j.released.is_set()
+        assert torch.equal(torch.cat(parts), want)
+    finally:
+        loop.close()
+
+
 def entry(seq: int, op: str, member: str, **kw: object) -> Entry:
     e = Entry(seq=seq, op=op, channel="ch", member=member, t_scheduled=float(seq), **kw)
     return e.start().complete() if kw.pop("ok", True) else e

@@ -152,6 +152,46 @@ async def test_copy_false_spill_lets_the_tensors_go_while_the_transfer_is_held()
         await close(pub, [sub])
 
 
+@pytest.mark.parametrize("transport", ["group", "shm"])
+async def test_a_spill_ahead_lets_the_tensors_go_with_no_one_waiting_for_a_copy(transport: str) -> None:
+    """``Publisher(spill_ahead=True)``: while a member holds the transfer up, the spill thread
+    copies the rest of a copy=False version and the tensors are released: a plain ``released()``
+    resolves (without the spill ahead it waits for the member), ``released(spill=True)`` has
+    nothing left to copy, and the member gets exactly what was put, every version."""
+    pub = ws.Publisher("ahead", bucket_bytes=1 << 16, spill_ahead=True, **FAST)
+    await pub.start()
+    assert pub.spill_ahead
+    gates = {5: _Gate(5), 6: _Gate(6)}
+
+    class Both(ws.testing.Hooks):
+        def after_bucket(self, version: int, index: int, bucket: torch.Tensor, seconds: float) -> None:
+            if version in gates:
+                gates[version].after_bucket(version, index, bucket, seconds)
+
+    sub = ws.Subscriber("ahead", address=pub.address, member_id="ahead-g0", timeout=FAST["timeout"],
+                        transport=transport)
+    inject(sub, Both())
+    await sub.start()
+    try:
+        await pub.wait_subscribers(1, timeout=10)
+        for version, gate in gates.items():
+            sd = mixed_state_dict(version, mib=1)  # 16 buckets
+            expected = digests(sd)
+            handle = await pub.put(sd, version=version, copy=False)
+            assert await asyncio.to_thread(gate.reached.wait, 30)  # under way, and held at bucket 1
+            await handle.released(timeout=20, spill=version == 6)
+            assert not handle.done()  # let go while the member still holds the transfer up
+            for t in sd.values():
+                t.zero_()
+            gate.opened.set()
+            await handle.delivered(timeout=30)
+            assert digests(await sub.get(min_version=version, timeout=5)) == expected
+    finally:
+        for gate in gates.values():
+            gate.opened.set()
+        await close(pub, [sub])
+
+
 async def test_manifest_mismatch_leaves_destination_untouched() -> None:
     pub, subs = await channel(1)
     try:

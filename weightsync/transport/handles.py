@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import threading
 from collections.abc import Callable, Generator, Iterator, Mapping
 from typing import Any, NamedTuple, TypeVar
 
@@ -114,6 +115,11 @@ class PutHandle:
         # reference both ways kept the caller's tensors, the snapshot and any spill alive until
         # the cyclic collector ran); None once the sender let the Job go, nothing left to spill
         self._spill: Callable[[], Callable[[], None] | None] | None = None
+        self._resolved = threading.Event()  # set, from any thread, once its outcome is known
+
+    def resolved(self) -> bool:
+        """Any thread: whether the outcome is known (``done()`` reads the loop's future)."""
+        return self._resolved.is_set()
 
     async def delivered(self, timeout: float | None = None, *, min_members: int = 0) -> DeliveryReport:
         """The DeliveryReport; SyncTimeout if it is not known within ``timeout`` seconds.
@@ -136,10 +142,11 @@ class PutHandle:
         """With ``copy=False``: resolves once the caller may change its tensors again.
 
         ``spill=True``: the caller needs them back now (its next optimizer step) and the transfer
-        is not done: what is not packed for the wire yet is copied at once into memory of the
-        publisher's (at most one snapshot, freed when the version is sent) and the tensors are
-        released after that copy; the rest of the version goes from the copy. Without it, the
-        tensors are released once the last bucket was packed from them."""
+        is not done: what is not packed for the wire yet (nor copied ahead: ``Publisher(spill_ahead=)``)
+        is copied at once into memory of the publisher's (at most one snapshot; the buffer is kept
+        for the next spill) and the tensors are released after that copy; the rest of the version
+        goes from the copy. Without it, the tensors are released once the last bucket was packed
+        from them, or once a spill ahead met the sender."""
         check_timeout("timeout", timeout)
         rest = self._spill() if spill and self._spill is not None and not self._released.done() else None
         if rest is not None:
@@ -161,6 +168,7 @@ class PutHandle:
         call_soon(self._loop, _settle, self._released, None, None)
 
     def resolve_threadsafe(self, report: DeliveryReport | None = None, error: BaseException | None = None) -> None:
+        self._resolved.set()
         call_soon(self._loop, _settle, self._released, None, None)
         call_soon(self._loop, _settle, self._delivered, report, error)
 

@@ -109,6 +109,12 @@ class Publisher:
             process may use at least 4 CPUs. With fewer, the copies of the send and of same-host
             members compete with the snapshot for the cores and ``put`` itself gets slower
             (measured on 2 cores: docs/benchmarks.md), so the snapshot completes first.
+        spill_ahead: with ``put(copy=False)``, copy each version from its end down into a spill
+            buffer while the sender sends it from the start, and release the caller's tensors
+            where the two meet: a transfer that outlasts the training step no longer holds the
+            optimizer step up for a copy (``released(spill=True)`` copies only what is left).
+            The price: the copy of what the wire has not taken yet, on a thread of its own
+            while the step runs, into private memory up to the version's size. Default off.
         rank, world_size: a sharded trainer (docs/sharding.md): one Publisher on every trainer
             rank, each sending only the bytes it owns over its own group. Rank 0 listens at
             ``address``; on the other ranks ``address`` is rank 0's (a fixed port, or its
@@ -148,7 +154,8 @@ class Publisher:
                  orchestrator: Orchestrator | None = None, checksum: bool = True,
                  pipeline: bool | None = None, rank: int | None = None, world_size: int | None = None,
                  group: Any = None, lane_address: str | None = None, encoding: str = AUTO,
-                 activation: str = "each", digest: str = "auto", streams: int = 2) -> None:
+                 activation: str = "each", digest: str = "auto", streams: int = 2,
+                 spill_ahead: bool = False) -> None:
         lifecycle.validate_name("channel name", name)
         digest = checksums.resolve(digest)
         if not known(encoding):
@@ -207,7 +214,7 @@ class Publisher:
         self._snapshots = Snapshots(name, staging=self._staging, segments=self._planes.segments,
                                     slot_device=self._slot_device,
                                     pipeline=pipelined, committed=lambda v: self._sender.submit(PutCommitted(v)),
-                                    tally=self._tally)
+                                    tally=self._tally, spill_ahead=spill_ahead)
         self._sender = Sender(name, settings=self.settings, staging=self._staging, membership=self.membership,
                               recorder=self._recorder, policy=self.policy, control=self._control, table=self._table,
                               make_plane=self._planes.make_group_plane, slot_device=self._slot_device,
@@ -311,6 +318,7 @@ class Publisher:
             job.handle.resolve_threadsafe(error=Closed("publisher closed before sending", channel=self.name,
                                                        version=job.version))
         self._staging.clear()  # the snapshots' memory goes now, not when this object is collected
+        self._snapshots.close()
         self._planes.close()
         await self._replacements.finish(self.options.timeout)
         await lifecycle.finish_close(self._loop, self._snapshots.executor, self._recorder,
@@ -377,6 +385,15 @@ class Publisher:
     @pipeline.setter
     def pipeline(self, on: bool) -> None:
         self._snapshots.pipeline = bool(on)
+
+    @property
+    def spill_ahead(self) -> bool:
+        """Whether copy=False versions are spilled ahead (see the argument; may change between puts)."""
+        return self._snapshots.spill_ahead
+
+    @spill_ahead.setter
+    def spill_ahead(self, on: bool) -> None:
+        self._snapshots.spill_ahead = bool(on)
 
     @property
     def checksum(self) -> bool:

@@ -459,7 +459,8 @@ class Sender:
         self._wait_snapshot(job)
         kept = self._keep_for(job)
         if kept is not None and job.released.is_set() and kept.version == job.version:
-            job.spill, job.spill_at = kept.flat, 0  # its tensors were let go: sent again from the kept copy
+            # its tensors were let go: sent again from the kept copy
+            job.spill, job.spill_base, job.spill_at = kept.flat, 0, 0
         assert self.side is not None
         side = self.side
         # in the generation's group order first: point-to-point sends address members by their rank

@@ -13,6 +13,7 @@ Threads: ``ws-<channel>-snapshot`` (one), also lent to the control server's star
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -28,6 +29,15 @@ from weightsync.statistics import PublisherTally
 from weightsync.transport.staging import Job, Progress, Staging, cuda_snapshot, pack_progressively, superseded_report
 
 PIPELINE_CPUS = 4  # usable CPUs from which a host snapshot is sent while it is taken
+SPILL_CHUNK = 8 << 20  # a spill ahead copies this much at a time, the sender's packing waiting at most that long
+log = logging.getLogger("weightsync.publisher")
+
+
+def _spill_ahead(channel: str, job: Job) -> None:
+    try:
+        job.spill_ahead(SPILL_CHUNK)
+    except Exception:  # the sender packs what was not spilled from the tensors, as without a spill
+        log.exception("channel %r: version %d's spill ahead failed", channel, job.version)
 
 
 def default_pipeline() -> bool:
@@ -48,12 +58,15 @@ class Snapshots:
         pipeline: send a host snapshot while it is taken.
         committed: tells the sender a version was committed (any thread).
         tally: counts superseded versions.
+        spill_ahead: copy each copy=False version into a spill from its end, on a thread of its
+            own (``ws-<channel>-spill``), while the sender sends it (``Job.spill_ahead``).
     """
 
     def __init__(self, channel: str, *, staging: Staging, segments: shm.SegmentPool | None,
                  slot_device: torch.device, pipeline: bool, committed: Callable[[int], None],
-                 tally: PublisherTally) -> None:
-        self.channel, self.pipeline = channel, pipeline
+                 tally: PublisherTally, spill_ahead: bool = False) -> None:
+        self.channel, self.pipeline, self.spill_ahead = channel, pipeline, spill_ahead
+        self._spiller: ThreadPoolExecutor | None = None
         self._staging, self._segments, self._slot_device = staging, segments, slot_device
         self._committed, self._tally = committed, tally
         self.executor: ThreadPoolExecutor | None = None
@@ -82,7 +95,20 @@ class Snapshots:
             job.items, job.device, job.spills = items, self._slot_device, self._staging.spills
         displaced = self._staging.commit(job) or displaced
         self._committed(job.version)
+        if not copy and self.spill_ahead:
+            self._spill(job)
         self._done(entry, displaced)
+
+    def _spill(self, job: Job) -> None:
+        """Start ``job``'s spill ahead (one at a time: the next waits for this one to meet the sender)."""
+        if self._spiller is None:
+            self._spiller = ThreadPoolExecutor(1, thread_name_prefix=f"ws-{self.channel}-spill")
+        self._spiller.submit(_spill_ahead, self.channel, job)
+
+    def close(self) -> None:
+        """The spill thread goes once it is idle (a spill ahead stops when its version is done with)."""
+        if self._spiller is not None:
+            self._spiller.shutdown(wait=False)
 
     async def _pipelined(self, job: Job, buf: torch.Tensor, displaced: Job | None,
                          items: list[tuple[str, torch.Tensor]], entry: Any) -> None:

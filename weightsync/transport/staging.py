@@ -166,11 +166,14 @@ class Job:
     # time; the sender reads it (never the asyncio future) to decide whether it may re-send
     released: threading.Event = field(default_factory=threading.Event)
     # copy=False, ``released(spill=True)``: the caller wants its tensors back before the transfer is
-    # done. What is not packed yet is copied at once into ``spill`` (the version's bytes from
-    # ``spill_at``) and the tensors are released; later buckets are packed from that copy
+    # done. What is not packed yet is copied at once into ``spill`` and the tensors are released;
+    # later buckets are packed from that copy. ``spill`` holds the version's bytes from
+    # ``spill_base``, of which those from ``spill_at`` are copied: a spill ahead (``spill_ahead``)
+    # copies from the end down while the sender packs from the start up, and the two meet
     device: torch.device | None = None  # where the buckets are packed
     spill: torch.Tensor | None = None
     spill_at: int = 0
+    spill_base: int = 0
     spills: Spills | None = None  # where spill_rest takes its buffer from and gives it back to
     _spilled: torch.Tensor | None = None  # the spill drawn from ``spills`` (not a kept delta base)
     packed: int = 0  # the bytes packed from the caller's tensors so far
@@ -185,25 +188,62 @@ class Job:
         self.released.set()
         self.handle.release_threadsafe()
 
+    def _open_spill(self) -> bool:
+        """Under ``pack_lock``: a spill buffer for everything not packed yet, nothing copied into
+        it yet; False when there is nothing to spill (released, or a spill already open)."""
+        if self.released.is_set() or self.spill is not None or self.items is None:
+            return False
+        end = self.manifest.total_bytes
+        spill = (self.spills or Spills()).take(end - self.packed, self.device)
+        self.spill, self.spill_base, self.spill_at, self._spilled = spill, self.packed, end, spill
+        return True
+
+    def _spill_down_to(self, lo: int) -> None:
+        """Under ``pack_lock``, a spill open: copy the bytes ``[lo, spill_at)`` into it."""
+        assert self.spill is not None and self.items is not None
+        if lo < self.spill_at:
+            out = self.spill[lo - self.spill_base : self.spill_at - self.spill_base]
+            layout.pack_range(out, lo, self.spill_at, self.manifest, self.items)
+            self.spill_at = lo
+
     def spill_rest(self) -> None:
-        """Any thread (``handle.released(spill=True)``): copy what is not packed yet out of the
-        caller's tensors, then release them. Nothing when they were released already."""
+        """Any thread (``handle.released(spill=True)``): copy what is not packed yet (nor spilled
+        ahead) out of the caller's tensors, then release them. Nothing when they were released
+        already."""
         with self.pack_lock:
-            if self.released.is_set() or self.spill is not None or self.items is None:
+            if self.released.is_set() or self.items is None:
                 return
-            end = self.manifest.total_bytes
-            spills = self.spills or Spills()
-            spill = spills.take(end - self.packed, self.device)
-            layout.pack_range(spill, self.packed, end, self.manifest, self.items)
-            self.spill, self.spill_at, self._spilled = spill, self.packed, spill
+            if self.spill is None:
+                self._open_spill()
+            self._spill_down_to(self.packed)
             self.release()
+
+    def spill_ahead(self, chunk: int) -> None:
+        """The snapshot thread (``Publisher(spill_ahead=True)``), right after a copy=False put:
+        copy the version into a spill from its end down, ``chunk`` bytes at a time, while the
+        sender packs it from the start; where the two meet, every byte is sent or copied and the
+        tensors are released, without the caller waiting for the copy (``released(spill=True)``
+        then copies only the gap left). Stops once the tensors are released or the version is
+        done with (sent, superseded, failed)."""
+        with self.pack_lock:
+            if self.handle.resolved() or not self._open_spill():
+                return
+            spill = self.spill
+        while True:
+            with self.pack_lock:
+                if self.spill is not spill or self.released.is_set() or self.handle.resolved():
+                    return  # sent to its end, spilled, or done with
+                self._spill_down_to(max(self.packed, self.spill_at - chunk))
+                if self.spill_at <= self.packed:
+                    self.release()
+                    return
 
     def pack(self, out: torch.Tensor, lo: int, hi: int) -> None:
         """Sender thread: bytes ``[lo, hi)`` of a copy=False version into ``out``, from the caller's
         tensors, or from the spilled copy once they were let go."""
         with self.pack_lock:
             if self.spill is not None and lo >= self.spill_at:
-                out[: hi - lo].copy_(self.spill[lo - self.spill_at : hi - self.spill_at])
+                out[: hi - lo].copy_(self.spill[lo - self.spill_base : hi - self.spill_base])
             else:
                 if self.released.is_set():  # a re-send raced a spill: those bytes are the caller's again
                     raise LocalFailure(f"version {self.version}: its tensors were released (spilled from byte "
