@@ -334,13 +334,14 @@ def test_spills_reuse_one_buffer_but_never_one_still_read() -> None:
         j.pack(out[:128], 0, 128)
         j.pack(out[128:], 128, 256)
         assert torch.equal(out.view(torch.float32), torch.arange(64, dtype=torch.float32) + version)
+        j.drop_spill()  # Staging.finish: the version is done with
 
     try:
         a, b, c = job(1), job(2), job(3)
         first = spilled(*a)
         second = spilled(*b)  # while a's spill is still to be sent
         assert second != first
-        rest(a[0], 1)  # a's last bucket: its buffer is free again
+        rest(a[0], 1)  # a is done with: its buffer is free again
         assert spilled(*c) == first  # ...and c reuses it, with b's untouched
         f = job(6)
         assert spilled(*f) not in (first, second)  # c's and b's are both still to be sent
@@ -352,6 +353,7 @@ def test_spills_reuse_one_buffer_but_never_one_still_read() -> None:
         d.release()
         d.spill, d.spill_at = kept, 0  # re-sent from a delta's kept copy: not the pool's
         d.pack(torch.empty(256, dtype=torch.uint8), 0, 256)
+        d.drop_spill()
         e, t = job(5)
         assert spilled(e, t) != kept.data_ptr()
     finally:
@@ -360,9 +362,10 @@ def test_spills_reuse_one_buffer_but_never_one_still_read() -> None:
 
 def test_a_spill_ahead_meets_the_sender_and_releases_the_tensors() -> None:
     """``Publisher(spill_ahead=True)``: the version is copied from its end down while the sender
-    packs it from the start; where they meet the tensors are released with no one asking, and a
-    ``released(spill=True)`` before that copies only the gap. Every byte sent is the version's,
-    though the caller changes its tensors at once; packing from both sides at once, too."""
+    packs it from the start, then the tensors are released with no one asking, and the version
+    can still be sent again from the copy; a ``released(spill=True)`` before that copies only the
+    gap. Every byte sent is the version's, though the caller changes its tensors at once; packing
+    from both sides at once, too."""
     loop = asyncio.new_event_loop()
 
     def job(n: int = 64) -> tuple[Job, torch.Tensor, torch.Tensor]:
@@ -380,11 +383,14 @@ def test_a_spill_ahead_meets_the_sender_and_releases_the_tensors() -> None:
     try:
         j, _, want = job()
         first = sent(j, 0, 128)  # the first bucket went
-        j.spill_ahead(chunk=48)  # ...then the spiller ran to the sender's frontier
-        assert j.released.is_set() and j.spill_at == 128
+        j.spill_ahead(chunk=48)  # ...then the spiller ran past the sender's frontier, to the start
+        assert j.released.is_set() and j.whole_spill()
         for _, t in j.items or []:
             t.zero_()  # the optimizer step
         assert torch.equal(torch.cat([first, sent(j, 128, 384), sent(j, 384, 512)]), want)
+        assert torch.equal(sent(j, 0, 512), want)  # a member failed: sent again, from the spill
+        j.drop_spill()
+        assert not j.whole_spill()
 
         j, _, want = job()
         with j.pack_lock:  # a spill ahead that copied [384, 512) so far
@@ -392,10 +398,36 @@ def test_a_spill_ahead_meets_the_sender_and_releases_the_tensors() -> None:
             j._spill_down_to(384)
         first = sent(j, 0, 128)
         j.spill_rest()  # released(spill=True): only [128, 384) is left to copy
-        assert j.released.is_set() and j.spill_at == 128
+        assert j.released.is_set() and j.spill_at == 128 and not j.whole_spill()
         for _, t in j.items or []:
             t.zero_()
         assert torch.equal(torch.cat([first, sent(j, 128, 512)]), want)
+        with pytest.raises(LocalFailure, match="released"):
+            sent(j, 0, 128)  # the first bucket is in no copy: never from the zeroed tensors
+
+        j, _, want = job(1 << 16)  # released(spill=True) while a spill ahead runs: it finishes the job
+        first = sent(j, 0, 8192)
+        entered, go, real = threading.Event(), threading.Event(), j._spill_down_to
+
+        def held(lo: int) -> None:  # the spill thread's first chunk, held (pack_lock with it)
+            entered.set()
+            assert go.wait(10)
+            real(lo)
+
+        j._spill_down_to = held  # type: ignore[method-assign]
+        spiller = threading.Thread(target=j.spill_ahead, args=(4096,))
+        spiller.start()
+        assert entered.wait(10)
+        j.spill_rest()  # returns at once, lock or not: the spill thread is told to finish the job
+        assert not j.released.is_set()
+        j._spill_down_to = real  # type: ignore[method-assign]
+        go.set()
+        assert j.released.wait(10)
+        spiller.join(10)
+        assert not spiller.is_alive() and j.spill_at <= j.packed and not j.whole_spill()
+        for _, t in j.items or []:
+            t.zero_()
+        assert torch.equal(torch.cat([first, sent(j, 8192, want.numel())]), want)
 
         j, _, want = job(1 << 16)  # 512 KiB: both sides at once, on two threads
         spiller = threading.Thread(target=j.spill_ahead, args=(4096,))

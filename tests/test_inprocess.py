@@ -192,6 +192,40 @@ async def test_a_spill_ahead_lets_the_tensors_go_with_no_one_waiting_for_a_copy(
         await close(pub, [sub])
 
 
+async def test_a_version_spilled_ahead_is_sent_again_from_the_spill() -> None:
+    """A spill ahead copies the whole version before it lets the tensors go, so a member that
+    fails the version (here: a corrupted bucket, nacked) costs the others nothing: the version
+    is sent again from the spill, though the caller zeroed its tensors meanwhile, and every
+    member gets exactly what was put."""
+    pub = ws.Publisher("again", bucket_bytes=1 << 16, spill_ahead=True, **FAST)
+    await pub.start()
+    gate = _Gate(5)
+    subs = [ws.Subscriber("again", address=pub.address, member_id=f"again-g{i}", timeout=FAST["timeout"],
+                          transport="group") for i in range(2)]
+    inject(subs[0], gate)
+    inject(subs[1], Faults(corrupt=[5]))
+    for sub in subs:
+        await sub.start()
+    try:
+        await pub.wait_subscribers(2, timeout=10)
+        sd = mixed_state_dict(5, mib=1)
+        expected = digests(sd)
+        handle = await pub.put(sd, version=5, copy=False)
+        assert await asyncio.to_thread(gate.reached.wait, 30)
+        await handle.released(timeout=20)  # the spill ahead has the whole version
+        for t in sd.values():
+            t.zero_()
+        gate.opened.set()
+        report = await handle.delivered(timeout=30)
+        assert sorted(report.members) == ["again-g0", "again-g1"]
+        assert pub.statistics().resends >= 1  # the corrupted bucket was sent again, from the spill
+        for sub in subs:
+            assert digests(await sub.get(min_version=5, timeout=5)) == expected
+    finally:
+        gate.opened.set()
+        await close(pub, subs)
+
+
 async def test_manifest_mismatch_leaves_destination_untouched() -> None:
     pub, subs = await channel(1)
     try:

@@ -458,7 +458,7 @@ class Sender:
         """
         self._wait_snapshot(job)
         kept = self._keep_for(job)
-        if kept is not None and job.released.is_set() and kept.version == job.version:
+        if kept is not None and job.released.is_set() and kept.version == job.version and not job.whole_spill():
             # its tensors were let go: sent again from the kept copy
             job.spill, job.spill_base, job.spill_at = kept.flat, 0, 0
         assert self.side is not None
@@ -612,9 +612,11 @@ class Sender:
         return self._kept
 
     def _resendable(self, job: Job) -> bool:
-        """A copy=False version whose tensors were let go can be sent again only from a kept copy of it."""
+        """A copy=False version whose tensors were let go can be sent again only from a copy of it:
+        a whole spill (``Job.spill_ahead``), or the copy kept as deltas' base."""
         kept = self._kept
-        return job.flat is not None or not job.released.is_set() or (kept is not None and kept.version == job.version)
+        return (job.flat is not None or not job.released.is_set() or job.whole_spill()
+                or (kept is not None and kept.version == job.version))
 
     def _base(self, job: Job, kept: KeptBase | None = None) -> Base | None:
         """What ``job`` may go as a delta against: the retained version, kept while ``job`` is in

@@ -29,7 +29,7 @@ from weightsync.statistics import PublisherTally
 from weightsync.transport.staging import Job, Progress, Staging, cuda_snapshot, pack_progressively, superseded_report
 
 PIPELINE_CPUS = 4  # usable CPUs from which a host snapshot is sent while it is taken
-SPILL_CHUNK = 8 << 20  # a spill ahead copies this much at a time, the sender's packing waiting at most that long
+SPILL_CHUNK = 4 << 20  # a spill ahead copies this much at a time: what a caller or the sender may wait for
 log = logging.getLogger("weightsync.publisher")
 
 

@@ -36,7 +36,8 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -178,6 +179,12 @@ class Job:
     _spilled: torch.Tensor | None = None  # the spill drawn from ``spills`` (not a kept delta base)
     packed: int = 0  # the bytes packed from the caller's tensors so far
     pack_lock: threading.Lock = field(default_factory=threading.Lock)  # packing, and spilling, one at a time
+    # a spill ahead lets anyone else waiting for ``pack_lock`` have it first (a lock is not fair: the
+    # spill thread, taking it again at once, starved the sender's packing and released(spill=True))
+    _waiting: int = 0
+    _turns: threading.Condition = field(default_factory=threading.Condition)
+    _ahead: bool = False  # a spill ahead is running (under ``_turns``)
+    _cut: bool = False  # released(spill=True) asked it to finish at its next chunk (under ``_turns``)
 
     def __post_init__(self) -> None:
         # the handle's released(spill=True), weakly: the Job holds the handle (no cycle to collect)
@@ -188,14 +195,15 @@ class Job:
         self.released.set()
         self.handle.release_threadsafe()
 
-    def _open_spill(self) -> bool:
-        """Under ``pack_lock``: a spill buffer for everything not packed yet, nothing copied into
-        it yet; False when there is nothing to spill (released, or a spill already open)."""
+    def _open_spill(self, whole: bool = False) -> bool:
+        """Under ``pack_lock``: a spill buffer for everything not packed yet (``whole``: for the
+        whole version), nothing copied into it yet; False when there is nothing to spill
+        (released, or a spill already open)."""
         if self.released.is_set() or self.spill is not None or self.items is None:
             return False
-        end = self.manifest.total_bytes
-        spill = (self.spills or Spills()).take(end - self.packed, self.device)
-        self.spill, self.spill_base, self.spill_at, self._spilled = spill, self.packed, end, spill
+        end, base = self.manifest.total_bytes, 0 if whole else self.packed
+        spill = (self.spills or Spills()).take(end - base, self.device)
+        self.spill, self.spill_base, self.spill_at, self._spilled = spill, base, end, spill
         return True
 
     def _spill_down_to(self, lo: int) -> None:
@@ -206,11 +214,35 @@ class Job:
             layout.pack_range(out, lo, self.spill_at, self.manifest, self.items)
             self.spill_at = lo
 
+    @contextmanager
+    def _turn(self) -> Iterator[None]:
+        """``pack_lock`` for the sender or a caller, ahead of a spill thread's next chunk."""
+        with self._turns:
+            self._waiting += 1
+        self.pack_lock.acquire()
+        try:
+            with self._turns:
+                self._waiting -= 1
+                self._turns.notify_all()
+            yield
+        finally:
+            self.pack_lock.release()
+
+    def whole_spill(self) -> bool:
+        """Whether every byte of the version is in the spill (a spill ahead that finished): it can
+        be sent again from there, its tensors released or not."""
+        return self.spill is not None and self.spill_base == 0 and self.spill_at == 0
+
     def spill_rest(self) -> None:
         """Any thread (``handle.released(spill=True)``): copy what is not packed yet (nor spilled
         ahead) out of the caller's tensors, then release them. Nothing when they were released
-        already."""
-        with self.pack_lock:
+        already. While a spill ahead runs, it is told to do this at its next chunk instead (the
+        caller then waits for that chunk, not for a lock the sender may hold)."""
+        with self._turns:
+            if self._ahead:
+                self._cut = True
+                return
+        with self._turn():
             if self.released.is_set() or self.items is None:
                 return
             if self.spill is None:
@@ -219,31 +251,57 @@ class Job:
             self.release()
 
     def spill_ahead(self, chunk: int) -> None:
-        """The snapshot thread (``Publisher(spill_ahead=True)``), right after a copy=False put:
-        copy the version into a spill from its end down, ``chunk`` bytes at a time, while the
-        sender packs it from the start; where the two meet, every byte is sent or copied and the
-        tensors are released, without the caller waiting for the copy (``released(spill=True)``
-        then copies only the gap left). Stops once the tensors are released or the version is
-        done with (sent, superseded, failed)."""
+        """The spill thread (``Publisher(spill_ahead=True)``), right after a copy=False put: copy
+        the whole version into a spill from its end down, ``chunk`` bytes at a time, while the
+        sender packs it from the start (bytes it reaches first it packs from the tensors), then
+        release the tensors: the caller waits for no copy, and the version can still be sent
+        again, from the spill, if a member fails. ``released(spill=True)`` before the copy ends
+        has it copy only what neither side took yet, and release (then a re-send of the earlier
+        bytes is not possible, as for any spill). Stops once the tensors are released or the
+        version is done with (sent, superseded, failed)."""
         with self.pack_lock:
-            if self.handle.resolved() or not self._open_spill():
+            if self.handle.resolved() or not self._open_spill(whole=True):
                 return
             spill = self.spill
-        while True:
-            with self.pack_lock:
-                if self.spill is not spill or self.released.is_set() or self.handle.resolved():
-                    return  # sent to its end, spilled, or done with
-                self._spill_down_to(max(self.packed, self.spill_at - chunk))
-                if self.spill_at <= self.packed:
-                    self.release()
-                    return
+            with self._turns:
+                self._ahead = True
+                self._turns.notify_all()
+        try:
+            while True:
+                with self._turns:  # the sender's packing, or the caller's released(spill=True), first
+                    self._turns.wait_for(lambda: self._waiting == 0, timeout=0.1)
+                with self.pack_lock:
+                    if self.spill is not spill or self.released.is_set() or self.handle.resolved():
+                        return  # done with, or failed
+                    if self._cut:  # released(spill=True): what neither side took yet, then let go
+                        self._spill_down_to(self.packed)
+                        self.release()
+                        return
+                    self._spill_down_to(max(0, self.spill_at - chunk))
+                    if self.spill_at == 0:
+                        self.release()
+                        return
+        finally:
+            with self._turns:
+                self._ahead = False
+                cut = self._cut and not self.released.is_set()
+            if cut:  # asked while this thread was leaving without releasing: done here
+                self.spill_rest()
+
+    def drop_spill(self) -> None:
+        """The version is done with (``Staging.finish``): its spill goes back for the next one."""
+        with self._turn():
+            spilled, self._spilled, self.spill = self._spilled, None, None
+            if spilled is not None and self.spills is not None:
+                self.spills.give(spilled)
 
     def pack(self, out: torch.Tensor, lo: int, hi: int) -> None:
         """Sender thread: bytes ``[lo, hi)`` of a copy=False version into ``out``, from the caller's
         tensors, or from the spilled copy once they were let go."""
-        with self.pack_lock:
+        spilled: torch.Tensor | None = None
+        with self._turn():
             if self.spill is not None and lo >= self.spill_at:
-                out[: hi - lo].copy_(self.spill[lo - self.spill_base : hi - self.spill_base])
+                spilled = self.spill[lo - self.spill_base : hi - self.spill_base]
             else:
                 if self.released.is_set():  # a re-send raced a spill: those bytes are the caller's again
                     raise LocalFailure(f"version {self.version}: its tensors were released (spilled from byte "
@@ -251,13 +309,10 @@ class Job:
                 assert self.items is not None
                 layout.pack_range(out, lo, hi, self.manifest, self.items)
                 self.packed = hi
-            if hi >= self.manifest.total_bytes:
-                self.spill = None  # the last bucket: the copy is not needed past it
-                if self._spilled is not None and self.spills is not None:
-                    self.spills.give(self._spilled)  # the next version's spill reuses it
-                self._spilled = None
-                if not self.released.is_set():
-                    self.release()
+            if hi >= self.manifest.total_bytes and not self.released.is_set():
+                self.release()  # the last bucket (a spill stays until the version is done: ``drop_spill``)
+        if spilled is not None:  # outside the lock: spilled bytes never change, and the spill stays
+            out[: hi - lo].copy_(spilled)  # until the version is done with, so nobody waits for this copy
 
 
 Allocate = Callable[[int, torch.device, bool], torch.Tensor]
@@ -398,6 +453,8 @@ class Staging:
 
     def finish(self, job: Job, retain: bool = True) -> None:
         """Sender: the in-flight job is done; a snapshot stays retained for newcomers (unless it failed)."""
+        if job.flat is None:
+            job.drop_spill()  # copy=False: a spill is not sent again past here
         with self.lock:
             if self.in_flight is job:
                 self.in_flight = None
