@@ -29,7 +29,7 @@ Modes, each pushing the same LLM-shaped state dict from a trainer to N generator
                 tensors are let go (the optimizer step need not wait for the wire).
 - ``ws_ahead``  ``ws_nocopy`` with ``Publisher(spill_ahead=True)``: the version is copied from its
                 end down while the step runs and the wire takes it from the start; the tensors
-                are let go where the two meet, so the spill at the step's end has little left.
+                are let go once it is all copied, so the spill at the step's end has little left.
 
 Per mode: the trainer-visible stall, the time until every generator has the version in its own
 model tensors, GB/s, event-loop lag p99 on the trainer and on the generators, and the physical

@@ -146,7 +146,7 @@ class PutHandle:
         is copied at once into memory of the publisher's (at most one snapshot; the buffer is kept
         for the next spill) and the tensors are released after that copy; the rest of the version
         goes from the copy. Without it, the tensors are released once the last bucket was packed
-        from them, or once a spill ahead met the sender."""
+        from them, or once a spill ahead copied the whole version."""
         check_timeout("timeout", timeout)
         rest = self._spill() if spill and self._spill is not None and not self._released.done() else None
         if rest is not None:

@@ -111,10 +111,11 @@ class Publisher:
             (measured on 2 cores: docs/benchmarks.md), so the snapshot completes first.
         spill_ahead: with ``put(copy=False)``, copy each version from its end down into a spill
             buffer while the sender sends it from the start, and release the caller's tensors
-            where the two meet: a transfer that outlasts the training step no longer holds the
-            optimizer step up for a copy (``released(spill=True)`` copies only what is left).
-            The price: the copy of what the wire has not taken yet, on a thread of its own
-            while the step runs, into private memory up to the version's size. Default off.
+            once the whole version is copied (a failed member's re-send goes from the copy): a
+            transfer that outlasts the training step no longer holds the optimizer step up for
+            a copy (``released(spill=True)`` earlier copies only what neither side took yet).
+            The price: a copy of the version, on a thread of its own while the step runs, into
+            private memory of the version's size. Default off.
         rank, world_size: a sharded trainer (docs/sharding.md): one Publisher on every trainer
             rank, each sending only the bytes it owns over its own group. Rank 0 listens at
             ``address``; on the other ranks ``address`` is rank 0's (a fixed port, or its

@@ -100,7 +100,7 @@ class Snapshots:
         self._done(entry, displaced)
 
     def _spill(self, job: Job) -> None:
-        """Start ``job``'s spill ahead (one at a time: the next waits for this one to meet the sender)."""
+        """Start ``job``'s spill ahead (one at a time: the next waits for this one to end)."""
         if self._spiller is None:
             self._spiller = ThreadPoolExecutor(1, thread_name_prefix=f"ws-{self.channel}-spill")
         self._spiller.submit(_spill_ahead, self.channel, job)

@@ -170,7 +170,7 @@ class Job:
     # done. What is not packed yet is copied at once into ``spill`` and the tensors are released;
     # later buckets are packed from that copy. ``spill`` holds the version's bytes from
     # ``spill_base``, of which those from ``spill_at`` are copied: a spill ahead (``spill_ahead``)
-    # copies from the end down while the sender packs from the start up, and the two meet
+    # copies from the end down to byte 0 while the sender packs from the start up
     device: torch.device | None = None  # where the buckets are packed
     spill: torch.Tensor | None = None
     spill_at: int = 0
