@@ -63,6 +63,47 @@ async def test_kill_9_subscriber_mid_run_others_lose_nothing(procs: Procs) -> No
         assert seen == digests(body(int(version))), version
 
 
+async def test_a_member_killed_after_a_spill_ahead_released_the_tensors_costs_the_others_nothing(
+        procs: Procs) -> None:
+    """``Publisher(spill_ahead=True)``, ``put(copy=False)``: one member is frozen while version 2
+    is on the wire, so the transfer stalls; the spill thread copies the whole version and the
+    tensors are released, and the trainer zeroes them (its optimizer step). Then the frozen
+    member is killed with -9: the version is sent again to the survivor from the spill, and the
+    survivor reads exactly what was put, never the zeroes."""
+    timeout = 4.0
+    rec = ws.FlightRecorder(capacity=4000)
+    async with ws.Publisher("ahead", timeout=timeout, heartbeat_interval=0.25, bucket_bytes=4 << 20,
+                            recorder=rec, spill_ahead=True) as pub:
+        workers = [procs.spawn("subscriber", channel="ahead", address=pub.address, member=f"gen{i}",
+                               until_version=3, deadline=120, mode="updates") for i in range(2)]
+        await pub.wait_subscribers(2, timeout=60)
+
+        def body(v: int) -> dict[str, torch.Tensor]:
+            return {"body": torch.full((16 << 20,), float(v))}  # 64 MiB: 16 buckets
+
+        for v in range(4):
+            sd = body(v)
+            handle = await pub.put(sd, version=v, copy=False)
+            if v == 2:
+                while not any(e.op == "bucket_send" and e.version == 2 for e in rec.snapshot()):
+                    await asyncio.sleep(0.005)  # until the recorder shows version 2 on the wire
+                procs.signal(workers[1], signal.SIGSTOP)
+                await handle.released(timeout=30)  # the spill thread has all of it: the tensors are the caller's
+                assert not handle.done()  # ...while the frozen member still holds the transfer up
+                sd["body"].zero_()
+                procs.signal(workers[1], signal.SIGKILL)
+            report = await handle.delivered(timeout=timeout * 3 + 30)
+            assert "gen0" in report.members, (v, report)
+            if v >= 2:
+                assert report.members == ("gen0",)
+        assert [m.member_id for m in pub.evicted] == ["gen1"]
+        assert pub.statistics().resends >= 1
+        result = await procs.result(workers[0], timeout=60)
+    assert "2" in result["digests"]  # the version re-sent from the spill was read
+    for version, seen in result["digests"].items():  # every version read is exactly what was put
+        assert seen == digests(body(int(version))), version
+
+
 @pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP])
 async def test_a_sliced_member_killed_or_frozen_mid_version_costs_the_others_nothing(procs: Procs,
                                                                                     how: signal.Signals) -> None:
