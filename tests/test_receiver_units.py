@@ -59,6 +59,10 @@ class FakeClient:
     def send(self, message: Any) -> None:
         self.sent.put(message)
 
+    def goodbye(self, message: Any, wait: float = 1.0) -> None:
+        """The last word (a Leave), as the real client's: sent, then nothing more from this side."""
+        self.send(message)
+
     def close(self, reason: str) -> None:
         self.closed.set()
 

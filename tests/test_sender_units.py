@@ -346,4 +346,7 @@ def test_members_that_say_goodbye_and_hang_up_are_not_found_dead(rig, when: str)
         time.sleep(0.01)  # polling the sender thread's state, bounded
     assert when == "planned" or b.of(_wire.Reconfigure), "b was never asked to the next generation"
     assert r.sender.evicted == []  # both left; nobody died
-    assert not [e for e in r.recorder.snapshot() if e.op == "rendezvous" and e.error]
+    # nor was anyone missing from the rendezvous ("late but alive" judges nobody: under load the
+    # sender may look at b once before b reads its Reconfigure, and wait once more, as it should)
+    assert not [e for e in r.recorder.snapshot()
+                if e.op == "rendezvous" and e.error and not e.error.startswith("late but alive")]
