@@ -159,6 +159,40 @@ def test_staging_latest_wins_in_two_buffers() -> None:
     assert staging.pending is not None and staging.pending.version == 19
 
 
+def test_a_snapshot_after_copy_false_puts_finds_both_buffers_again() -> None:
+    """copy=False versions pin no snapshot buffer. Staging kept one spare only, so once such a
+    version was sent the second buffer was gone and a put after the next one made a fresh one:
+    400 ms of page faults in that put at 496 MiB (benchmarks.push_vs_broadcast, modes
+    interleaved, 2026-12-04). Both stay, and never more than ``max_snapshots`` exist."""
+    allocated: list[int] = []
+    staging = Staging(2, allocate=lambda n, d, p: allocated.append(n) or torch.empty(n, dtype=torch.uint8))
+
+    class FakeHandle:
+        pass
+
+    def job(v: int, buf: torch.Tensor | None) -> Job:
+        return Job(version=v, manifest=_wire.Manifest(tensors=(), total_bytes=64), handle=FakeHandle(), flat=buf)  # type: ignore[arg-type]
+
+    def send(v: int, copy: bool) -> torch.Tensor | None:
+        buf = staging.acquire(64, torch.device("cpu"), pin=False)[0] if copy else None
+        staging.commit(job(v, buf))
+        taken = staging.take()
+        assert taken is not None and taken.version == v
+        staging.finish(taken)
+        assert staging.buffers_in_use() <= 2
+        return buf
+
+    first, second = send(0, True), send(1, True)
+    assert len(allocated) == 2
+    send(2, False)
+    send(3, False)
+    assert {id(b) for b in (send(4, True), send(5, True), send(6, True))} <= {id(first), id(second)}
+    assert len(allocated) == 2  # no put after the copy=False ones made a buffer
+    staging.acquire(128, torch.device("cpu"), pin=False)  # a larger version: the small ones go
+    assert len(allocated) == 3 and staging.buffers_in_use() <= 2
+    assert staging.peak_buffers <= 2
+
+
 def test_options_are_validated() -> None:
     with pytest.raises(ValueError, match="timeout"):
         ChannelOptions(timeout=0)

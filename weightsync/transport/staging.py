@@ -353,6 +353,13 @@ class Staging:
         jobs = {id(j): j for j in (self.pending, self.in_flight, self.retained, self.base) if j is not None}
         return sum(1 for j in jobs.values() if j.flat is not None) + len(self._free) + len(self.parked)
 
+    def _room(self) -> int:
+        """Under the lock: how many spare buffers fit beside the pinned ones (pending, in flight,
+        retained, base, parked) within ``max_snapshots`` (one more with ``keep_base``)."""
+        jobs = {id(j): j for j in (self.pending, self.in_flight, self.retained, self.base) if j is not None}
+        pinned = sum(1 for j in jobs.values() if j.flat is not None) + len(self.parked)
+        return self.max_snapshots + (1 if self.keep_base else 0) - pinned
+
     def limit(self) -> int:
         """The most buffers staging holds at once, parked ones included: two parked at most (the
         version same-host members read, and the older one a reader of theirs still holds)."""
@@ -383,12 +390,16 @@ class Staging:
                 candidates.insert(0, displaced.flat)
             self._free = []
             buf = next((b for b in candidates if b.numel() >= nbytes and b.device == device), None)
-            # whatever we do not reuse is dropped, so at most max_snapshots exist (and the parked);
-            # while same-host members read in place, one stays spare within the bound: a buffer
-            # parked again soon needs another, and a new segment costs its page faults in put
-            others = [b for b in candidates if b is not buf]
-            if others and self.held() and self.buffers_in_use() + 2 <= self.limit():
-                self._free = [others.pop()]
+            # what we do not reuse stays spare while, with the buffer handed out, no more than
+            # max_snapshots exist (a put after copy=False ones, which pin none, finds both again:
+            # a new buffer costs its page faults in put); while same-host members read in place,
+            # one stays spare within the wider bound: a buffer parked again soon needs another
+            others = sorted((b for b in candidates if b is not buf),  # those that fit kept first
+                            key=lambda b: not (b.numel() >= nbytes and b.device == device))
+            spare = sum(1 for b in others[:max(self._room() - 1, 0)] if b.numel() >= nbytes and b.device == device)
+            if self.held() and self.buffers_in_use() + 2 <= self.limit():
+                spare = max(spare, 1)
+            self._free, others = others[:spare], others[spare:]
             for other in others:
                 self._drop(other)
             if buf is None and self.parked and self.buffers_in_use() + 1 > self.limit():
@@ -447,9 +458,10 @@ class Staging:
                     self.parked.append(job)
                 return
             self._free.append(job.flat)
-            for other in self._free[:-1]:
+            keep = max(1, self._room())  # the newest spare always; more while no more than max_snapshots exist
+            for other in self._free[:-keep]:
                 self._drop(other)
-            self._free = self._free[-1:]
+            self._free = self._free[-keep:]
 
     def finish(self, job: Job, retain: bool = True) -> None:
         """Sender: the in-flight job is done; a snapshot stays retained for newcomers (unless it failed)."""
