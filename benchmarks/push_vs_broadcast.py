@@ -31,6 +31,12 @@ Modes, each pushing the same LLM-shaped state dict from a trainer to N generator
                 end down while the step runs and the wire takes it from the start; the tensors
                 are let go once it is all copied, so the spill at the step's end has little left.
 
+Side by side: the baselines' receivers and weightsync's subscribers run at once, and each round
+pushes once in every mode (shuffled, the same order in every run), after a warm-up round
+at each size. Before 2026-12-04 each mode ran all its pushes in a block, minutes after the
+others, and ``ws_copy``, the first weightsync mode at each size, paid the allocation of every
+buffer of that size alone.
+
 Per mode: the trainer-visible stall, the time until every generator has the version in its own
 model tensors, GB/s, event-loop lag p99 on the trainer and on the generators, and the physical
 ceiling measured in the same run (memcpy and loopback TCP bandwidth). Ratios are against
@@ -50,6 +56,7 @@ import asyncio
 import contextlib
 import datetime as dt
 import os
+import random
 import socket
 import statistics
 import subprocess
@@ -73,6 +80,7 @@ from weightsync.bench.model import make_state_dict, nbytes
 from weightsync.bench.run import add_ratios, draw
 
 MODES = ("naive", "packed", "ws_copy", "ws_after", "ws_assign", "ws_nocrc", "ws_nocopy", "ws_ahead")
+BASELINES = ("naive", "packed")
 WS_MODES = ("ws_copy", "ws_after", "ws_assign", "ws_nocrc", "ws_nocopy", "ws_ahead")
 NOCOPY = ("ws_nocopy", "ws_ahead")  # put(copy=False), a step, then released(spill=True)
 
@@ -158,106 +166,145 @@ def _timed(fn) -> float:  # type: ignore[no-untyped-def]
     return time.perf_counter() - t0
 
 
-async def run_baselines(sizes: list[int], n: int, reps: int, packed_bytes: int, tmp: Path,
-                        progress, cluster: netns.Cluster | None = None) -> list[Row]:  # type: ignore[no-untyped-def]
-    plan = [(mode, mib, reps + 1) for mib in sizes for mode in ("naive", "packed")]
-    sender = (BlockingBroadcast(n, plan, packed_bytes, tmp) if cluster is None else
-              BlockingBroadcast(n, plan, packed_bytes, tmp, host=cluster.trainer_ip,
-                                hosts=[h.ip for h in cluster.hosts], launch=_launcher(cluster)))
-    rows = []
-    try:
-        await sender.connect()
-        for mode, mib, total_reps in plan:
-            sd = make_state_dict(mib)
-            stalls, to_all, lags = [], [], []
-            for rep in range(total_reps):
-                meter = LagMeter()
-                meter.start()
-                await asyncio.sleep(0)
-                t0 = time.perf_counter()
-                sender.push(sd, mode)
-                stall = time.perf_counter() - t0
-                await sender.wait_unpacked(mode, mib, rep)
-                done = time.perf_counter() - t0
-                lag = await meter.stop()
-                if rep:  # rep 0 warms up
-                    stalls.append(stall)
-                    to_all.append(done)
-                    lags.append(lag)
-            rows.append(_row(mode, nbytes(sd), n, stalls, to_all, lags, 0.0))
-            progress(rows[-1])
-    finally:
-        sender.close()
-    return rows
+def rounds(reps: int) -> list[list[str]]:
+    """The order of the pushes at one point: a warm-up round, then ``reps`` measured rounds, each
+    with every mode once, shuffled (a fixed seed per round: the same order in every run). Every
+    contender is timed in the same seconds as the others, so a machine that slows down for a
+    while (this project's 2-core machine took 2.5x as long to copy the same GiB in one run as in
+    the next, 2026-12-04) slows them all; and no mode always follows the same one (a put after
+    ``copy=False`` ones paid 0.4 s of page faults until staging kept both its buffers)."""
+    order = []
+    for r in range(reps + 1):
+        modes = list(MODES)
+        random.Random(r).shuffle(modes)
+        order.append(modes)
+    return order
 
 
-# weightsync ----------------------------------------------------------------------------------------
-async def run_weightsync(sizes: list[int], n: int, reps: int, step_ms: float, tmp: Path,
-                         progress, transport: str = "auto",  # type: ignore[no-untyped-def]
-                         streams: int = 2, cluster: netns.Cluster | None = None,
-                         pipeline: bool | None = None, bucket_mib: int = 64) -> list[Row]:
-    rows = []
-    workers = Workers(tmp, None if cluster is None else _launcher(cluster))
+class Samples:
+    """One point's measured pushes, by mode."""
+
+    def __init__(self) -> None:
+        self.stalls: dict[str, list[float]] = {m: [] for m in MODES}
+        self.to_all: dict[str, list[float]] = {m: [] for m in MODES}
+        self.acked: dict[str, list[float]] = {m: [] for m in MODES}
+        self.lags: dict[str, list[float]] = {m: [] for m in MODES}
+
+    def add(self, mode: str, stall: float, to_all: float, lag: float, acked: float | None = None) -> None:
+        self.stalls[mode].append(stall)
+        self.to_all[mode].append(to_all)
+        self.lags[mode].append(lag)
+        if acked is not None:
+            self.acked[mode].append(acked)
+
+    def rows(self, size: int, n: int) -> list[Row]:
+        rows = []
+        for mode in MODES:
+            rows.append(_row(mode, size, n, self.stalls[mode], self.to_all[mode], self.lags[mode], 0.0))
+            if self.acked[mode]:
+                rows[-1].acked_ms = statistics.median(self.acked[mode]) * 1e3
+        return rows
+
+
+async def run_point_set(sizes: list[int], n: int, reps: int, step_ms: float, packed_bytes: int, tmp: Path,
+                        progress, transport: str = "auto",  # type: ignore[no-untyped-def]
+                        streams: int = 2, cluster: netns.Cluster | None = None,
+                        pipeline: bool | None = None, bucket_mib: int = 64) -> list[Row]:
+    """Every mode at every size to ``n`` generators, side by side: the baselines' receivers and
+    weightsync's subscribers run at once, and each round pushes once in every mode (:func:`rounds`)."""
+    order = [rounds(reps) for _ in sizes]
+    # the baselines' receivers and weightsync's subscribers follow the same order, each their own modes
+    plan = [(mode, mib, 1) for mib, by_round in zip(sizes, order, strict=True)
+            for modes in by_round for mode in modes if mode in BASELINES]
+    versions = [(mib, mode) for mib, by_round in zip(sizes, order, strict=True)
+                for modes in by_round for mode in modes if mode in WS_MODES]
     host = "127.0.0.1" if cluster is None else cluster.trainer_ip
-    last_version = len(sizes) * len(WS_MODES) * (reps + 1) - 1
+    sender = (BlockingBroadcast(n, plan, packed_bytes, tmp) if cluster is None else
+              BlockingBroadcast(n, plan, packed_bytes, tmp, host=host,
+                                hosts=[h.ip for h in cluster.hosts], launch=_launcher(cluster)))
+    workers = Workers(tmp, None if cluster is None else _launcher(cluster))
     store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=dt.timedelta(seconds=300))
-    plan = [(mib, len(WS_MODES) * (reps + 1)) for mib in sizes]
-    async with ws.Publisher("bench", address=f"{host}:0", timeout=120, bucket_bytes=bucket_mib << 20, encoding="full",
-                            streams=streams, pipeline=pipeline) as pub:
-        for i in range(n):
-            workers.spawn(role="subscriber", address=pub.address, member=f"gen{i}", last_version=last_version,
-                          transport=transport, plan=plan, host=host, port=store.port,
-                          modes=WS_MODES, reps=reps)
-        try:
+    rows: list[Row] = []
+    try:
+        async with ws.Publisher("bench", address=f"{host}:0", timeout=120, bucket_bytes=bucket_mib << 20,
+                                encoding="full", streams=streams, pipeline=pipeline) as pub:
+            for i in range(n):
+                workers.spawn(role="subscriber", address=pub.address, member=f"gen{i}",
+                              last_version=len(versions) - 1, transport=transport, versions=versions, host=host,
+                              port=store.port)
+            await sender.connect()
             await pub.wait_subscribers(n, timeout=300)
             version = 0
-            for mib in sizes:
+            for mib, by_round in zip(sizes, order, strict=True):
                 sd = make_state_dict(mib)
-                for mode in WS_MODES:
-                    pub.checksum = mode != "ws_nocrc"
-                    pub.spill_ahead = mode == "ws_ahead"
-                    stalls, to_all, acks, lags = [], [], [], []
-                    for rep in range(reps + 1):
-                        meter = LagMeter()
-                        meter.start()
-                        await asyncio.sleep(0)
-                        t0 = time.perf_counter()
-                        t0_wall = time.time()
-                        handle = await pub.put(sd, version=version, copy=mode not in NOCOPY)
-                        put_time = time.perf_counter() - t0
-                        delivery = asyncio.ensure_future(handle.delivered(timeout=600))
-                        keys = [f"done/ws/{version}/gen{i}" for i in range(n)]
-                        in_models = asyncio.ensure_future(_all_set(store, keys))
-                        if mode not in NOCOPY:
-                            stall = put_time
+                samples = Samples()
+                for r, modes in enumerate(by_round):
+                    for mode in modes:
+                        if mode in BASELINES:
+                            stall, done, lag = await _baseline_push(sender, sd, mode, mib, r)
+                            acked = None
                         else:
-                            await asyncio.sleep(step_ms / 1e3)  # forward + backward on the accelerator
-                            t1 = time.perf_counter()
-                            await handle.released(timeout=600, spill=True)  # optimizer.step() may now run
-                            stall = put_time + (time.perf_counter() - t1)
-                        report = await delivery
-                        # both ends stamped off the event loop: the sender thread's decision, the store wait's return
-                        acked = report.delivered_at - t0_wall
-                        done = await in_models - t0_wall  # every generator's model holds it
-                        lag = await meter.stop()
-                        if report.superseded or len(report.members) != n:
-                            raise RuntimeError(f"version {version} reached {report.members} only")
-                        version += 1
-                        if rep:
-                            stalls.append(stall)
-                            to_all.append(done)
-                            acks.append(acked)
-                            lags.append(lag)
-                    rows.append(_row(mode, nbytes(sd), n, stalls, to_all, lags, 0.0))
-                    rows[-1].acked_ms = statistics.median(acks) * 1e3
-                    progress(rows[-1])
+                            stall, done, acked, lag = await _ws_push(pub, store, sd, mode, version, n, step_ms)
+                            version += 1
+                        if r:  # round 0 warms up: every buffer and slot of this size allocated once
+                            samples.add(mode, stall, done, lag, acked)
+                for row in samples.rows(nbytes(sd), n):
+                    progress(row)
+                    rows.append(row)
             gen_lags = [r["lag_p99_ms"] for r in workers.results(timeout=600)]
+    finally:
+        try:
+            sender.close()
         finally:
             workers.kill()
             del store
     for row in rows:
-        row.lag_p99_generators_ms = max(gen_lags)
+        if row.mode in WS_MODES:
+            row.lag_p99_generators_ms = max(gen_lags)
     return rows
+
+
+async def _baseline_push(sender: BlockingBroadcast, sd: dict[str, torch.Tensor], mode: str, mib: int,
+                         rep: int) -> tuple[float, float, float]:
+    meter = LagMeter()
+    meter.start()
+    await asyncio.sleep(0)
+    t0 = time.perf_counter()
+    sender.push(sd, mode)
+    stall = time.perf_counter() - t0
+    await sender.wait_unpacked(mode, mib, rep)
+    done = time.perf_counter() - t0
+    return stall, done, await meter.stop()
+
+
+async def _ws_push(pub: ws.Publisher, store: Any, sd: dict[str, torch.Tensor], mode: str, version: int, n: int,
+                   step_ms: float) -> tuple[float, float, float, float]:
+    pub.checksum = mode != "ws_nocrc"
+    pub.spill_ahead = mode == "ws_ahead"
+    meter = LagMeter()
+    meter.start()
+    await asyncio.sleep(0)
+    t0 = time.perf_counter()
+    t0_wall = time.time()
+    handle = await pub.put(sd, version=version, copy=mode not in NOCOPY)
+    put_time = time.perf_counter() - t0
+    delivery = asyncio.ensure_future(handle.delivered(timeout=600))
+    in_models = asyncio.ensure_future(_all_set(store, [f"done/ws/{version}/gen{i}" for i in range(n)]))
+    if mode not in NOCOPY:
+        stall = put_time
+    else:
+        await asyncio.sleep(step_ms / 1e3)  # forward + backward on the accelerator
+        t1 = time.perf_counter()
+        await handle.released(timeout=600, spill=True)  # optimizer.step() may now run
+        stall = put_time + (time.perf_counter() - t1)
+    report = await delivery
+    # both ends stamped off the event loop: the sender thread's decision, the store wait's return
+    acked = report.delivered_at - t0_wall
+    done = await in_models - t0_wall  # every generator's model holds it
+    lag = await meter.stop()
+    if report.superseded or len(report.members) != n:
+        raise RuntimeError(f"version {version} reached {report.members} only")
+    return stall, done, acked, lag
 
 
 def _launcher(cluster: netns.Cluster) -> Launch:
@@ -353,9 +400,8 @@ async def bench(sizes: list[int], subscribers: list[int], reps: int, step_ms: fl
         # --link-mbit: every generator on an emulated host of its own behind a link of that rate
         cluster = None if link_mbit is None else stack.enter_context(netns.Cluster([link_mbit] * max(subscribers)))
         for n in subscribers:
-            await run_baselines(sizes, n, reps, packed_bytes, Path(tmp), progress, cluster)
-            await run_weightsync(sizes, n, reps, step_ms, Path(tmp), progress, transport, streams, cluster,
-                                 pipeline, bucket_mib)
+            await run_point_set(sizes, n, reps, step_ms, packed_bytes, Path(tmp), progress, transport, streams,
+                                cluster, pipeline, bucket_mib)
     add_ratios(rows)
     naive = {(r.mib, r.subscribers): r for r in rows if r.mode == "naive"}
     for r in rows:
@@ -394,9 +440,16 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--sizes and --subscribers take comma-separated integers")
     if min(sizes) < 1 or min(subscribers) < 1 or args.reps < 1 or args.bucket_mib < 1:
         parser.error("sizes, subscribers, reps and --bucket-mib must be >= 1")
-    need = max(sizes) * (3 + 2 * max(subscribers) + 2) / 1024
+    # both sets of receivers live at once: per process about 4 copies of the state dict (the model,
+    # two slots or snapshots, a spill) and the packed baseline's two buffers
+    size_gib, packed_gib = max(sizes) / 1024, min(max(sizes), args.packed_mib) / 1024
+    need = (4 * size_gib + 2 * packed_gib) * (1 + max(subscribers))
     print(f"bench: sizes {sizes} MiB x subscribers {subscribers}, {args.reps} reps "
           f"(peak memory about {need:.1f} GiB)", flush=True)
+    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30
+    if need > available:
+        print(f"  warning: {available:.1f} GiB of memory is free; fewer --subscribers or smaller --sizes "
+              "(or a smaller --packed-mib) would fit", flush=True)
     import uvloop
 
     if args.link_mbit is not None:

@@ -6,6 +6,7 @@ file the spec names (never pickle).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import datetime as dt
 import sys
@@ -27,15 +28,26 @@ class WorkerResult(msgspec.Struct):
 
 
 def baseline(spec: dict) -> WorkerResult:
-    """Receive every planned push by blocking broadcasts, as a generator does today."""
+    """Receive every planned push by blocking broadcasts, as a generator does today.
+
+    ``plan``: [mode, nominal MiB, pushes] in push order; the model tensors and the packed buffers of
+    one size are made once and kept while pushes of that size follow. After push k of (mode, MiB),
+    this receiver sets ``done/<mode>/<MiB>/<k>/<rank>``."""
     store = dist.TCPStore(spec["host"], spec["port"], is_master=False, timeout=dt.timedelta(seconds=120))
     pg = group(store, spec["rank"], spec["world"], spec.get("own"))
     opts = dist.BroadcastOptions()
     opts.rootRank, opts.rootTensor = 0, 0
+    size = -1
+    sd: dict[str, torch.Tensor] = {}
+    flat: list[torch.Tensor] = []
+    count: collections.Counter[tuple[str, int]] = collections.Counter()
     for mode, mib, reps in spec["plan"]:
-        sd = make_state_dict(mib)
-        flat = [torch.empty(spec["packed_bytes"], dtype=torch.uint8) for _ in range(2)] if mode == "packed" else []
-        for rep in range(reps):
+        if mib != size:
+            sd, flat = {}, []  # the last size's tensors go before the next size's are made
+            size, sd = mib, make_state_dict(mib)
+        if mode == "packed" and not flat:
+            flat = [torch.empty(spec["packed_bytes"], dtype=torch.uint8) for _ in range(2)]
+        for _ in range(reps):
             if mode == "naive":
                 for t in sd.values():
                     pg.broadcast([t], opts).wait()
@@ -44,7 +56,8 @@ def baseline(spec: dict) -> WorkerResult:
                     buf = flat[i % 2][: chunk.nbytes]
                     pg.broadcast([buf], opts).wait()
                     chunk.unpack(buf)
-            store.set(f"done/{mode}/{mib}/{rep}/{spec['rank']}", b"1")
+            store.set(f"done/{mode}/{mib}/{count[mode, mib]}/{spec['rank']}", b"1")
+            count[mode, mib] += 1
     return WorkerResult()
 
 
@@ -77,32 +90,40 @@ class SlotServed:
 async def subscriber(spec: dict) -> WorkerResult:
     """Follow the channel until the last version, measuring this process's event-loop lag.
 
-    With ``plan`` ([nominal MiB, versions] in put order) and a store: copy every version into this
-    generator's own model tensors (``get_into``), as the baselines broadcast into theirs, and count
-    it on the store (``done/ws/<version>/<member>``): the bench's time to all ends there for every contender."""
+    With ``versions`` ([nominal MiB, mode] per version, in put order) and a store: have every
+    version in this generator's own model tensors (``get_into``, or served from the slot in
+    ``ws_assign``), as the baselines broadcast into theirs, and count it on the store
+    (``done/ws/<version>/<member>``): the bench's time to all ends there for every contender."""
     meter = LagMeter()
     meter.start()
+    versions = spec.get("versions") or []
     store = (dist.TCPStore(spec["host"], spec["port"], is_master=False, timeout=dt.timedelta(seconds=120))
-             if spec.get("plan") else None)
+             if versions else None)
     async with ws.Subscriber(spec.get("channel", "bench"), address=spec["address"], member_id=spec["member"],
                              timeout=120, transport=spec.get("transport")) as sub:
         if store is None:
             await sub.get(min_version=spec["last_version"], timeout=3600)
-        version = 0
-        modes, per_mode = spec.get("modes") or [], spec.get("reps", 0) + 1
-        for mib, count in spec.get("plan") or []:
-            model = make_state_dict(mib)  # the generator's model tensors: the same layout the trainer puts
-            served = SlotServed(make_module(model))  # the same tensors as a torch module's parameters
-            for k in range(count):
-                mode = modes[k // per_mode] if modes else "ws_copy"
-                if mode == "ws_assign":
-                    await served.next(sub, version)
-                else:
+        size = -1
+        model: dict[str, torch.Tensor] = {}
+        served: SlotServed | None = None
+        for version, (mib, mode) in enumerate(versions):
+            if mib != size:
+                if served is not None:
                     await served.release(own=model)
-                    # written as it arrives, except in ws_after: copied once readable (as before 2026-12-03)
-                    await sub.get_into(model, min_version=version, timeout=3600, as_received=mode != "ws_after")
-                store.set(f"done/ws/{version}/{spec['member']}", b"1")
-                version += 1
+                model, served = {}, None  # the last size's tensors go first
+                # the generator's model tensors: the layout the trainer puts
+                size, model = mib, make_state_dict(mib)
+                served = SlotServed(make_module(model))  # the same tensors as a torch module's parameters
+            assert served is not None
+            if mode == "ws_assign":
+                await served.next(sub, version)
+            else:
+                await served.release(own=model)
+                # written as it arrives, except in ws_after: copied once readable (as before 2026-12-03)
+                await sub.get_into(model, min_version=version, timeout=3600, as_received=mode != "ws_after")
+            assert store is not None
+            store.set(f"done/ws/{version}/{spec['member']}", b"1")
+        if served is not None:
             await served.release(own=model)
     p99 = await meter.stop()
     lags = sorted(meter.samples)

@@ -38,6 +38,20 @@ def test_bench_runs_every_mode_and_writes_json_and_plot(tmp_path: Path) -> None:
     assert "PASS" in out.stdout or "FAIL" in out.stdout
 
 
+def test_bench_times_every_mode_in_each_round_side_by_side() -> None:
+    """Every round pushes once in every mode, in the same order in every run: no mode is timed
+    minutes apart from the others, and none always follows the same one."""
+    from benchmarks.push_vs_broadcast import MODES, rounds
+
+    order = rounds(3)
+    assert len(order) == 4  # a warm-up round, then 3 measured
+    assert all(sorted(r) == sorted(MODES) for r in order)
+    assert order == rounds(3)
+    pushes = [m for r in order for m in r]
+    before = {m: {pushes[i - 1] for i in range(1, len(pushes)) if pushes[i] == m} for m in MODES}
+    assert all(len(b) > 1 for b in before.values())
+
+
 @pytest.mark.netns
 @pytest.mark.skipif(netns.unavailable() is not None, reason=f"no network namespaces here: {netns.unavailable()}")
 def test_bench_runs_every_contender_with_generators_on_emulated_hosts(tmp_path: Path) -> None:
