@@ -350,15 +350,17 @@ class Staging:
         self.overdue: Callable[[int], None] = lambda _v: None
 
     def buffers_in_use(self) -> int:
+        return self._pinned() + len(self._free)
+
+    def _pinned(self) -> int:
+        """The buffers a version holds: pending, in flight, retained, base, parked."""
         jobs = {id(j): j for j in (self.pending, self.in_flight, self.retained, self.base) if j is not None}
-        return sum(1 for j in jobs.values() if j.flat is not None) + len(self._free) + len(self.parked)
+        return sum(1 for j in jobs.values() if j.flat is not None) + len(self.parked)
 
     def _room(self) -> int:
-        """Under the lock: how many spare buffers fit beside the pinned ones (pending, in flight,
-        retained, base, parked) within ``max_snapshots`` (one more with ``keep_base``)."""
-        jobs = {id(j): j for j in (self.pending, self.in_flight, self.retained, self.base) if j is not None}
-        pinned = sum(1 for j in jobs.values() if j.flat is not None) + len(self.parked)
-        return self.max_snapshots + (1 if self.keep_base else 0) - pinned
+        """Under the lock: how many spare buffers fit beside the pinned ones within
+        ``max_snapshots`` (one more with ``keep_base``)."""
+        return self.max_snapshots + (1 if self.keep_base else 0) - self._pinned()
 
     def limit(self) -> int:
         """The most buffers staging holds at once, parked ones included: two parked at most (the
