@@ -1,6 +1,7 @@
 """Where the CPU goes: every thread's CPU time per version, the naive loop and weightsync side by side.
 
     python -m benchmarks.cpu_profile [--mib 512] [--subscribers 2] [--versions 4] [--out benchmarks/results]
+    python -m benchmarks.cpu_profile --modes ws_assign --bucket-mib 16   # weightsync's buckets of 16 MiB
 
 On a machine where the trainer and its generators share a few cores (this project's 2-core
 development machine), time to all is bounded by the CPU every process spends, not by the
@@ -109,6 +110,7 @@ class Profile(msgspec.Struct):
     cpu_ms: dict[str, dict[str, float]]  # process -> thread name -> CPU ms per version
     total_cpu_ms: float
     cores_busy: float
+    bucket_mib: int = 64  # weightsync's Publisher(bucket_bytes=)
 
 
 class Report(msgspec.Struct):
@@ -160,7 +162,7 @@ def generator(spec: Spec) -> None:
 
 
 # trainer --------------------------------------------------------------------------------------
-async def profile(mode: str, mib: int, n: int, versions: int) -> Profile:
+async def profile(mode: str, mib: int, n: int, versions: int, bucket_mib: int = 64) -> Profile:
     import weightsync as ws
     from benchmarks.baseline import group
     from weightsync.bench.model import make_state_dict, nbytes
@@ -173,7 +175,7 @@ async def profile(mode: str, mib: int, n: int, versions: int) -> Profile:
     try:
         if mode != "naive":
             pub = ws.Publisher(CHANNEL, address="127.0.0.1:0", timeout=120, encoding="full",
-                               checksum=mode != "ws_nocrc")
+                               checksum=mode != "ws_nocrc", bucket_bytes=bucket_mib << 20)
             await pub.start()
         for rank in range(1, n + 1):
             spec = Spec(mode=mode, rank=rank, world=n + 1, mib=mib, pushes=pushes, host="127.0.0.1", port=store.port,
@@ -227,7 +229,7 @@ async def profile(mode: str, mib: int, n: int, versions: int) -> Profile:
     total = sum(sum(v.values()) for v in cpu.values())
     return Profile(mode=mode, mib=nbytes(sd) / 2**20, subscribers=n, versions=versions,
                    to_all_ms=statistics.median(to_all[WARMUP:]) * 1e3, wall_ms=wall / versions * 1e3,
-                   cpu_ms=cpu, total_cpu_ms=total, cores_busy=total / (wall / versions * 1e3))
+                   cpu_ms=cpu, total_cpu_ms=total, cores_busy=total / (wall / versions * 1e3), bucket_mib=bucket_mib)
 
 
 def show(profiles: list[Profile]) -> None:
@@ -270,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--subscribers", type=int, default=2, help="generator processes")
     parser.add_argument("--versions", type=int, default=4, help="pushes read (after two warm-ups)")
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {','.join(MODES)}")
+    parser.add_argument("--bucket-mib", type=int, default=64, help="weightsync's Publisher(bucket_bytes=) in MiB")
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--generator", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -279,15 +282,17 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     modes = [m for m in args.modes.split(",") if m]
     unknown = sorted(set(modes) - set(MODES))
-    if unknown or args.versions < 1 or args.subscribers < 1 or args.mib < 1:
-        parser.error(f"unknown modes {unknown}" if unknown else "--mib, --subscribers and --versions must be >= 1")
+    if unknown or min(args.versions, args.subscribers, args.mib, args.bucket_mib) < 1:
+        parser.error(f"unknown modes {unknown}" if unknown
+                     else "--mib, --subscribers, --versions and --bucket-mib must be >= 1")
     profiles = []
     for mode in modes:
         print(f"  {mode}: {args.mib} MiB x {args.subscribers}, {WARMUP} warm-up + {args.versions} versions ...",
               flush=True)
-        profiles.append(asyncio.run(profile(mode, args.mib, args.subscribers, args.versions)))
+        profiles.append(asyncio.run(profile(mode, args.mib, args.subscribers, args.versions, args.bucket_mib)))
     cpu = report.cpu_name()
-    print(f"\n{cpu}, {os.cpu_count()} cores, torch {torch.__version__}; CPU ms per version:")
+    print(f"\n{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, weightsync's buckets {args.bucket_mib} MiB; "
+          "CPU ms per version:")
     show(profiles)
     data = Report(when=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), cpu=cpu,
                   cores=os.cpu_count() or 1, torch=str(torch.__version__), profiles=profiles)

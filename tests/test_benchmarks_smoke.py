@@ -83,12 +83,13 @@ def test_same_host_bench_runs_both_transports_and_both_pipelines(tmp_path: Path)
 
 def test_cpu_profile_reads_every_thread_of_every_process_by_name(tmp_path: Path) -> None:
     out = run("-m", "benchmarks.cpu_profile", "--mib", "16", "--subscribers", "2", "--versions", "1",
-              "--out", str(tmp_path))
+              "--bucket-mib", "4", "--out", str(tmp_path))
     assert out.returncode == 0, out.stderr[-3000:]
     profiles = {p["mode"]: p for p in msgspec.json.decode((tmp_path / "cpu_profile.json").read_bytes())["profiles"]}
     assert list(profiles) == ["naive", "ws_copy", "ws_assign", "ws_nocrc"]
     for mode, p in profiles.items():
         assert list(p["cpu_ms"]) == ["trainer", "generator 1", "generator 2"] and p["to_all_ms"] > 0
+        assert p["bucket_mib"] == 4  # the publisher's buckets, recorded with the figures they gave
         assert all("gloo_tcp_loop" in threads for threads in p["cpu_ms"].values())
         # weightsync's threads carry their names at the OS level: the receivers and the trainer's snapshot
         named = {name for threads in p["cpu_ms"].values() for name in threads if name.startswith("ws-p-")}
