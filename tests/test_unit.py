@@ -461,3 +461,48 @@ def test_a_teardown_that_never_ends_is_left_behind_and_the_teardowns_after_it_go
         TEARDOWN.release()
     finally:
         release.set()
+
+
+def test_a_snapshot_on_several_threads_writes_the_bytes_torch_writes() -> None:
+    """The publisher's host snapshot hands plain copies to threads that memmove byte-equal runs
+    (a tensor may be cut between two); strided, cast and empty sources stay with torch."""
+    from weightsync.transport.snapshots import Copier
+
+    gen = torch.Generator().manual_seed(7)
+    items = [("a", torch.randn(300, 257, generator=gen)),                       # plain, cut between runs
+             ("b", torch.randn(64, 96, generator=gen).t()),                     # strided: torch's copy
+             ("c", torch.randn(1000, generator=gen).to(torch.bfloat16)),       # plain, another dtype
+             ("d", torch.empty(0)),                                             # nothing to copy
+             ("e", torch.randn(513, 7, generator=gen)),                         # cast by put(dtype=)
+             ("f", torch.arange(77_777, dtype=torch.int64))]
+    untied, manifest = layout.untied_manifest(items, {"e": torch.float16})
+    expected = torch.zeros(manifest.total_bytes, dtype=torch.uint8)
+    layout.pack_into(expected, manifest, untied)
+    handed: list[list[tuple[int, int, int]]] = []
+    for threads in (1, 2, 3):
+        copier = Copier(threads, "ws-test-copy")
+        try:
+            flat = torch.zeros(manifest.total_bytes, dtype=torch.uint8)
+            layout.pack_into(flat, manifest, untied,
+                             lambda ranges, c=copier: (handed.append(ranges), c.copy(ranges))[1])
+        finally:
+            copier.close()
+        for spec in manifest.tensors:  # padding between tensors is nobody's: compare the tensors' bytes
+            lo, hi = spec.offset, spec.offset + spec.nbytes
+            assert torch.equal(flat[lo:hi], expected[lo:hi]), (threads, spec.name)
+    assert sorted(n for _, _, n in handed[0]) == sorted(
+        s.nbytes for s in manifest.tensors if s.name in ("a", "c", "f"))  # only the plain ones
+    runs = layout.split_ranges(handed[0], 3)
+    sizes = [sum(n for _, _, n in run) for run in runs]
+    assert len(runs) == 3 and max(sizes) - min(sizes) <= 2 and sum(sizes) == sum(n for _, _, n in handed[0])
+    assert [(d, s) for run in runs for d, s, _ in run][0] == handed[0][0][:2]
+
+
+def test_a_snapshot_still_refuses_a_tensor_freed_since_put_before_copying_anything() -> None:
+    items = [("a", torch.ones(1024)), ("b", torch.ones(1024))]
+    untied, manifest = layout.untied_manifest(items)
+    copied: list[object] = []
+    items[1][1].untyped_storage().resize_(0)  # a copy=False tensor the caller freed
+    with pytest.raises(ValueError, match="'b' changed since it was put"):
+        layout.pack_into(torch.empty(manifest.total_bytes, dtype=torch.uint8), manifest, untied, copied.append)
+    assert copied == []  # no range of a tensor checked before it was handed to the threads either

@@ -12,7 +12,7 @@ for an LLM) and cannot be pipelined; packing per bucket (vLLM style) costs a sec
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Union
 
 import torch
@@ -217,19 +217,55 @@ def spec_map(manifest: Manifest) -> dict[str, TensorSpec]:
     return specs
 
 
-def pack_into(flat: torch.Tensor, manifest: Manifest, items: list[tuple[str, torch.Tensor]]) -> None:
+Ranges = list[tuple[int, int, int]]  # (destination address, source address, bytes)
+
+
+def pack_into(flat: torch.Tensor, manifest: Manifest, items: list[tuple[str, torch.Tensor]],
+              copy_ranges: Callable[[Ranges], None] | None = None) -> None:
     """Copy every tensor into its range of ``flat`` (strided sources are fine).
 
     Each source is checked again first: a ``copy=False`` tensor the caller freed or resized
     since ``put`` would be read through a dangling pointer (a crash, not an exception). A tensor
     whose spec has another (floating) dtype is cast in the same pass as the copy.
+
+    With ``copy_ranges``, the plain copies (a contiguous host tensor of the spec's dtype into host
+    memory) are handed to it as address ranges once every source is checked, to copy as it
+    likes (the publisher's: on several threads at once); the rest are copied here with torch.
     """
+    host = flat.device.type == "cpu"
+    plain: Ranges = []
     for spec, (name, tensor) in zip(manifest.tensors, items, strict=True):
         problem = _unsendable(tensor)
         if problem or tuple(tensor.shape) != spec.shape or not _same_or_cast(tensor.dtype, spec.dtype):
             raise ValueError(f"{name!r} changed since it was put: {problem or 'its shape or dtype differs'}")
-        if spec.nbytes:
+        if not spec.nbytes:
+            continue
+        if copy_ranges is not None and host and tensor.device.type == "cpu" and tensor.is_contiguous() \
+                and dtype_name(tensor.dtype) == spec.dtype:
+            plain.append((flat.data_ptr() + spec.offset, tensor.data_ptr(), spec.nbytes))
+        else:
             tensor_view(flat, spec).copy_(tensor, non_blocking=True)
+    if plain:
+        assert copy_ranges is not None
+        copy_ranges(plain)
+
+
+def split_ranges(ranges: Ranges, parts: int) -> list[Ranges]:
+    """``ranges`` cut into ``parts`` runs of (nearly) equal bytes, in order; a range may be cut."""
+    total = sum(n for _, _, n in ranges)
+    share = -(-total // max(parts, 1)) if total else 1
+    out: list[Ranges] = [[]]
+    room = share
+    for dst, src, n in ranges:
+        done = 0
+        while done < n:
+            if room == 0:
+                out.append([])
+                room = share
+            take = min(n - done, room)
+            out[-1].append((dst + done, src + done, take))
+            done, room = done + take, room - take
+    return out
 
 
 def _same_or_cast(dtype: torch.dtype, wire: str) -> bool:
