@@ -21,7 +21,9 @@ class Workers:
         self.procs: list[tuple[subprocess.Popen[bytes], Path]] = []
 
     def spawn(self, **spec: object) -> None:
-        out = self.tmp / f"w{len(self.procs)}.json"
+        # unique to this set of workers: two sets in one directory (a bench's baseline receivers and its
+        # subscribers) wrote the same w0.json, and one's result was read as the other's (2026-12-04)
+        out = self.tmp / f"w{id(self):x}-{len(self.procs)}.json"
         env = dict(os.environ, TORCH_CPP_LOG_LEVEL="ERROR")
         argv = [sys.executable, "-m", "benchmarks.workers", msgspec.json.encode({**spec, "result": str(out)}).decode()]
         if self.launch is not None:
