@@ -36,9 +36,12 @@ class BlockingBroadcast:
     """
 
     def __init__(self, n: int, plan: list[tuple[str, int, int]], packed_bytes: int, tmp: Path,
-                 host: str = "127.0.0.1", hosts: list[str] | None = None, launch: Launch | None = None) -> None:
+                 host: str = "127.0.0.1", hosts: list[str] | None = None, launch: Launch | None = None,
+                 gate: bool = False) -> None:
         """``hosts`` and ``launch``: receivers on emulated hosts (rank r at ``hosts[r - 1]``),
-        reaching this trainer at ``host``; each end's gloo binds its own address."""
+        reaching this trainer at ``host``; each end's gloo binds its own address. ``gate``: the
+        receivers build each size's model only once :meth:`begin` says so, and exit only after
+        ``begin("end")`` (``workers.gate``)."""
         self.n = n
         self.packed_bytes = packed_bytes
         self.host = host if hosts else None
@@ -47,7 +50,8 @@ class BlockingBroadcast:
         self.workers = Workers(tmp, launch)
         for rank in range(1, n + 1):
             self.workers.spawn(role="baseline", host=host, port=self.store.port, rank=rank, world=n + 1,
-                               plan=plan, packed_bytes=packed_bytes, own=hosts[rank - 1] if hosts else None)
+                               plan=plan, packed_bytes=packed_bytes, own=hosts[rank - 1] if hosts else None,
+                               gate=gate)
         self._bufs: list[torch.Tensor] = []
         self._pg: Any = None
         self._opts = dist.BroadcastOptions()
@@ -82,8 +86,12 @@ class BlockingBroadcast:
         keys = [f"done/{mode}/{mib}/{rep}/{rank}" for rank in range(1, self.n + 1)]
         await asyncio.to_thread(self.store.wait, keys, dt.timedelta(seconds=600))
 
-    def close(self, timeout: float = 600) -> None:
+    def begin(self, key: str) -> None:
+        """Tell gated receivers that the pushes of size ``key`` (nominal MiB) begin, or ``"end"``."""
+        self.store.set(f"begin/{key}", b"1")
+
+    def close(self, timeout: float = 600) -> list[dict]:
         try:
-            self.workers.results(timeout=timeout)
+            return self.workers.results(timeout=timeout)
         finally:
             self.workers.kill()

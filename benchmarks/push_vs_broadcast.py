@@ -220,8 +220,10 @@ async def run_point_set(sizes: list[int], n: int, reps: int, step_ms: float, pac
     versions = [(mib, mode) for mib, by_round in zip(sizes, order, strict=True)
                 for modes in by_round for mode in modes if mode in WS_MODES]
     host = "127.0.0.1" if cluster is None else cluster.trainer_ip
-    sender = (BlockingBroadcast(n, plan, packed_bytes, tmp) if cluster is None else
-              BlockingBroadcast(n, plan, packed_bytes, tmp, host=host,
+    # gated: every receiver builds a size's model when that size begins and exits when all is
+    # timed, never while another contender's push is being timed (workers.gate)
+    sender = (BlockingBroadcast(n, plan, packed_bytes, tmp, gate=True) if cluster is None else
+              BlockingBroadcast(n, plan, packed_bytes, tmp, host=host, gate=True,
                                 hosts=[h.ip for h in cluster.hosts], launch=_launcher(cluster)))
     workers = Workers(tmp, None if cluster is None else _launcher(cluster))
     store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=dt.timedelta(seconds=300))
@@ -232,12 +234,16 @@ async def run_point_set(sizes: list[int], n: int, reps: int, step_ms: float, pac
             for i in range(n):
                 workers.spawn(role="subscriber", address=pub.address, member=f"gen{i}",
                               last_version=len(versions) - 1, transport=transport, versions=versions, host=host,
-                              port=store.port)
+                              port=store.port, gate=True)
             await sender.connect()
             await pub.wait_subscribers(n, timeout=300)
             version = 0
+            began: dict[int, float] = {}
             for mib, by_round in zip(sizes, order, strict=True):
                 sd = make_state_dict(mib)
+                began[mib] = time.time()
+                store.set(f"begin/{mib}", b"1")
+                sender.begin(str(mib))
                 samples = Samples()
                 for r, modes in enumerate(by_round):
                     for mode in modes:
@@ -252,7 +258,12 @@ async def run_point_set(sizes: list[int], n: int, reps: int, step_ms: float, pac
                 for row in samples.rows(nbytes(sd), n):
                     progress(row)
                     rows.append(row)
-            gen_lags = [r["lag_p99_ms"] for r in workers.results(timeout=600)]
+            store.set("begin/end", b"1")
+            sender.begin("end")
+            results = workers.results(timeout=600)
+            gen_lags = [r["lag_p99_ms"] for r in results]
+            results += sender.close()
+            check_gated(results, began)
     finally:
         try:
             sender.close()
@@ -263,6 +274,15 @@ async def run_point_set(sizes: list[int], n: int, reps: int, step_ms: float, pac
         if row.mode in WS_MODES:
             row.lag_p99_generators_ms = max(gen_lags)
     return rows
+
+
+def check_gated(results: list[dict], began: dict[int, float]) -> None:
+    """Every receiver began each size's model after the trainer began that size (``workers.gate``)."""
+    early = [(mib, began.get(mib, float("inf")) - at) for r in results for mib, at in r.get("built", [])
+             if at < began.get(mib, float("inf"))]
+    if early or any(len(r.get("built", [])) != len(began) for r in results):
+        raise RuntimeError(f"a receiver built a model before its size began (MiB, seconds early): {early}, "
+                           f"or not at every size: {[r.get('built') for r in results]}")
 
 
 async def _baseline_push(sender: BlockingBroadcast, sd: dict[str, torch.Tensor], mode: str, mib: int,

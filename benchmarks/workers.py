@@ -6,10 +6,12 @@ file the spec names (never pickle).
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import contextlib
 import datetime as dt
 import sys
+import time
 
 import msgspec
 import torch
@@ -25,6 +27,20 @@ class WorkerResult(msgspec.Struct):
     lag_p99_ms: float = 0.0
     lag_max_ms: float = 0.0
     error: str = ""
+    built: list[tuple[int, float]] = []  # gated: [nominal MiB, time.time()] as each size's model was begun
+
+
+GATE_WAIT = dt.timedelta(seconds=600)
+
+
+def gate(store: dist.TCPStore, key: str) -> float:
+    """With ``gate`` in the spec: wait for the trainer's ``begin/<key>`` (a size's pushes begin, or
+    ``end``: nothing is timed any more). A receiver that built the next size's model (1 GiB of
+    random numbers at 1 GiB) or exited (freeing its memory) after its last push of a size took
+    the cores of the other contenders' pushes still timed after it (2026-12-04: up to 3x their
+    time to all in the last round of every point); now that waits for the trainer's word."""
+    store.wait([f"begin/{key}"], GATE_WAIT)
+    return time.time()
 
 
 def baseline(spec: dict) -> WorkerResult:
@@ -41,9 +57,12 @@ def baseline(spec: dict) -> WorkerResult:
     sd: dict[str, torch.Tensor] = {}
     flat: list[torch.Tensor] = []
     count: collections.Counter[tuple[str, int]] = collections.Counter()
+    built: list[tuple[int, float]] = []
     for mode, mib, reps in spec["plan"]:
         if mib != size:
             sd, flat = {}, []  # the last size's tensors go before the next size's are made
+            if spec.get("gate"):
+                built.append((mib, gate(store, str(mib))))
             size, sd = mib, make_state_dict(mib)
         if mode == "packed" and not flat:
             flat = [torch.empty(spec["packed_bytes"], dtype=torch.uint8) for _ in range(2)]
@@ -58,7 +77,9 @@ def baseline(spec: dict) -> WorkerResult:
                     chunk.unpack(buf)
             store.set(f"done/{mode}/{mib}/{count[mode, mib]}/{spec['rank']}", b"1")
             count[mode, mib] += 1
-    return WorkerResult()
+    if spec.get("gate"):
+        gate(store, "end")
+    return WorkerResult(built=built)
 
 
 class SlotServed:
@@ -106,11 +127,14 @@ async def subscriber(spec: dict) -> WorkerResult:
         size = -1
         model: dict[str, torch.Tensor] = {}
         served: SlotServed | None = None
+        built: list[tuple[int, float]] = []
         for version, (mib, mode) in enumerate(versions):
             if mib != size:
                 if served is not None:
                     await served.release(own=model)
                 model, served = {}, None  # the last size's tensors go first
+                if spec.get("gate"):
+                    built.append((mib, await asyncio.to_thread(gate, store, str(mib))))
                 # the generator's model tensors: the layout the trainer puts
                 size, model = mib, make_state_dict(mib)
                 served = SlotServed(make_module(model))  # the same tensors as a torch module's parameters
@@ -125,9 +149,11 @@ async def subscriber(spec: dict) -> WorkerResult:
             store.set(f"done/ws/{version}/{spec['member']}", b"1")
         if served is not None:
             await served.release(own=model)
+        if spec.get("gate"):
+            await asyncio.to_thread(gate, store, "end")
     p99 = await meter.stop()
     lags = sorted(meter.samples)
-    return WorkerResult(lag_p99_ms=p99, lag_max_ms=lags[-1] * 1e3 if lags else 0.0)
+    return WorkerResult(lag_p99_ms=p99, lag_max_ms=lags[-1] * 1e3 if lags else 0.0, built=built)
 
 
 async def follower(spec: dict) -> WorkerResult:

@@ -21,12 +21,16 @@ def run(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_bench_runs_every_mode_and_writes_json_and_plot(tmp_path: Path) -> None:
-    out = run("-m", "benchmarks.push_vs_broadcast", "--sizes", "8", "--subscribers", "1", "--reps", "1",
+    # two sizes: no receiver may build the second size's model (or exit) while a push is timed;
+    # the bench checks every receiver's word on when it built each (check_gated) before writing
+    out = run("-m", "benchmarks.push_vs_broadcast", "--sizes", "4,8", "--subscribers", "1", "--reps", "1",
               "--out", str(tmp_path))
     assert out.returncode in (0, 1), out.stderr[-3000:]  # 1: a target missed at this toy size
+    assert "Traceback" not in out.stderr, out.stderr[-3000:]
     report = msgspec.json.decode((tmp_path / "bench.json").read_bytes())
     modes = {row["mode"] for row in report["rows"]}
     assert modes == {"naive", "packed", "ws_copy", "ws_after", "ws_assign", "ws_nocrc", "ws_nocopy", "ws_ahead"}
+    assert sorted({round(row["mib"]) for row in report["rows"]}) == [4, 8]
     assert all(row["to_all_ms"] > 0 and row["stall_ms"] >= 0 for row in report["rows"])
     # weightsync's rows carry the acknowledgement time beside the time to the generators' model tensors
     # (which comes later in truth; the two are stamped on different threads and processes, so their
