@@ -99,6 +99,7 @@ class Row(msgspec.Struct):
     acked_ms: float = 0.0  # weightsync: until every generator acknowledged (before its copy into its model)
     to_all_vs_naive: float = 0.0
     to_all_runs_ms: list[float] = []  # every measured push's, in round order (the median is to_all_ms)
+    stall_runs_ms: list[float] = []  # the same for the stall (the median is stall_ms)
 
 
 class Ceiling(msgspec.Struct):
@@ -351,7 +352,8 @@ def _row(mode: str, size: int, n: int, stalls: list[float], to_all: list[float],
     done = statistics.median(to_all)
     return Row(mode=mode, mib=size / 2**20, subscribers=n, stall_ms=statistics.median(stalls) * 1e3,
                to_all_ms=done * 1e3, gbps=size * n / done / 1e9, lag_p99_trainer_ms=max(lags),
-               lag_p99_generators_ms=gen_lag, to_all_runs_ms=[round(t * 1e3, 1) for t in to_all])
+               lag_p99_generators_ms=gen_lag, to_all_runs_ms=[round(t * 1e3, 1) for t in to_all],
+               stall_runs_ms=[round(t * 1e3, 1) for t in stalls])
 
 
 # report --------------------------------------------------------------------------------------------

@@ -32,6 +32,7 @@ def test_bench_runs_every_mode_and_writes_json_and_plot(tmp_path: Path) -> None:
     assert modes == {"naive", "packed", "ws_copy", "ws_after", "ws_assign", "ws_nocrc", "ws_nocopy", "ws_ahead"}
     assert sorted({round(row["mib"]) for row in report["rows"]}) == [4, 8]
     assert all(row["to_all_ms"] > 0 and row["stall_ms"] >= 0 for row in report["rows"])
+    assert all(len(row["to_all_runs_ms"]) == len(row["stall_runs_ms"]) == 1 for row in report["rows"])
     # weightsync's rows carry the acknowledgement time beside the time to the generators' model tensors
     # (which comes later in truth; the two are stamped on different threads and processes, so their
     # order is not asserted: a wall-clock claim at an 8 MiB toy size)
