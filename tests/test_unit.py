@@ -492,6 +492,12 @@ def test_a_snapshot_on_several_threads_writes_the_bytes_torch_writes() -> None:
             assert torch.equal(flat[lo:hi], expected[lo:hi]), (threads, spec.name)
     assert sorted(n for _, _, n in handed[0]) == sorted(
         s.nbytes for s in manifest.tensors if s.name in ("a", "c", "f"))  # only the plain ones
+    closed = Copier(2, "ws-test-copy")
+    closed.close()  # a publisher closing while a put is taken: the snapshot is still whole
+    flat = torch.zeros(manifest.total_bytes, dtype=torch.uint8)
+    layout.pack_into(flat, manifest, untied, closed.copy)
+    assert all(torch.equal(flat[s.offset:s.offset + s.nbytes], expected[s.offset:s.offset + s.nbytes])
+               for s in manifest.tensors)
     runs = layout.split_ranges(handed[0], 3)
     sizes = [sum(n for _, _, n in run) for run in runs]
     assert len(runs) == 3 and max(sizes) - min(sizes) <= 2 and sum(sizes) == sum(n for _, _, n in handed[0])

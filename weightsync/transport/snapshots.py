@@ -186,10 +186,18 @@ class Copier:
         self._pool = ThreadPoolExecutor(threads - 1, thread_name_prefix=name) if threads > 1 else None
 
     def copy(self, ranges: layout.Ranges) -> None:
+        if self._pool is None:
+            _memmove_all(ranges)
+            return
         runs = layout.split_ranges(ranges, self.threads)
-        helped = [self._pool.submit(_memmove_all, run) for run in runs[1:]] if self._pool is not None else []
+        mine, helped = list(runs[0]), []
+        for run in runs[1:]:
+            try:
+                helped.append(self._pool.submit(_memmove_all, run))
+            except RuntimeError:  # shut down (the publisher closing while a put is taken): copied here
+                mine += run
         try:
-            _memmove_all(runs[0] if self._pool is not None else ranges)
+            _memmove_all(mine)
         finally:
             for future in helped:  # every run is done (or failed) before the snapshot counts as taken
                 future.result()
