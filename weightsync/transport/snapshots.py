@@ -7,7 +7,9 @@ bucket i goes out as soon as its bytes are in). ``put(copy=False)`` stages nothi
 reads the caller's tensors until the handle's ``released()``. Either way the version is then
 committed, which may displace a pending one (its handle resolves as superseded).
 
-Threads: ``ws-<channel>-snapshot`` (one), also lent to the control server's start.
+Threads: ``ws-<channel>-snapshot`` (one), also lent to the control server's start; with more
+than one torch thread, ``ws-<channel>-copy`` (:class:`Copier`: up to three, started with the first
+host snapshot), which take a share of each host snapshot's plain copies beside it.
 """
 
 from __future__ import annotations
