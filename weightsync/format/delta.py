@@ -114,7 +114,10 @@ def _planes(values: torch.Tensor) -> bytes:
     return _compressor().compress(_host_view(host) if host.numel() else b"")
 
 
-def _unplanes(data: memoryview, count: int, dtype: torch.dtype) -> torch.Tensor:
+def _unplanes(data: memoryview, count: int, dtype: torch.dtype, device: torch.device | None = None) -> torch.Tensor:
+    """``count`` elements of ``dtype`` from their compressed byte planes, on ``device`` (default the
+    host): the planes are decompressed on the host and moved as they are; a device puts the bytes
+    of each element back together itself (a CUDA member: no host pass over them)."""
     size = torch.empty((), dtype=dtype).element_size()
     try:
         raw = _zstd().ZstdDecompressor().decompress(data, max_output_size=count * size)
@@ -123,6 +126,8 @@ def _unplanes(data: memoryview, count: int, dtype: torch.dtype) -> torch.Tensor:
     if len(raw) != count * size:
         raise DeltaError(f"a payload holds {len(raw)} bytes, {count * size} expected")
     planes = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+    if device is not None and device.type != "cpu":
+        planes = planes.to(device)
     if size > 1:
         planes = planes.view(size, count).t().contiguous().reshape(-1)
     return planes.view(dtype)
@@ -258,11 +263,12 @@ def decode(wire: torch.Tensor, base: torch.Tensor, out: torch.Tensor, segs: Sequ
         elif mode == RAW and la == nbytes and lb == 0:
             o.copy_(host[at:at + la])
         elif mode == XOR and lb == 0:
-            xor = _unplanes(data[at:at + la], n, dtype)
-            torch.bitwise_xor(b.view(dtype), xor.to(o.device), out=o.view(dtype))
+            xor = _unplanes(data[at:at + la], n, dtype, o.device)
+            torch.bitwise_xor(b.view(dtype), xor, out=o.view(dtype))
         elif mode == SPARSE and k > 0:
-            gaps = _unplanes(data[at:at + la], k, torch.int32).to(torch.int64)
-            values = _unplanes(data[at + la:at + la + lb], k, dtype)
+            # positions are summed where the bucket is (int32 gaps cross to a device, not int64s)
+            gaps = _unplanes(data[at:at + la], k, torch.int32, o.device).to(torch.int64)
+            values = _unplanes(data[at + la:at + la + lb], k, dtype, o.device)
             if int(gaps.min()) < 0:
                 raise DeltaError(f"segment {j}: a negative gap")
             idx = torch.cumsum(gaps + 1, 0) - 1
@@ -270,8 +276,7 @@ def decode(wire: torch.Tensor, base: torch.Tensor, out: torch.Tensor, segs: Sequ
                 raise DeltaError(f"segment {j}: a position past its {n} elements")
             o.copy_(b)
             ov = o.view(dtype)
-            idx = idx.to(o.device)
-            ov[idx] = torch.bitwise_xor(ov[idx], values.to(o.device))
+            ov[idx] = torch.bitwise_xor(ov[idx], values)
         else:
             raise DeltaError(f"segment {j}: mode {mode} with lengths {la}, {lb} and count {k} is not a delta")
         at += la + lb
