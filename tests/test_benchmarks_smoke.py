@@ -131,6 +131,23 @@ def test_gpu_snapshot_says_so_without_cuda() -> None:
     assert "no CUDA" in out.stdout or "GB bf16" in out.stdout
 
 
+def test_gpu_delta_without_cuda_says_so_and_draws_a_run_from_its_json(tmp_path: Path) -> None:
+    out = run("-m", "benchmarks.gpu_delta", "--mib", "8")
+    assert out.returncode == 0 and "no CUDA" in out.stdout, out.stderr[-3000:]
+    # the host side of the benchmark, measured here, stands in for both sides of a device run's JSON
+    from benchmarks import gpu_delta
+
+    manifest, base, cur = gpu_delta.version_pair(130, 0.03, "cpu")  # two whole buckets and a part
+    host = gpu_delta.side(manifest, base, cur, reps=1)
+    assert 0 < host.wire_bytes < manifest.total_bytes * 0.05 and len(host.encode_ms) == 1
+    result = gpu_delta.GpuDelta(device="none", cpu="here", cpu_threads=1, mib=130, changed=0.03, cuda=host,
+                                host=host, encode_host_over_cuda=1.0, decode_host_over_cuda=1.0, torch="", when="")
+    (tmp_path / "gpu_delta.json").write_bytes(msgspec.json.encode(result))
+    out = run("-m", "benchmarks.gpu_delta", "--plot-from", str(tmp_path / "gpu_delta.json"), "--out", str(tmp_path))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert (tmp_path / "gpu_delta.png").stat().st_size > 10_000
+
+
 def test_generations_benchmark_runs(tmp_path: Path) -> None:
     out = run("-m", "benchmarks.generations", "--cycles", "2", "--members", "1", "--out", str(tmp_path))
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
