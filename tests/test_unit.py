@@ -512,3 +512,22 @@ def test_a_snapshot_still_refuses_a_tensor_freed_since_put_before_copying_anythi
     with pytest.raises(ValueError, match="'b' changed since it was put"):
         layout.pack_into(torch.empty(manifest.total_bytes, dtype=torch.uint8), manifest, untied, copied.append)
     assert copied == []  # no range of a tensor checked before it was handed to the threads either
+
+
+def test_a_pipelined_snapshot_of_nothing_is_complete_at_once() -> None:
+    """A sharded rank with nothing of its own to send (an HSDP replica) puts an empty version; the
+    pipelined snapshot (the default on 4 CPUs or more) failed it ("zip() argument 3 is longer")."""
+    from weightsync.transport.staging import Progress, pack_progressively
+
+    marks: list[int] = []
+    manifest = layout.build_manifest([])
+    progress = Progress(manifest.total_bytes, marks.append)
+    pack_progressively(torch.empty(0, dtype=torch.uint8), manifest, [], progress)
+    progress.wait(manifest.total_bytes, 1.0)  # raises where the snapshot failed or never got there
+    assert progress.error is None and marks == [0]
+    items = [("a", torch.arange(6, dtype=torch.float32)), ("b", torch.ones(3, dtype=torch.bfloat16))]
+    manifest = layout.build_manifest(items)
+    flat = torch.empty(manifest.total_bytes, dtype=torch.uint8)
+    marks.clear()
+    pack_progressively(flat, manifest, items, Progress(manifest.total_bytes, marks.append))
+    assert marks == [manifest.tensors[1].offset, manifest.total_bytes]  # after each tensor, in order

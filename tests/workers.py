@@ -161,7 +161,8 @@ async def sharded_trainer(spec: dict) -> dict:
     error = ""
     sent_full = 0
     async with ws.Publisher(spec["channel"], timeout=spec.get("timeout", 10.0), heartbeat_interval=0.25,
-                            bucket_bytes=spec.get("bucket_bytes", 64 << 10), **kwargs) as pub:
+                            bucket_bytes=spec.get("bucket_bytes", 64 << 10), pipeline=spec.get("pipeline"),
+                            **kwargs) as pub:
         if rank == 0 and not spec.get("use_group") and spec.get("address_file"):
             tmp = spec["address_file"] + ".tmp"
             with open(tmp, "w") as fh:
