@@ -61,14 +61,15 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy
 
 # the suite asks for the process group (its --transport fixture, tests/conftest.py); the end-to-end
-# modules run again with the default users get, where generators on this host read shared
-# memory in place (the examples always run as users run them: test_examples once)
+# modules run again with the defaults users get, where generators on this host read shared
+# memory in place and, as on any machine of 4 CPUs or more, publishers pipeline their snapshots
+# (--pipeline on: these 2 cores would not; the examples always run as users run them: test_examples once)
 AUTO_TESTS := tests/test_inprocess.py tests/test_multiprocess.py tests/test_guarantees.py tests/test_lifecycle.py \
 	tests/test_sharding.py
 
 pytest: $(STAMP)
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
-	if [ "$(AUTO_PASS)" = 1 ]; then $(VENV)/bin/python -m pytest --transport auto $(AUTO_TESTS) $(PYTEST_ARGS); fi
+	if [ "$(AUTO_PASS)" = 1 ]; then $(VENV)/bin/python -m pytest --transport auto --pipeline on $(AUTO_TESTS) $(PYTEST_ARGS); fi
 
 test: lint pytest
 

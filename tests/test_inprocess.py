@@ -304,7 +304,8 @@ async def test_latest_wins_bounded_memory_no_torn_versions() -> None:
         # in place (--transport auto) may keep two more parked: staging's bound
         in_place = any(s.transport == "shm" for s in subs)
         assert pub.peak_snapshots() <= (pub._staging.limit() if in_place else 3)  # noqa: SLF001
-        assert any(r.superseded for r in reports)  # the publisher outran the wire
+        if not (in_place and pub.pipeline):  # the publisher outran the wire (pipelined to readers in place,
+            assert any(r.superseded for r in reports)  # a version is delivered as it is copied: none to outrun)
         assert not reports[-1].superseded and set(reports[-1].members) == {s.member_id for s in subs}
         assert seen == sorted(seen) and len(set(seen)) == len(seen)
     finally:

@@ -19,7 +19,7 @@ import torch
 import weightsync as ws
 from tests.statedicts import digests
 from weightsync.recorder.recorder import process_recorder
-from weightsync.testing import Faults, inject, set_default_transport
+from weightsync.testing import Faults, inject, set_default_pipeline, set_default_transport
 
 
 async def subscriber(spec: dict) -> dict:
@@ -395,6 +395,7 @@ def run(arg: str) -> int:
     faulthandler.enable(all_threads=True)  # a crash (SIGSEGV, SIGABRT) prints where it happened
     # the test run's transport for subscribers that name none (tests/conftest.py's fixture sets it)
     set_default_transport(os.environ.get("WS_TEST_TRANSPORT", "auto"))
+    set_default_pipeline(True if os.environ.get("WS_TEST_PIPELINE") == "on" else None)  # and its --pipeline
     spec = load_spec(arg)
     if spec.get("loop") == "uvloop":
         import uvloop

@@ -23,7 +23,9 @@ Without ``inject`` a Subscriber runs :class:`Hooks`, which does nothing.
 
 A test suite that runs its subscribers over one transport (the group, say, where links are
 timed and generations formed) sets the default that ``Subscriber(transport=None)`` takes with
-:func:`set_default_transport`; users get ``"auto"``.
+:func:`set_default_transport`; users get ``"auto"``. Likewise :func:`set_default_pipeline`
+decides whether ``Publisher(pipeline=None)`` pipelines its host snapshots, which users get where
+the process may use 4 CPUs or more: a suite on a smaller machine can still run that way.
 """
 
 from __future__ import annotations
@@ -36,9 +38,11 @@ from typing import Any
 
 import torch
 
-__all__ = ["Faults", "Hooks", "default_transport", "digest", "inject", "set_default_transport"]
+__all__ = ["Faults", "Hooks", "default_pipeline", "default_transport", "digest", "inject", "set_default_pipeline",
+           "set_default_transport"]
 
 _default_transport = "auto"
+_default_pipeline: bool | None = None
 
 
 def default_transport() -> str:
@@ -51,6 +55,20 @@ def set_default_transport(name: str) -> str:
     previous default (a test fixture restores it)."""
     global _default_transport
     previous, _default_transport = _default_transport, name
+    return previous
+
+
+def default_pipeline() -> bool | None:
+    """What ``Publisher(pipeline=None)`` takes in this process: None (by the CPUs it may use)
+    unless a test set it."""
+    return _default_pipeline
+
+
+def set_default_pipeline(on: bool | None) -> bool | None:
+    """Make ``on`` what publishers of this process take when they name no ``pipeline`` (None: by
+    the CPUs, as users get); returns the previous setting (a test fixture restores it)."""
+    global _default_pipeline
+    previous, _default_pipeline = _default_pipeline, on
     return previous
 
 

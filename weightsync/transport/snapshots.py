@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from weightsync import _wire
+from weightsync import _wire, testing
 from weightsync.errors import WeightSyncError
 from weightsync.format import layout
 from weightsync.planes import shm
@@ -45,7 +45,11 @@ def _spill_ahead(channel: str, job: Job) -> None:
 
 def default_pipeline() -> bool:
     """Pipelined where this process may use at least PIPELINE_CPUS CPUs (its affinity, where the
-    OS has one): with fewer, the send's copies compete with the snapshot's (docs/benchmarks.md)."""
+    OS has one): with fewer, the send's copies compete with the snapshot's (docs/benchmarks.md).
+    A test run may decide instead (``weightsync.testing.set_default_pipeline``)."""
+    chosen = testing.default_pipeline()
+    if chosen is not None:
+        return chosen
     affinity = getattr(os, "sched_getaffinity", None)
     return (len(affinity(0)) if affinity is not None else os.cpu_count() or 1) >= PIPELINE_CPUS
 
