@@ -216,3 +216,41 @@ async def test_copy_false_deltas_of_cuda_tensors_against_the_kept_copy() -> None
                 if version:
                     assert set(report.encodings.values()) == {"delta"} and report.base == version - 1
                 trainer.step()
+
+
+# sharded trainers (issue 12): DTensor shards on the device -------------------------------------
+
+@pytest.mark.parametrize("by", ["rank", "group"])
+async def test_a_one_rank_fsdp2_trainer_on_the_gpu_pushes_its_cuda_shards_cast_to_bf16(by: str) -> None:
+    """FSDP2 on a CUDA mesh (one rank: NCCL takes one GPU per rank) puts its DTensor state dict
+    as bf16, naming its rank (``rank=``/``world_size=``) or its process group (``group=``, the
+    trainer's NCCL world). Each CUDA local shard is cast and packed on the device into the host
+    staging of a gloo channel; the member holds ``full_tensor()`` cast to bf16, bit-exact."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from tests.statedicts import fsdp_model
+
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=30))
+    dist.init_process_group("nccl", store=store, rank=0, world_size=1, timeout=datetime.timedelta(seconds=30))
+    try:
+        model = fsdp_model(init_device_mesh("cuda", (1,)))
+        where = {"group": dist.group.WORLD} if by == "group" else {"rank": 0, "world_size": 1}
+        async with ws.Publisher("gpu-fsdp", backend="gloo", device="cuda", **where, **FAST) as pub:
+            async with ws.Subscriber(pub.name, address=pub.address, member_id="gen", timeout=10.0,
+                                     transport="group") as sub:
+                await pub.wait_subscribers(1, timeout=30)
+                for version in range(2):
+                    with torch.no_grad():
+                        for p in model.parameters():
+                            p.to_local().add_(1)
+                    sd = dict(model.state_dict())
+                    assert {v.to_local().device.type for v in sd.values() if hasattr(v, "to_local")} == {"cuda"}
+                    full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in sd.items()}
+                    expected = digests({k: v.to(torch.bfloat16) if v.is_floating_point() else v
+                                        for k, v in full.items()})
+                    report = await (await pub.put(sd, version=version, dtype=torch.bfloat16))
+                    assert report.members == ("gen",)
+                    assert digests(await sub.get(min_version=version, timeout=30)) == expected
+    finally:
+        dist.destroy_process_group()
