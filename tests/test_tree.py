@@ -21,7 +21,8 @@ INTERNAL_OK = {"benchmarks/control_plane.py": "it measures the control frames' f
                "benchmarks/lanes.py": "it turns the lanes' relay rotation off, to measure what the rotation buys",
                "benchmarks/checksums.py": "it measures the digest functions and says which one a publisher picks",
                "benchmarks/cost_model.py": "it models the lanes' relay orders with the library's own function",
-               "benchmarks/delta.py": "--no-overlap turns off sending delta buckets as they are made, to measure it"}
+               "benchmarks/delta.py": "--no-overlap turns off sending delta buckets as they are made, to measure it",
+               "benchmarks/gpu_delta.py": "it measures the delta codec itself, on the device and on the host"}
 
 
 def _layer(module: str) -> int | None:
