@@ -872,3 +872,36 @@ def test_lanes_put_different_generators_first_so_no_one_relays_in_every_lane(wor
         same = _uplinks([tuple(sorted(joined))] * world)  # every lane in one order: the same relays
         assert max(_uplinks(orders).values()) <= max(same.values()) / 2, (n, world)
     assert lane_order(("b", "a", "c"), 0, 1) == ("b", "a", "c")  # one lane keeps its join order
+
+
+def test_a_links_least_is_never_above_the_fastest_of_its_last_round_trips() -> None:
+    """On the emulated cluster (8 equal 300 Mbit/s links) a shaper whose tokens the version had
+    just used paced one member's next probe to 7.5 ms while rested links passed theirs in 2 ms:
+    scaled to the version its least (1.2 s) was above its own most (0.31 s) and past 3x the
+    others' most, a healthy member flagged slow for that version (3 in a row evict it)."""
+    from weightsync.control.server import link_bounds
+    from weightsync.membership.membership import StragglerPolicy
+
+    assert link_bounds(0.0075, [0.0020, 0.0031, 0.0080]) == (0.0020, 0.0020)
+    assert link_bounds(0.0004, [0.0020, 0.0031]) == (0.0004, 0.0020)  # a burst: below, kept
+    policy = StragglerPolicy(slow_factor=3.0, slow_floor=0.05, window=3, on_slow="evict")
+    scale = 160  # a 20 MiB version against 128 KiB probes
+    newest = {"g2": 0.0075, **{f"g{i}": 0.00003 for i in (0, 1, 3, 4, 5, 6, 7)}}  # the others: bursts
+    trips = {"g2": [0.00196, 0.0031, 0.0080], **{f"g{i}": [0.0019, 0.0021, 0.0023] for i in (0, 1, 3, 4, 5, 6, 7)}}
+    own = dict.fromkeys(newest, 0.003)
+
+    def links(clamped: bool) -> dict[str, tuple[float, float]]:
+        out = {}
+        for m in newest:
+            least, most = link_bounds(newest[m], trips[m]) if clamped else (newest[m], min(trips[m]))
+            out[m] = (least * scale, most * scale)
+        return out
+
+    unclamped = _members(*newest)
+    assert [set(unclamped.slow_members(policy, own, links(False))) for _ in range(3)] == [set(), set(), {"g2"}]
+    honest = _members(*newest)
+    assert all(honest.slow_members(policy, own, links(True)) == {} for _ in range(6))
+    # a link slower than the policy allows is slow in every round trip: still found
+    trips["g2"], newest["g2"] = [0.026, 0.027, 0.030], 0.028
+    slow = _members(*newest)
+    assert [set(slow.slow_members(policy, own, links(True))) for _ in range(3)] == [set(), set(), {"g2"}]
