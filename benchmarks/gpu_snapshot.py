@@ -1,12 +1,13 @@
 """GPU: the stall of a stream-ordered snapshot against a plain device copy of the same bytes.
 
-    python -m benchmarks.gpu_snapshot [--gb 14] [--reps 3]
+    python -m benchmarks.gpu_snapshot [--gb 14] [--reps 3] [--out DIR]
+    python -m benchmarks.gpu_snapshot --plot-from DIR/gpu_snapshot.json   # the figure, where matplotlib is
 
 A one-rank NCCL channel (the only NCCL shape a single-GPU machine allows) puts a bf16 state
 dict of ``--gb`` GB living on the GPU. ``put`` enqueues the snapshot on a side stream and
 returns without synchronising the host; the device copy of the same bytes, synchronised, is the
-physical reference. Prints both and their ratio; writes JSON. Exits 0 without CUDA (nothing
-to measure), so scripts/gpu_check.sh can run it anywhere.
+physical reference. Prints both and their ratio; writes JSON, and a figure when matplotlib is
+installed. Exits 0 without CUDA (nothing to measure), so scripts/gpu_check.sh can run it anywhere.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import msgspec
 import torch
 
 import weightsync as ws
+from benchmarks.report import pyplot, save
 
 
 class GpuResult(msgspec.Struct):
@@ -95,12 +97,36 @@ async def run(gb: float, reps: int) -> GpuResult:
                      when=time.strftime("%Y-%m-%d %H:%M:%S"))
 
 
+def plot(result: GpuResult, out: str | Path, json_path: Path) -> None:
+    plt = pyplot()
+    if plt is None:
+        return
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    bars = [("put() returns", statistics.median(result.put_stall_ms)),
+            ("snapshot complete", statistics.median(result.snapshot_done_ms)),
+            ("device copy, synced", statistics.median(result.device_copy_ms))]
+    ax.barh([b[0] for b in bars], [b[1] for b in bars], color=["#2CA02C", "#4C72B0", "#999999"])
+    for y, (_name, ms) in enumerate(bars):
+        ax.text(ms, y, f" {ms:.2f} ms", va="center", fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("ms (median)")
+    ax.set_title(f"{result.gb:.1f} GB bf16 on the GPU ({result.device}, {result.backend})", fontsize=10)
+    ax.set_xlim(0, max(b[1] for b in bars) * 1.3)
+    save(fig, out, "gpu_snapshot", json_path)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gb", type=float, default=14.0)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--plot-from", default=None, help="draw the figure of an earlier run's JSON")
     args = parser.parse_args(argv)
+    if args.plot_from:
+        path = Path(args.plot_from)
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        plot(msgspec.json.decode(path.read_bytes(), type=GpuResult), args.out, path)
+        return 0
     if not torch.cuda.is_available():
         print("gpu_snapshot: no CUDA device here; nothing to measure")
         return 0
@@ -115,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
           f"({result.device_copy_gbps:.0f} GB/s)")
     print(f"  stall / device copy     {result.stall_vs_device_copy:8.4f}")
     print(f"  host->device: pinned {result.pinned_h2d_gbps:.1f} GB/s, pageable {result.pageable_h2d_gbps:.1f} GB/s")
+    plot(result, out, out / "gpu_snapshot.json")
     return 0
 
 

@@ -125,10 +125,19 @@ def test_train_loop_and_recorder_overhead_run(tmp_path: Path) -> None:
     assert overhead["entries_per_push"] > 0 and overhead["seconds_per_entry"] > 0
 
 
-def test_gpu_snapshot_says_so_without_cuda() -> None:
+def test_gpu_snapshot_says_so_without_cuda_and_draws_a_device_runs_json(tmp_path: Path) -> None:
     out = run("-m", "benchmarks.gpu_snapshot", "--gb", "0.1")
     assert out.returncode == 0
     assert "no CUDA" in out.stdout or "GB bf16" in out.stdout
+    from benchmarks import gpu_snapshot
+
+    shape = gpu_snapshot.GpuResult(device="none", gb=1.0, backend="nccl", put_stall_ms=[1.0], snapshot_done_ms=[7.0],
+                                   device_copy_ms=[6.5], stall_vs_device_copy=0.15, device_copy_gbps=150.0,
+                                   pinned_h2d_gbps=50.0, pageable_h2d_gbps=20.0, torch="", when="")
+    (tmp_path / "run.json").write_bytes(msgspec.json.encode(shape))
+    out = run("-m", "benchmarks.gpu_snapshot", "--plot-from", str(tmp_path / "run.json"), "--out", str(tmp_path))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert (tmp_path / "gpu_snapshot.png").stat().st_size > 10_000
 
 
 def test_gpu_delta_without_cuda_says_so_and_draws_a_run_from_its_json(tmp_path: Path) -> None:
