@@ -22,7 +22,7 @@ from pathlib import Path
 import msgspec
 import torch
 
-from benchmarks.report import cpu_name, pyplot, save, write_json
+from benchmarks.report import cpu_name, pyplot, replot, save, write_json
 from weightsync.format import delta, layout
 
 BUCKET = 64 << 20
@@ -124,10 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plot-from", default=None, help="draw the figure of an earlier run's JSON")
     args = parser.parse_args(argv)
     if args.plot_from:
-        path = Path(args.plot_from)
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        plot(msgspec.json.decode(path.read_bytes(), type=GpuDelta), args.out, path)
-        return 0
+        return replot(args.plot_from, args.out, GpuDelta, plot)
     if not 0 < args.changed < 1 or args.mib < 1:
         parser.error("--changed must be in (0, 1) and --mib at least 1")
     if not torch.cuda.is_available():

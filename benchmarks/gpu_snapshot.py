@@ -22,7 +22,7 @@ import msgspec
 import torch
 
 import weightsync as ws
-from benchmarks.report import pyplot, save
+from benchmarks.report import pyplot, replot, save
 
 
 class GpuResult(msgspec.Struct):
@@ -123,10 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plot-from", default=None, help="draw the figure of an earlier run's JSON")
     args = parser.parse_args(argv)
     if args.plot_from:
-        path = Path(args.plot_from)
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        plot(msgspec.json.decode(path.read_bytes(), type=GpuResult), args.out, path)
-        return 0
+        return replot(args.plot_from, args.out, GpuResult, plot)
     if not torch.cuda.is_available():
         print("gpu_snapshot: no CUDA device here; nothing to measure")
         return 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +48,15 @@ def save(fig: Any, out: str | Path, name: str, json_path: Path) -> None:
     png = Path(out) / f"{name}.png"
     fig.savefig(png, dpi=120)
     print(f"wrote {json_path} and {png}")
+
+
+def replot(json_path: str | Path, out: str | Path, kind: type, plot: Callable[[Any, str | Path, Path], None]) -> int:
+    """``--plot-from``: draw the figure of an earlier run's JSON (decoded as ``kind``) into
+    ``out``. A device machine without matplotlib brings its JSON back; the figure is drawn here."""
+    path = Path(json_path)
+    Path(out).mkdir(parents=True, exist_ok=True)
+    plot(msgspec.json.decode(path.read_bytes(), type=kind), out, path)
+    return 0
 
 
 def verdict(targets: dict[str, bool]) -> int:
