@@ -93,15 +93,14 @@ class Progress:
 def pack_progressively(flat: torch.Tensor, manifest: Manifest, items: list[tuple[str, torch.Tensor]],
                        progress: Progress) -> None:
     """``layout.pack_into``, telling ``progress`` after each tensor (and failing it on an error)."""
+    if not manifest.tensors:  # a rank with nothing of its own to send (an HSDP replica): complete at once
+        progress.advance(manifest.total_bytes)
+        return
     try:
-        # each tensor's end is where the next begins (the last one's, the layout's end); a rank
-        # with nothing of its own to send (an HSDP replica) has no tensors and no bytes
-        ends = [*(t.offset for t in manifest.tensors[1:]), manifest.total_bytes] if manifest.tensors else []
-        for spec, item, end in zip(manifest.tensors, items, ends, strict=True):
+        for spec, item, end in zip(manifest.tensors, items, [*(t.offset for t in manifest.tensors[1:]),
+                                                               manifest.total_bytes], strict=True):
             layout.pack_into(flat, Manifest(tensors=(spec,), total_bytes=end), [item])
             progress.advance(end)
-        if not manifest.tensors:
-            progress.advance(manifest.total_bytes)
     except BaseException as err:
         progress.fail(err)
         raise
