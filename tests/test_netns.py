@@ -13,6 +13,7 @@ import asyncio
 import os
 import select
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -98,6 +99,29 @@ async def test_subscribers_on_other_hosts_join_by_the_advertised_address(cluster
         assert result["order"][-1] == 2
         for version, seen in result["digests"].items():
             assert seen == digests(versions[int(version)])
+
+
+def test_a_hosts_acknowledgements_leave_in_their_own_class_ahead_of_its_bulk(cluster_of) -> None:
+    """A host that receives 4 MiB sends back only acknowledgements: they leave through the
+    link's acknowledgement class (IP packets under 64 bytes), and its bulk class carries none."""
+    cluster, _ = cluster_of(200)
+    server = socket.create_server((cluster.trainer_ip, 0))
+    server.settimeout(60)
+    reader = cluster.popen(0, [sys.executable, "-c", "import socket, sys\n"
+                               "s = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=60)\n"
+                               "n = 0\n"
+                               "while piece := s.recv(1 << 16):\n    n += len(piece)\n"
+                               "print(n)", cluster.trainer_ip, str(server.getsockname()[1])],
+                           stdout=subprocess.PIPE)
+    conn = server.accept()[0]
+    conn.sendall(bytes(4 << 20))
+    conn.close()
+    stdout, _ = reader.communicate(timeout=60)
+    assert int(stdout) == 4 << 20
+    sent = cluster.sent_by_class(0)
+    acks_bytes, acks = sent["1:5"]
+    assert acks > 20 and acks_bytes / acks < 64 + 14, sent  # an Ethernet header on each
+    assert sent["1:10"][0] < 4 << 10, sent  # nothing of size went the bulk way (ARP, perhaps)
 
 
 @pytest.mark.asyncio
