@@ -281,9 +281,12 @@ def duplex(mbit: float, seconds: float = 3.0) -> tuple[float, float]:
         peer = cluster.popen(0, [sys.executable, "-c", _DUPLEX_PEER, cluster.trainer_ip,
                                  str(up_srv.getsockname()[1]), str(down_srv.getsockname()[1]), str(seconds)],
                              stdout=subprocess.PIPE)
-        up_srv.settimeout(60)
-        down_srv.settimeout(60)
-        up_conn, down_conn = up_srv.accept()[0], down_srv.accept()[0]
+        for srv in (up_srv, down_srv):
+            srv.settimeout(60)
+        with up_srv, down_srv:
+            up_conn, down_conn = up_srv.accept()[0], down_srv.accept()[0]
+        for conn in (up_conn, down_conn):
+            conn.settimeout(60)  # every wait has its deadline: a peer that stops answering ends it
         got = [0]
 
         def receive() -> None:
@@ -297,6 +300,7 @@ def duplex(mbit: float, seconds: float = 3.0) -> tuple[float, float]:
             down_conn.sendall(piece)
         down_conn.close()
         receiver.join(60)
+        up_conn.close()
         stdout, _ = peer.communicate(timeout=60)
         return got[0] * 8 / seconds / 1e6, int(stdout.split()[0]) * 8 / seconds / 1e6
 

@@ -113,9 +113,11 @@ def test_a_hosts_acknowledgements_leave_in_their_own_class_ahead_of_its_bulk(clu
                                "while piece := s.recv(1 << 16):\n    n += len(piece)\n"
                                "print(n)", cluster.trainer_ip, str(server.getsockname()[1])],
                            stdout=subprocess.PIPE)
-    conn = server.accept()[0]
-    conn.sendall(bytes(4 << 20))
-    conn.close()
+    with server:
+        conn = server.accept()[0]
+    with conn:
+        conn.settimeout(60)
+        conn.sendall(bytes(4 << 20))
     stdout, _ = reader.communicate(timeout=60)
     assert int(stdout) == 4 << 20
     sent = cluster.sent_by_class(0)
