@@ -269,4 +269,7 @@ def test_lanes_bench_measures_both_orders_on_the_emulated_cluster(tmp_path: Path
     assert all(p["seconds"] > 0 and len(p["samples"]) == 1 for p in report["points"])
     # 3 generators: one order makes the first forward to the third in both lanes; rotated, half of it
     assert [p["max_uplink_versions"] for p in report["points"]] == [1.0, 0.5]
+    # the lane term at the link efficiency this run measured over one link, first
+    assert 0 < report["eta"] <= 1 and report["one_link_seconds"] > 0
+    assert all(p["model_at_eta"] == pytest.approx(p["model_seconds"] / report["eta"]) for p in report["points"])
     assert (tmp_path / "lanes.png").stat().st_size > 10_000
