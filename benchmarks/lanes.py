@@ -97,13 +97,13 @@ async def push(cluster: netns.Cluster, world: int, n: int, nbytes: int, reps: in
                           env=env, cwd=REPO, stdout=subprocess.DEVNULL)
         await asyncio.gather(*(p.wait_subscribers(n, timeout=120) for p in pubs))
         part = nbytes // world // 4
-        owners = {f"w{r}": r for r in range(world)}
+        # which rank owns each tensor: only a sharded publisher takes it (one rank, in calibrate, owns all)
+        owners = {f"w{r}": r for r in range(world)} if world > 1 else None
         samples = []
         for version in range(reps + 1):
             sd = {f"w{r}": torch.full((part,), float(version)) for r in range(world)}
             began = time.monotonic()
-            handles = await asyncio.gather(*(p.put(sd, version=version, owners=owners if world > 1 else None)
-                                             for p in pubs))
+            handles = await asyncio.gather(*(p.put(sd, version=version, owners=owners) for p in pubs))
             reports = await asyncio.gather(*(h.delivered(timeout=600) for h in handles))
             took = time.monotonic() - began
             short = [r.members for r in reports if len(r.members) != n]
