@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -83,6 +84,35 @@ def test_dump_round_trip_and_states(tmp_path: Path) -> None:
     assert dump.format_version == 1 and dump.label == "gen7" and dump.pid == os.getpid()
     assert [(e.op, e.state, e.error) for e in dump.entries] == [("receive", "failed", "late"),
                                                                 ("publish", "completed", "")]
+
+
+def test_dumps_from_many_threads_at_once_all_land_and_leave_no_temporary_files(tmp_path: Path) -> None:
+    """A sender thread dumping on trouble while the loop dumps at its end (CI saw one rename fail)."""
+    threads, rounds = 6, 40
+    rec = FlightRecorder(capacity=threads * rounds, directory=tmp_path, label="pub")
+    start = threading.Barrier(threads, timeout=60)
+    errors: list[BaseException] = []
+
+    def dump_repeatedly(index: int) -> None:
+        start.wait()
+        for round_ in range(rounds):
+            rec.record("publish", channel="c", member="pub", version=index * rounds + round_).complete()
+            try:
+                rec.dump(reason=f"thread {index}")
+            except BaseException as err:  # noqa: BLE001 - collected for the assertion below
+                errors.append(err)
+
+    workers = [threading.Thread(target=dump_repeatedly, args=(i,)) for i in range(threads)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(timeout=120)
+    assert not any(worker.is_alive() for worker in workers)
+    assert errors == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"pub-{os.getpid()}.wsfr"]
+    dump = load_dump(tmp_path / f"pub-{os.getpid()}.wsfr")
+    # the file renamed last was read last: it holds every entry recorded before any dump began
+    assert sorted(e.version for e in dump.entries) == list(range(threads * rounds))
 
 
 @pytest.mark.parametrize("content", [b"", b"\x93\x01\x02", b'{"format": "something-else"}', b"\x80\x04K\x01."])
