@@ -109,7 +109,8 @@ def test_dumps_from_many_threads_at_once_all_land_and_leave_no_temporary_files(t
         worker.join(timeout=120)
     assert not any(worker.is_alive() for worker in workers)
     assert errors == []
-    assert sorted(p.name for p in tmp_path.iterdir()) == [f"pub-{os.getpid()}.wsfr"]
+    # the dump, and torch's own trace beside it where this torch keeps one (CI's does)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.suffix != ".json") == [f"pub-{os.getpid()}.wsfr"]
     dump = load_dump(tmp_path / f"pub-{os.getpid()}.wsfr")
     # the file renamed last was read last: it holds every entry recorded before any dump began
     assert sorted(e.version for e in dump.entries) == list(range(threads * rounds))
