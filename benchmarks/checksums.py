@@ -20,11 +20,21 @@ Then what a generator waiting in ``get_into(model, as_received=True)`` does with
 receives, on the same bucket and one thread, side by side: the digest pass and then a ``copy_``
 of each tensor into the model (two reads of the bucket from memory, as before 2026-12-03), and
 ``DestWriter.digest_and_write`` (each 1 MiB piece digested, then copied while in cache).
+
+The rows above read one bucket again and again, so after the first pass it is in cache. A
+bucket in a transfer is read once, just after something wrote it. Last, the chosen digest over
+a bucket as a transfer hands it over, each rep: written by a copy on this thread just before
+(the publisher's snapshot), written by a copy on another thread pinned to another core (a
+receive), and cold (a bigger buffer written in between). On a 2-core Intel Xeon (2026-12-04)
+the first two came out at 0.63-0.71x the in-cache rate and cold at 0.41-0.46x.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import os
+import threading
 import time
 import zlib
 
@@ -88,6 +98,44 @@ def into_rows(buf: torch.Tensor, kind: str, reps: int) -> dict[str, float]:
             "digest and copy in one read (as_received)": rate(one_read, flat, reps)}
 
 
+def fresh_rows(buf: torch.Tensor, kind: str, reps: int) -> dict[str, float]:
+    """GB/s of ``kind`` over a bucket the way a transfer hands it over (module docstring); best of ``reps``."""
+    target = torch.empty_like(buf)
+    evict = torch.empty(max(4 * buf.numel(), 256 << 20), dtype=torch.uint8)
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+
+    def written_by_copy() -> None:
+        ctypes.memmove(target.data_ptr(), buf.data_ptr(), buf.numel())
+
+    def written_elsewhere() -> None:
+        def copy_there() -> None:
+            os.sched_setaffinity(0, {cores[1]})
+            written_by_copy()
+
+        worker = threading.Thread(target=copy_there)
+        worker.start()
+        worker.join()
+
+    def best(prepare) -> float:
+        fastest = float("inf")
+        for _ in range(reps):
+            prepare()
+            t0 = time.perf_counter()
+            checksum(target, kind)
+            fastest = min(fastest, time.perf_counter() - t0)
+        return buf.numel() / fastest / 1e9
+
+    rows = {"written just before, this thread": best(written_by_copy)}
+    if len(cores) >= 2:  # this thread on one core, the copy on another
+        os.sched_setaffinity(0, {cores[0]})
+        try:
+            rows["written just before, another core"] = best(written_elsewhere)
+        finally:
+            os.sched_setaffinity(0, set(cores))
+    rows["cold (a bigger buffer written since)"] = best(lambda: evict.fill_(1))
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.checksums", description=__doc__.splitlines()[0])
     parser.add_argument("--mib", type=int, default=64)
@@ -107,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     picked = choose()
     into = into_rows(buf, picked, args.reps)
+    fresh = fresh_rows(buf, picked, args.reps)
     base = rows["striped-crc32 (protocol 1)"]
     cpu = report.cpu_name()
     print(f"{args.mib} MiB host bucket, one thread, best of {args.reps}, {cpu}")
@@ -119,9 +168,13 @@ def main(argv: list[str] | None = None) -> int:
     for name, gbs in into.items():
         print(f"{name:<44}{gbs:>8.2f} GB/s")
     print(f"one read / two passes: {two / one:.2f}x the time")
+    in_cache = rows["xxh3-64" if picked == "xxh3" else "crc32c"]
+    print(f"\n{picked} over a bucket as a transfer hands it over (in cache above: {in_cache:.2f} GB/s):")
+    for name, gbs in fresh.items():
+        print(f"{name:<44}{gbs:>8.2f} GB/s{gbs / in_cache:>8.2f}x in cache")
     json_path = report.write_json(args.out, "checksums", {"mib": args.mib, "reps": args.reps, "cpu": cpu,
                                                           "chosen": picked, "gb_per_s": rows,
-                                                          "into_gb_per_s": into})
+                                                          "into_gb_per_s": into, "fresh_gb_per_s": fresh})
     plt = report.pyplot()
     if plt is None:
         return 0

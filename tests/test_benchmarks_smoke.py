@@ -165,6 +165,19 @@ def test_generations_benchmark_runs(tmp_path: Path) -> None:
     assert (tmp_path / "generations.png").stat().st_size > 10_000
 
 
+def test_checksums_bench_measures_every_digest_in_cache_and_as_a_transfer_hands_a_bucket_over(
+        tmp_path: Path) -> None:
+    out = run("-m", "benchmarks.checksums", "--mib", "4", "--reps", "2", "--out", str(tmp_path))
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    report = msgspec.json.decode((tmp_path / "checksums.json").read_bytes())
+    assert report["chosen"] in ("crc32c", "xxh3")
+    assert all(gbs > 0 for gbs in [*report["gb_per_s"].values(), *report["into_gb_per_s"].values()])
+    fresh = report["fresh_gb_per_s"]
+    assert "written just before, this thread" in fresh and "cold (a bigger buffer written since)" in fresh
+    assert all(gbs > 0 for gbs in fresh.values())
+    assert (tmp_path / "checksums.png").stat().st_size > 10_000
+
+
 def test_the_minimal_push_example_ends_bit_exact() -> None:
     out = run("-m", "rl_examples.minimal_push", "--steps", "3", "--generators", "2")
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
