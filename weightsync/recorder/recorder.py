@@ -120,9 +120,9 @@ class FlightRecorder:
         self._kept: deque[Entry] = deque(maxlen=max(1, capacity // 4))  # pushed out unfinished
         self._seq = itertools.count()
         self._lock = threading.Lock()
-        # dumps come from the loop, from sender threads and from a signal handler at once: each
-        # writes its own temporary file, and they take turns at the rename (reentrant: a signal
-        # handler may interrupt a dump in the same thread)
+        # dumps come from the loop, from sender threads and from a signal handler at once: they take
+        # turns (reentrant: a SIGUSR1 dump may interrupt one in the same thread, so each still
+        # writes a temporary file of its own)
         self._dump_lock = threading.RLock()
         self._dump_seq = itertools.count()
         self._directory = Path(directory) if directory is not None else None
@@ -209,15 +209,16 @@ class FlightRecorder:
         label = (self.label or "process").replace("/", "_")
         target = Path(path) if path is not None else self.directory / f"{label}-{os.getpid()}{DUMP_SUFFIX}"
         target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(f"{target.name}.{threading.get_ident()}-{next(self._dump_seq)}.tmp")
+        tmp = target.with_name(f"{target.name}.{next(self._dump_seq)}.tmp")
         with self._dump_lock:  # the ring is read inside, so the file last renamed holds the newest ring
             dump = Dump(label=label, pid=os.getpid(), host=socket.gethostname(), time=time.time(), reason=reason,
                         torch_version=str(torch.__version__), capacity=self.capacity, entries=self.snapshot())
             try:
                 tmp.write_bytes(msgspec.msgpack.encode(dump))
                 os.replace(tmp, target)
-            finally:
+            except BaseException:
                 tmp.unlink(missing_ok=True)
+                raise
             torch_trace = compat.torch_flight_recorder_json()
             if torch_trace:
                 target.with_suffix(".torch.json").write_bytes(torch_trace)
