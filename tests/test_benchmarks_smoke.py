@@ -178,6 +178,25 @@ def test_checksums_bench_measures_every_digest_in_cache_and_as_a_transfer_hands_
     assert (tmp_path / "checksums.png").stat().st_size > 10_000
 
 
+def test_gloo_wire_bench_measures_every_point_on_both_ends(tmp_path: Path) -> None:
+    out = run("-m", "benchmarks.gloo_wire", "--mib", "8", "--buckets", "4,1", "--streams", "1,2", "--reps", "2",
+              "--out", str(tmp_path))
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    report = msgspec.json.decode((tmp_path / "gloo_wire.json").read_bytes())
+    points = {(p["streams"], p["bucket_mib"]): p for p in report["points"]}
+    assert set(points) == {(1, 4), (1, 1), (2, 4), (2, 1)}
+    for p in points.values():  # the receiver's CPU came back from its own process, every rep timed
+        assert p["gb_per_s"] > 0 and p["sender_cpu_ms_per_gb"] > 0 and p["receiver_cpu_ms_per_gb"] > 0
+        assert len(p["runs_s"]) == 2
+    assert "time / 1 stream" in out.stdout
+    assert (tmp_path / "gloo_wire.png").stat().st_size > 10_000
+
+
+def test_gloo_wire_bench_refuses_a_bucket_larger_than_the_buffer(tmp_path: Path) -> None:
+    out = run("-m", "benchmarks.gloo_wire", "--mib", "4", "--buckets", "8", "--out", str(tmp_path))
+    assert out.returncode == 2 and "larger than --mib" in out.stderr
+
+
 def test_the_minimal_push_example_ends_bit_exact() -> None:
     out = run("-m", "rl_examples.minimal_push", "--steps", "3", "--generators", "2")
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
