@@ -42,6 +42,7 @@ from weightsync.demo.loop import (
     can_plot,
     dump_recorder,
     example_parser,
+    final_delivery,
     generate,
     mean,
     member_rng,
@@ -203,7 +204,7 @@ async def trainer(args: argparse.Namespace) -> int:
             start = time.monotonic()
             members, dropped, replaced = set(pub.members), 0, False
             kill = 0 < args.kill_generator_at <= args.steps
-            overtime = None
+            overtime, last = None, None
             for step in itertools.count(1):
                 if step > args.steps:
                     # after a kill, go on until the replacement is in (at most a minute more)
@@ -216,7 +217,7 @@ async def trainer(args: argparse.Namespace) -> int:
                 batch = await next_batch(queue, Groups)
                 grpo_step(policy, optimizer, batch)
                 t0 = time.perf_counter()
-                await pub.put(policy.state_dict(), version=step)
+                last = await pub.put(policy.state_dict(), version=step)
                 stall = (time.perf_counter() - t0) * 1e3
                 rows.append(StepRow(step=step, seconds=time.monotonic() - start, reward=mean(batch.rewards),
                                     staleness=step - 1 - batch.version, push_stall_ms=stall,
@@ -235,6 +236,8 @@ async def trainer(args: argparse.Namespace) -> int:
                     print(f"{step:5d} {rows[-1].seconds:5.1f}s {mean([r.reward for r in recent]):7.3f} "
                           f"{mean([r.staleness for r in recent]):5.2f} {mean([r.push_stall_ms for r in recent]):7.2f}"
                           f"  {','.join(sorted(pub.members))}", flush=True)
+            if last is not None:
+                print(final_delivery(await last.delivered(timeout=60), len(pub.members)), flush=True)
         finally:
             queue.request_stop()
             killed = await gens.finish(timeout=60)

@@ -4,6 +4,7 @@ the full demo (`make demo`, which exits 1 if the policy did not improve), not he
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -30,6 +31,10 @@ def test_cartpole_demo_short_mode(tmp_path: Path) -> None:
     dumps = sorted(p.name.split("-")[0] for p in (tmp_path / "flight-recorder").glob("*.wsfr"))
     assert dumps == ["gen0", "gen1", "gen2", "publisher"]  # every process left its recorder
     assert "return" in out.stdout and "flight recorder: 4 dumps" in out.stdout
+    # the generators stop only once the last version reached them: none of them left while it was
+    # on the wire, which failed it for the leaver and re-sent it to the others
+    assert "final policy: version 8 reached 3 of 3 generators (gen0, gen1, gen2)" in out.stdout, out.stdout[-3000:]
+    assert "version 8 failed for" not in out.stderr, out.stderr[-3000:]
 
 
 def test_grpo_survives_a_killed_generator(tmp_path: Path) -> None:
@@ -47,6 +52,7 @@ def test_grpo_survives_a_killed_generator(tmp_path: Path) -> None:
     assert "gen-r1" in steps[-1]["members"] and "gen0" not in steps[-1]["members"]
     assert (tmp_path / "grpo.png").stat().st_size > 10_000
     assert "killed generator gen0" in out.stdout and "gen-r1 joined" in out.stdout
+    assert re.search(r"final policy: version \d+ reached (\d) of \1 generators", out.stdout), out.stdout[-3000:]
 
 
 def test_minimal_push_ends_bit_exact_on_every_generator() -> None:

@@ -36,6 +36,7 @@ from weightsync.demo.loop import (
     can_plot,
     dump_recorder,
     example_parser,
+    final_delivery,
     generate,
     mean,
     member_rng,
@@ -189,11 +190,12 @@ async def trainer(args: argparse.Namespace) -> int:
             queue.grant(2 * args.generators)  # at most two batches in flight per generator
             print(f"{'step':>5} {'time':>6} {'return':>7} {'stale':>5} {'push ms':>7}  from", flush=True)
             start = time.monotonic()
+            last = None
             for step in range(1, args.steps + 1):
                 batch = await next_batch(queue, Batch)
                 ppo_update(policy, optimizer, batch, args.epochs)
                 t0 = time.perf_counter()
-                await pub.put(policy.state_dict(), version=step)  # returns after the snapshot
+                last = await pub.put(policy.state_dict(), version=step)  # returns after the snapshot
                 stall = (time.perf_counter() - t0) * 1e3
                 rows.append(StepRow(step=step, seconds=time.monotonic() - start,
                                     mean_return=mean(batch.episode_returns), staleness=step - 1 - batch.version,
@@ -203,6 +205,8 @@ async def trainer(args: argparse.Namespace) -> int:
                     print(f"{step:5d} {rows[-1].seconds:5.1f}s {mean([r.mean_return for r in recent]):7.1f} "
                           f"{mean([r.staleness for r in recent]):5.2f} {mean([r.push_stall_ms for r in recent]):7.2f}"
                           f"  {batch.generator}", flush=True)
+            if last is not None:
+                print(final_delivery(await last.delivered(timeout=60), args.generators), flush=True)
         finally:
             queue.request_stop()
             killed = await gens.finish(timeout=60)

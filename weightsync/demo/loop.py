@@ -226,6 +226,15 @@ def analyze_summary(fr_dir: Path) -> str:
     return f"flight recorder: {len(dumps)} dumps, {verdict} (weightsync fr analyze {fr_dir})"
 
 
+def final_delivery(report: ws.DeliveryReport, generators: int) -> str:
+    """One line on the last version put. A run stops its generators only once that version has
+    reached them: a generator that left while it was on the wire failed it, so it was re-sent to
+    the others and the flight recorder named the leaver as the culprit of a healthy run."""
+    reached = ", ".join(sorted(report.members)) or "none"
+    return (f"final policy: version {report.version} reached {len(report.members)} of {generators} generators "
+            f"({reached})")
+
+
 def can_plot() -> bool:
     """matplotlib is an extra (``pip install weightsync[plot]``); without it, say so and go on."""
     import importlib.util
