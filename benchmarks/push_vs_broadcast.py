@@ -75,7 +75,7 @@ from benchmarks import netns
 from benchmarks.baseline import BlockingBroadcast
 from benchmarks.lag import LagMeter
 from benchmarks.procs import Launch, Workers
-from benchmarks.report import verdict, write_json
+from benchmarks.report import cpu_name, verdict, write_json
 from weightsync.bench.model import make_state_dict, nbytes
 from weightsync.bench.run import add_ratios, draw
 
@@ -122,6 +122,8 @@ class Report(msgspec.Struct):
     link_mbit: float | None = None  # generators on emulated hosts behind links of this rate (--link-mbit)
     pipeline: bool | None = None  # Publisher(pipeline=): None, its default (on from 4 CPUs)
     bucket_mib: int = 64  # Publisher(bucket_bytes=) in MiB
+    cpu: str = ""  # the CPU's model name: the copies' and digests' speed depends on it
+    glibc_tunables: str = ""  # $GLIBC_TUNABLES of every process here (docs/benchmarks.md, "Copies past the cache")
 
 
 # ceilings --------------------------------------------------------------------------------------
@@ -411,6 +413,8 @@ async def bench(sizes: list[int], subscribers: list[int], reps: int, step_ms: fl
     print("ceilings: memcpy and loopback TCP, measured now ...", flush=True)
     ceiling = Ceiling(memcpy_gbps=memcpy_gbps(), loopback_gbps=loopback_gbps())
     print(f"  memcpy {ceiling.memcpy_gbps:.1f} GB/s, loopback TCP {ceiling.loopback_gbps:.2f} GB/s", flush=True)
+    tunables = os.environ.get("GLIBC_TUNABLES", "")
+    print(f"  {cpu_name()}; GLIBC_TUNABLES {tunables or 'unset (glibc defaults)'}", flush=True)
     rows: list[Row] = []
     total = len(sizes) * len(subscribers) * len(MODES)
 
@@ -433,7 +437,8 @@ async def bench(sizes: list[int], subscribers: list[int], reps: int, step_ms: fl
     return Report(when=time.strftime("%Y-%m-%d %H:%M:%S"), torch=str(torch.__version__), cores=os.cpu_count() or 0,
                   step_ms=step_ms, packed_bytes=packed_bytes, reps=reps, ceiling=ceiling, rows=rows,
                   targets=check_targets(rows, transport), transport=transport, streams=streams,
-                  link_mbit=link_mbit, pipeline=pipeline, bucket_mib=bucket_mib)
+                  link_mbit=link_mbit, pipeline=pipeline, bucket_mib=bucket_mib, cpu=cpu_name(),
+                  glibc_tunables=tunables)
 
 
 def main(argv: list[str] | None = None) -> int:

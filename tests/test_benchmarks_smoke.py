@@ -3,6 +3,7 @@ in the benchmarks' own output, measured side by side."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -39,6 +40,8 @@ def test_bench_runs_every_mode_and_writes_json_and_plot(tmp_path: Path) -> None:
     assert all(row["acked_ms"] > 0 for row in report["rows"] if row["mode"].startswith("ws"))
     assert all(row["acked_ms"] == 0 for row in report["rows"] if not row["mode"].startswith("ws"))
     assert report["ceiling"]["memcpy_gbps"] > 0 and report["ceiling"]["loopback_gbps"] > 0
+    # which CPU, and whether glibc's copies were tuned: both change the figures (docs/benchmarks.md)
+    assert report["cpu"] and report["glibc_tunables"] == os.environ.get("GLIBC_TUNABLES", "")
     assert (tmp_path / "bench.png").stat().st_size > 10_000
     assert "PASS" in out.stdout or "FAIL" in out.stdout
 
