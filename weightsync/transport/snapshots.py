@@ -7,10 +7,9 @@ bucket i goes out as soon as its bytes are in). ``put(copy=False)`` stages nothi
 reads the caller's tensors until the handle's ``released()``. Either way the version is then
 committed, which may displace a pending one (its handle resolves as superseded).
 
-Threads: ``ws-<channel>-snapshot`` (one; with one torch thread it memmoves a host snapshot's
-plain copies itself), also lent to the control server's start; with more than one torch thread,
-``ws-<channel>-copy`` (:class:`Copier`: up to three, started with the first host snapshot),
-which take a share of each host snapshot's plain copies beside it.
+Threads: ``ws-<channel>-snapshot`` (one), also lent to the control server's start; with more
+than one torch thread, ``ws-<channel>-copy`` (:class:`Copier`: up to three, started with the first
+host snapshot), which take a share of each host snapshot's plain copies beside it.
 """
 
 from __future__ import annotations
@@ -162,10 +161,8 @@ class Snapshots:
             if self._copy_stream is None:
                 self._copy_stream = torch.cuda.Stream(device)
             return flat, cuda_snapshot(flat, manifest, items, self._copy_stream)
-        # plain copies go to memmove even on one thread: as fast as torch's there, and it is the
-        # copy glibc's non-temporal threshold applies to (docs/benchmarks.md, "Copies past the cache")
         await asyncio.get_running_loop().run_in_executor(self.executor, layout.pack_into, flat, manifest, items,
-                                                         self._copier().copy)
+                                                         self._copier().copy if _copy_threads() > 1 else None)
         return flat, None
 
     def _copier(self) -> Copier:
