@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -50,6 +51,7 @@ def reconfigure_prefix(channel: str) -> str:
 
 ALIVE, ABORTED = "alive", "aborted"
 WAIT_SLICE = 0.25
+STUCK_SLACK = 2.0  # seconds past its own timeout an in-place re-form is waited on (Reconfigurable.enter)
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
@@ -256,31 +258,70 @@ class Reconfigurable:
         # every member's backend shares this prefix: the rendezvous keys live under the uuid
         self._pg = compat.make_gloo_reconfigurable(compat.prefix_store(reconfigure_prefix(channel), self._store), slot,
                                                    timeout, host, streams)
+        self._reforming: threading.Thread | None = None  # the last re-form's thread (see enter)
 
     def handle(self) -> str:
         return compat.reconfigure_handle(self._pg)
 
     def enter(self, spec: GenerationSpec) -> DedicatedGroup:
-        """Re-form the backend with ``spec.offers`` (rank = position) as generation ``spec.generation``."""
+        """Re-form the backend with ``spec.offers`` (rank = position) as generation ``spec.generation``.
+
+        gloo re-forms on the calling thread and, measured on 2.15, does not keep to the re-form's
+        own timeout when a peer dies between publishing its address and connecting to everyone:
+        the ranks it had not reached yet waited about 45 s for it (``connectFullMesh ... Connect
+        timeout``) against a bound of 11 s. An honest member stuck there missed the next two
+        generations and was evicted; a publisher stuck there held every version. So the re-form
+        runs on its own thread and is waited on for its timeout and ``STUCK_SLACK`` more; past
+        that it is this generation's failure, the backend is :attr:`stuck` and is never used again,
+        and its teardown waits for that thread (``reaper``).
+        """
         entry = self._rec.record("reconfigure", generation=spec.generation, peers=spec.members).start()
-        try:
-            compat.reconfigure(self._pg, spec.uuid, spec.offers, spec.timeout)
-        except Exception as err:
+        if self.stuck:
+            entry.fail("the backend's last re-form is still blocked")
+            raise PeerFailure("the backend's last re-form is still blocked: it is not used again")
+        failure: list[BaseException] = []
+        self._reforming = threading.Thread(target=_reform, args=([self._pg], spec, failure), daemon=True,
+                                           name=f"ws-{self.channel}-reconfigure")
+        self._reforming.start()
+        self._reforming.join(spec.timeout + STUCK_SLACK)
+        if self.stuck:
+            failure.append(TimeoutError(f"gloo's re-form still blocked after {spec.timeout + STUCK_SLACK:.3g} s "
+                                        f"(its own timeout is {spec.timeout:.3g} s): a peer left mid-connect"))
+        if failure:
+            err = failure[-1]
             entry.fail(err)
             log.warning("%s: re-forming generation %d in place failed: %s", self.member, spec.generation, err)
-            raise PeerFailure(f"re-forming generation {spec.generation} failed: {err}") from err
+            raise PeerFailure(f"re-forming generation {spec.generation} failed: {err}") from None
         entry.complete()
         return DedicatedGroup(self._pg, channel=self.channel, member=self.member, generation=spec.generation,
                               rank=spec.rank, size=len(spec.offers), recorder=self._recorder, borrowed=True)
 
+    @property
+    def stuck(self) -> bool:
+        """Whether a re-form is still blocked inside gloo (see :meth:`enter`)."""
+        return self._reforming is not None and self._reforming.is_alive()
+
     def close(self, grace: float = 0.0) -> None:
-        """Tear the backend down (off this thread, after ``grace`` s); the object is not used again."""
+        """Tear the backend down (off this thread, after ``grace`` s, and after a re-form still
+        blocked in it has returned); the object is not used again."""
         if self._pg is None:
             return
         entry = self._rec.record("abort", error="closed").start()
-        handoff = [self._pg, self._store]
-        self._pg, self._store = None, None
+        handoff = [self._pg, self._store, self._reforming]
+        self._pg, self._store, self._reforming = None, None, None
         retire(handoff, entry, after=grace)
+
+
+def _reform(pg: list[Any], spec: GenerationSpec, failure: list[BaseException]) -> None:
+    """``compat.reconfigure`` on a thread of its own (:meth:`Reconfigurable.enter`); the backend
+    travels in a list emptied first, so no frame here outlives the call holding it."""
+    backend = pg.pop()
+    try:
+        compat.reconfigure(backend, spec.uuid, spec.offers, spec.timeout)
+    except Exception as err:  # noqa: BLE001 - handed to the waiting thread
+        failure.append(err)
+    finally:
+        del backend
 
 
 class GroupPlane:
@@ -378,7 +419,7 @@ class GroupPlane:
         if self.group is not None:
             self.group.abort(reason, grace)
             self.group = None
-        if failed and self._backend is not None:
+        if self._backend is not None and (failed or self._backend.stuck):
             # works still hung on the old backend's threads would block a re-formed one
             # (measured on 2.15): the next generation starts from a fresh backend
             self._backend.close(grace)

@@ -105,8 +105,8 @@ class Reaper:
                 entry.complete()
             else:
                 self.stuck += 1
-                entry.fail(f"teardown still blocked after {self.STUCK:.0f} s (a receive waits on a connection its "
-                           "peer never made): left on its own thread")
+                entry.fail(f"teardown still blocked after {self.STUCK:.0f} s (a receive or a re-form waits on a "
+                           "connection its peer never made): left on its own thread")
                 log.warning("a retired gloo backend is still being torn down after %.0f s: left behind (%d so far)",
                             self.STUCK, self.stuck)
             with self._idle:
@@ -116,7 +116,11 @@ class Reaper:
 
 def _tear_down(items: list[Any], done: threading.Event) -> None:
     """Abort the backend (``items[0]``) and drop every reference: the destructors (the backend's,
-    hung works') run here, on a thread nobody waits on without a bound."""
+    hung works') run here, on a thread nobody waits on without a bound. A thread among the items
+    is a re-form still blocked in the backend (``Reconfigurable.enter``): it returns first."""
+    for item in items:
+        if isinstance(item, threading.Thread):
+            item.join()
     if items and items[0] is not None:
         compat.abort(items[0])
     items.clear()
