@@ -85,6 +85,33 @@ async def test_snapshot_semantics_copy_true() -> None:
         await close(pub, subs)
 
 
+@pytest.mark.parametrize("pipeline", [False, True], ids=["whole", "pipelined"])
+async def test_a_one_thread_snapshot_copies_plain_tensors_with_memmove(monkeypatch: pytest.MonkeyPatch,
+                                                                        pipeline: bool) -> None:
+    """torchrun gives each rank one torch thread: its snapshot's plain copies still go to memmove,
+    the copy glibc's non-temporal threshold applies to (docs/api.md), pipelined or not, and
+    arrive intact. (A first version covered the whole snapshot only: CI's pipelined pass failed it.)"""
+    from weightsync.transport import snapshots
+
+    moved: list[int] = []
+    real = snapshots._memmove_all  # noqa: SLF001
+    monkeypatch.setattr(snapshots, "_memmove_all", lambda ranges: (moved.extend(n for _, _, n in ranges),
+                                                                   real(ranges))[1])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    pub, subs = await channel(1, bucket_bytes=1 << 16, pipeline=pipeline)
+    try:
+        sd = {"w": torch.randn(1000), "t": torch.randn(30, 40).t(), "b": torch.randn(10).to(torch.bfloat16)}
+        handle = await pub.put(sd, version=1)
+        assert sorted(moved) == [20, 4000]  # the plain ones; the strided one stays with torch's copy
+        await handle.delivered(timeout=10)
+        got = await subs[0].get(min_version=1, timeout=5)
+        assert all(torch.equal(got[name], t) for name, t in sd.items())
+    finally:
+        torch.set_num_threads(threads)
+        await close(pub, subs)
+
+
 async def test_copy_false_released_then_delivered() -> None:
     pub, subs = await channel(1, bucket_bytes=1 << 16)
     try:

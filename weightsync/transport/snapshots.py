@@ -7,9 +7,11 @@ bucket i goes out as soon as its bytes are in). ``put(copy=False)`` stages nothi
 reads the caller's tensors until the handle's ``released()``. Either way the version is then
 committed, which may displace a pending one (its handle resolves as superseded).
 
-Threads: ``ws-<channel>-snapshot`` (one), also lent to the control server's start; with more
-than one torch thread, ``ws-<channel>-copy`` (:class:`Copier`: up to three, started with the first
-host snapshot), which take a share of each host snapshot's plain copies beside it.
+Threads: ``ws-<channel>-snapshot`` (one), also lent to the control server's start. It copies a
+host snapshot's plain tensors with ``memmove`` (the copy glibc's non-temporal threshold applies
+to: docs/api.md): with one torch thread all of them, pipelined or not; with more, its share
+beside ``ws-<channel>-copy`` (:class:`Copier`: up to three, started with the first host
+snapshot), except pipelined, where torch's copy splits each tensor between torch's threads.
 """
 
 from __future__ import annotations
@@ -131,8 +133,11 @@ class Snapshots:
         displaced = self._staging.commit(job) or displaced
         self._committed(job.version)
         try:
+            # one torch thread: memmove, tensor by tensor (see the module docstring); more: torch's
+            # copy, whose threads split each tensor (memmove threads stalled it 2x: docs/benchmarks.md)
+            one = self._copier().copy if _copy_threads() == 1 else None
             await asyncio.get_running_loop().run_in_executor(self.executor, pack_progressively, flat, job.manifest,
-                                                             items, job.progress)
+                                                             items, job.progress, one)
         except BaseException as err:
             # the sender gives the version up when its wait fails: the handle fails from there
             job.progress.fail(err)
@@ -162,7 +167,7 @@ class Snapshots:
                 self._copy_stream = torch.cuda.Stream(device)
             return flat, cuda_snapshot(flat, manifest, items, self._copy_stream)
         await asyncio.get_running_loop().run_in_executor(self.executor, layout.pack_into, flat, manifest, items,
-                                                         self._copier().copy if _copy_threads() > 1 else None)
+                                                         self._copier().copy)
         return flat, None
 
     def _copier(self) -> Copier:

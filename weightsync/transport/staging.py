@@ -91,15 +91,16 @@ class Progress:
 
 
 def pack_progressively(flat: torch.Tensor, manifest: Manifest, items: list[tuple[str, torch.Tensor]],
-                       progress: Progress) -> None:
-    """``layout.pack_into``, telling ``progress`` after each tensor (and failing it on an error)."""
+                       progress: Progress, copy_ranges: Callable[[layout.Ranges], None] | None = None) -> None:
+    """``layout.pack_into`` (its plain copies handed to ``copy_ranges``), telling ``progress`` after
+    each tensor (and failing it on an error)."""
     if not manifest.tensors:  # a rank with nothing of its own to send (an HSDP replica): complete at once
         progress.advance(manifest.total_bytes)
         return
     try:
         for spec, item, end in zip(manifest.tensors, items, [*(t.offset for t in manifest.tensors[1:]),
                                                                manifest.total_bytes], strict=True):
-            layout.pack_into(flat, Manifest(tensors=(spec,), total_bytes=end), [item])
+            layout.pack_into(flat, Manifest(tensors=(spec,), total_bytes=end), [item], copy_ranges)
             progress.advance(end)
     except BaseException as err:
         progress.fail(err)
