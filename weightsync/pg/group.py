@@ -319,6 +319,7 @@ def _reform(pg: list[Any], spec: GenerationSpec, failure: list[BaseException]) -
     try:
         compat.reconfigure(backend, spec.uuid, spec.offers, spec.timeout)
     except Exception as err:  # noqa: BLE001 - handed to the waiting thread
+        err.__traceback__ = None  # its frames hold the backend: the reaper drops the last reference
         failure.append(err)
     finally:
         del backend
