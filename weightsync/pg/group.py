@@ -272,13 +272,10 @@ class Reconfigurable:
         timeout``) against a bound of 11 s. An honest member stuck there missed the next two
         generations and was evicted; a publisher stuck there held every version. So the re-form
         runs on its own thread and is waited on for its timeout and ``STUCK_SLACK`` more; past
-        that it is this generation's failure, the backend is :attr:`stuck` and is never used again,
-        and its teardown waits for that thread (``reaper``).
+        that it is this generation's failure, the backend is :attr:`stuck` (``GroupPlane.leave``
+        replaces it before anything else touches it), and its teardown waits for that thread.
         """
         entry = self._rec.record("reconfigure", generation=spec.generation, peers=spec.members).start()
-        if self.stuck:
-            entry.fail("the backend's last re-form is still blocked")
-            raise PeerFailure("the backend's last re-form is still blocked: it is not used again")
         failure: list[BaseException] = []
         self._reforming = threading.Thread(target=_reform, args=([self._pg], spec, failure), daemon=True,
                                            name=f"ws-{self.channel}-reconfigure")

@@ -135,9 +135,9 @@ class Snapshots:
         try:
             # one torch thread: memmove, tensor by tensor (see the module docstring); more: torch's
             # copy, whose threads split each tensor (memmove threads stalled it 2x: docs/benchmarks.md)
-            one = self._copier().copy if _copy_threads() == 1 else None
+            copy = _memmove_all if _copy_threads() == 1 else None
             await asyncio.get_running_loop().run_in_executor(self.executor, pack_progressively, flat, job.manifest,
-                                                             items, job.progress, one)
+                                                             items, job.progress, copy)
         except BaseException as err:
             # the sender gives the version up when its wait fails: the handle fails from there
             job.progress.fail(err)
