@@ -463,6 +463,35 @@ def test_a_teardown_that_never_ends_is_left_behind_and_the_teardowns_after_it_go
         release.set()
 
 
+def test_a_teardown_is_done_only_once_the_hung_works_it_was_handed_are_gone() -> None:
+    """A group hands the reaper ``[backend, store, hung works]``; a hung work's destructor waits on
+    its frozen peer. A close's drain must wait for it: an interpreter that exits while it runs
+    ends the process ("terminate called without an active exception", seen in CI on 2.13 when
+    the teardown's loop variable held the works past its ``done``)."""
+    from weightsync.pg.reaper import Reaper
+
+    release, gone = threading.Event(), threading.Event()
+
+    class Backend:
+        def abort(self) -> None:
+            pass
+
+    class HungWork:
+        def __del__(self) -> None:  # the destructor that waits on the frozen peer
+            release.wait(60)
+            gone.set()
+
+    reaper = Reaper()
+    reaper.STUCK = 60.0
+    entry = ws.FlightRecorder(capacity=100).record("abort", channel="c", member="m", generation=1).start()
+    reaper.retire([Backend(), None, [HungWork()]], entry)  # the handoff holds the only references
+    try:
+        assert not reaper.drain(0.5) and entry.state != "completed"  # still tearing down
+    finally:
+        release.set()
+    assert reaper.drain(30) and gone.is_set() and entry.state == "completed"
+
+
 def test_a_snapshot_on_several_threads_writes_the_bytes_torch_writes() -> None:
     """The publisher's host snapshot hands plain copies to threads that memmove byte-equal runs
     (a tensor may be cut between two); strided, cast and empty sources stay with torch."""

@@ -117,10 +117,13 @@ class Reaper:
 def _tear_down(items: list[Any], done: threading.Event) -> None:
     """Abort the backend (``items[0]``) and drop every reference: the destructors (the backend's,
     hung works') run here, on a thread nobody waits on without a bound. A thread among the items
-    is a re-form still blocked in the backend (``Reconfigurable.enter``): it returns first."""
-    for item in items:
-        if isinstance(item, threading.Thread):
-            item.join()
+    is a re-form still blocked in the backend (``Reconfigurable.enter``): it returns first.
+
+    No local name may hold an item past ``items.clear()``: its destructor (a hung work's, waiting on
+    a frozen peer) would run after ``done``, and a close's drain would let the interpreter exit
+    in the middle of it ("terminate called without an active exception", seen in CI on 2.13)."""
+    for thread in [item for item in items if isinstance(item, threading.Thread)]:
+        thread.join()
     if items and items[0] is not None:
         compat.abort(items[0])
     items.clear()
