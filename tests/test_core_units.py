@@ -157,6 +157,23 @@ def test_acknowledgements_blame_the_failed_when_nobody_is_silent() -> None:
     assert [e.error for e in rec.snapshot() if e.op == "nack"] == ["corrupt"]
 
 
+def test_a_member_that_says_it_is_leaving_in_its_acknowledgement_is_taken_at_its_word() -> None:
+    """A subscriber's abort() mid-version fails its receive, acknowledges the failure with
+    ``leaving`` and sends its Leave after: the publisher must know it is leaving before that Leave
+    arrives, so that the others who failed with it are not blamed; and a member that claims to leave
+    to dodge a strike leaves."""
+    control, membership, _plane, gens, rec, _ = setup()
+    membership.members = ["a", "b"]
+    control.replies.put(_wire.Ack(generation=0, seq=1, member_id="a", version=1, ok=False, error="peer closed"))
+    control.replies.put(_wire.Ack(generation=0, seq=1, member_id="b", version=1, ok=False, error="cancelled",
+                                  leaving=True))
+    _acked, blamed = gens.collect_acks(0, 1, ("a", "b"), 1, timeout=2.0)
+    assert blamed == {"a", "b"}  # the sender decides: one of them is leaving (Sender._leavers)
+    assert membership.is_leaving("b") and not membership.is_leaving("a")
+    assert membership.plan_next(blamed).members == ("a",)
+    assert [e.error for e in rec.snapshot() if e.op == "nack"] == ["peer closed", "cancelled (leaving)"]
+
+
 def test_a_joiner_that_dies_before_it_is_planned_frees_its_id() -> None:
     control, membership, _plane, gens, _, live = setup(dead_after=0.2)
     join(gens, membership, "ghost")

@@ -44,6 +44,47 @@ async def test_aclose_sends_what_is_pending_before_it_stops() -> None:
     await sub.aclose()
 
 
+async def test_a_subscriber_that_aborts_mid_version_left_and_nobody_failed(tmp_path: Path,
+                                                                          caplog: pytest.LogCaptureFixture) -> None:
+    """``abort()`` while a version is on the wire breaks the generation's group for everyone, but it
+    is a goodbye: the publisher re-sends to the others without a WARNING, a strike or a dump, and
+    the flight recorder's analysis names no culprit."""
+    from weightsync.recorder.analyze import analyze, load_dir
+
+    caplog.set_level("INFO", logger="weightsync")
+    rec = ws.FlightRecorder(capacity=4000)  # every end's entries, as one process's dump
+    async with ws.Publisher("goodbye", **FAST, recorder=rec, bucket_bytes=1 << 20) as pub:
+        a = ws.Subscriber("goodbye", address=pub.address, member_id="a", timeout=FAST["timeout"], recorder=rec,
+                          transport="group")
+        b = ws.Subscriber("goodbye", address=pub.address, member_id="b", timeout=FAST["timeout"], recorder=rec,
+                          transport="group")
+        inject(b, Faults(slow=2))  # at least 20 ms a bucket: b is mid-version when it aborts
+        await a.start()
+        await b.start()
+        await pub.wait_subscribers(2, timeout=10)
+        sd = mixed_state_dict(7, mib=32)
+        handle = await pub.put(sd, version=1)
+        while not any(e.op == "bucket_recv" and e.member == "b" and e.version == 1 for e in rec.snapshot()):
+            await asyncio.sleep(0.002)  # until the recorder shows b receiving version 1
+        await b.abort()
+        report = await handle.delivered(timeout=60)
+        assert report.members == ("a",) and pub.evicted == []
+        w = await a.get(min_version=1, timeout=10)
+        assert digests(w) == digests(sd)
+        await a.aclose()
+    said = [(r.name, r.levelname, r.getMessage()) for r in caplog.records]
+    assert ("weightsync.publisher", "INFO",
+            "channel 'goodbye': ['b'] left while version 1 was on the wire; re-sending it to the others") in said
+    assert not [s for s in said if s[0] in ("weightsync.publisher", "weightsync.membership") and s[1] == "WARNING"]
+    assert any(e.op == "leave" and e.peers == ("b",) for e in rec.snapshot())
+    # b's acknowledgement said it was leaving, ahead of its Leave (Ack.leaving)
+    assert [e.error.endswith("(leaving)") for e in rec.snapshot() if e.op == "nack" and e.peers == ("b",)] == [True]
+    rec.dump(reason="the test", path=tmp_path / "run.wsfr")
+    analysis = analyze(load_dir(tmp_path))
+    assert analysis.culprits == [] and analysis.deaths == []
+    assert [d.split(" (")[0] for d in analysis.departures] == ["b at goodbye v1"]
+
+
 async def test_abort_fails_unsent_puts_with_closed() -> None:
     rec = ws.FlightRecorder(capacity=1000)
     pub = ws.Publisher("abort", **FAST, max_snapshots=2, recorder=rec)

@@ -301,6 +301,9 @@ class Ack(msgspec.Struct, frozen=True, tag="ack"):
     exposed: bool = False  # activation "all": the answer to a Commit (the version is now readable here)
     # a same-host member: the older version it still reads in place (a reader holds it), -1 none
     still_read: int = -1
+    # not ok because this member is leaving (its abort()): its Leave follows, and the publisher
+    # takes it at its word (a member that says so is dropped at the next generation)
+    leaving: bool = False
 
 
 class Beat(msgspec.Struct, frozen=True, tag="beat"):

@@ -347,6 +347,9 @@ class Generations:
                     self.last_still_read[message.member_id] = message.still_read
             else:
                 nacked[message.member_id] = message.error or f"acked version {message.version}"
+                if message.leaving:  # its Leave may still be on its way: taken at its word now
+                    self.membership.request_leave(message.member_id)
+                    nacked[message.member_id] += " (leaving)"
                 if message.corrupt:
                     self.last_corrupt.add(message.member_id)
         if silent or nacked:

@@ -175,6 +175,10 @@ class DedicatedGroup:
             for i in range(len(transfer.buckets)):
                 if len(pending) >= depth:
                     self._finish_oldest(pending, transfer)
+                if transfer.cancelled is not None and transfer.cancelled():
+                    # polled here too: where every wait finds its bucket already done (a receiver
+                    # slower than the wire) it would never be polled, and abort() would wait out the version
+                    raise Cancelled(f"told to stop before bucket {i}")
                 own_hook(transfer.before, i, "preparing")
                 tensor = transfer.buckets[i]  # after its hook: a delta's wire bucket exists once encoded (or sized)
                 limit = transfer.deadline(tensor.numel() * max(fan, 1))

@@ -73,6 +73,8 @@ class Analysis(msgspec.Struct):
     culprits: list[Culprit]
     failures: list[str]
     deaths: list[Death] = []
+    #: members that said goodbye while a version was on the wire (``Subscriber.abort()``): not culprits
+    departures: list[str] = []
     incarnations: dict[str, int] = {}  # member -> how many processes (dumps) spoke for it, where more than one
 
 
@@ -156,12 +158,19 @@ def analyze(dumps: Iterable[Dump], names: Iterable[str] = ()) -> Analysis:
               for e in publisher if e.op == "heartbeat" and e.state != COMPLETED for p in e.peers]
     cause = {d.member: d.cause for d in reversed(deaths)}  # the first one observed
     died_at = {d.member: d.time for d in reversed(deaths)}
+    left_at: dict[str, list[float]] = defaultdict(list)  # the publisher applied their Leave then
+    for e in publisher:
+        if e.op == "leave":
+            for p in e.peers:
+                left_at[p].append(e.t_scheduled)
+    departures: list[str] = []
     unaccounted: set[str] = set()  # members without a dump that did not acknowledge some version
     for i, ann in enumerate(announces):
         # a death concerns the versions announced around it (from the one before to the one after)
         window = (announces[i - 1].t_scheduled if i else float("-inf"),
                   announces[i + 1].t_scheduled if i + 1 < len(announces) else float("inf"))
         dying = {m for m in ann.peers if m in died_at and window[0] <= died_at[m] <= window[1]}
+        leaving = {m for m in ann.peers if any(ann.t_scheduled <= t <= window[1] for t in left_at.get(m, ()))}
         acks = [e for e in publisher if e.op == "ack" and e.version == ann.version and e.generation == ann.generation]
         acked_all = bool(acks) and acks[-1].state == COMPLETED
         blamed = _blamed(publisher, ann, "ack_missing") | _blamed(publisher, ann, "nack")
@@ -171,6 +180,10 @@ def analyze(dumps: Iterable[Dump], names: Iterable[str] = ()) -> Analysis:
         status: dict[str, str] = {}
         finished_buckets: dict[str, int] = {}
         for member in ann.peers:
+            if member in leaving and not acked_all:
+                status[member] = "left while the version was on the wire (said goodbye)"
+                departures.append(f"{member} at {ann.channel} v{ann.version} (generation {ann.generation})")
+                continue
             mine = _incarnation(incarnations.get(member, []), ann)
             if mine is None:
                 if acks and member not in blamed and (acked_all or member not in dying):
@@ -186,7 +199,7 @@ def analyze(dumps: Iterable[Dump], names: Iterable[str] = ()) -> Analysis:
         if acked_all:
             continue
         silent_now = (_blamed(publisher, ann, "ack_missing") | dying
-                      | {m for m in ann.peers if status.get(m) == "no dump"})
+                      | {m for m in ann.peers if status.get(m) == "no dump"}) - leaving
         stalled = stalled_send if stalled_send >= 0 else None
         if silent_now:  # whoever went silent is the cause; members that failed waiting are victims
             for member in sorted(silent_now):
@@ -196,7 +209,8 @@ def analyze(dumps: Iterable[Dump], names: Iterable[str] = ()) -> Analysis:
                                            or status.get(member) == "no dump")) if c]
                 culprits.append(Culprit(ann.channel, member, ann.version, stalled, ann.generation,
                                         "stopped or died: " + ", ".join(reasons)))
-        else:  # everyone answered, some with a failure: those are the culprits
+        elif not leaving:  # everyone answered, some with a failure: those are the culprits (else the
+            # members that left broke the version for the others: nobody is to blame)
             for member in sorted(_blamed(publisher, ann, "nack")):
                 nxt = finished_buckets.get(member, -1) + 1
                 culprits.append(Culprit(ann.channel, member, ann.version, nxt, ann.generation,
@@ -208,6 +222,7 @@ def analyze(dumps: Iterable[Dump], names: Iterable[str] = ()) -> Analysis:
     ok = not culprits and not failures and not missing and not deaths and all(v.delivered for v in versions)
     return Analysis(ok=ok, dumps=list(names), ranks=sorted(entries_by_member), missing_dumps=missing,
                     versions=versions, first_divergence=divergence, culprits=_dedupe(culprits), failures=failures,
+                    departures=departures,
                     deaths=deaths, incarnations={m: len(i) for m, i in sorted(incarnations.items()) if len(i) > 1})
 
 
@@ -281,6 +296,8 @@ def render(analysis: Analysis, *, details: bool = False, limit: int = 8) -> str:
                         + (" ..." if len(troubled) > limit else "") if troubled else ""))
     for death in analysis.deaths:
         lines.append(f"died: {death.member} ({death.channel}): {death.cause}")
+    for departure in analysis.departures:
+        lines.append(f"left mid-version: {departure} (said goodbye; re-sent to the others)")
     for c in analysis.culprits:
         where = f"bucket {c.bucket}" if c.bucket is not None else "after its last bucket"
         lines.append(f"LIKELY CULPRIT: {c.member} at {c.channel} v{c.version} {where} "

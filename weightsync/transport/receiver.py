@@ -665,7 +665,8 @@ class Receiver:
                      corrupt: bool = False) -> None:
         ack = _wire.Ack(generation=announce.generation, seq=announce.seq, member_id=self.member_id,
                         version=announce.version, ok=ok, seconds=seconds, own_seconds=own, error=error[:300],
-                        corrupt=corrupt, still_read=self._slots.still_read() if ok else -1)
+                        corrupt=corrupt, still_read=self._slots.still_read() if ok else -1,
+                        leaving=not ok and self.aborting.is_set())
         try:
             self._client.send(ack)
         except ControlFailure:

@@ -304,6 +304,7 @@ class Sender:
                                 transport=event.transport)
         elif isinstance(event, Leave):
             self.membership.request_leave(event.member_id)
+            self._rec.record("leave", peers=(event.member_id,)).complete()  # fr analyze: not a culprit
         elif isinstance(event, Evict):
             self.membership.request_evict(event.member_id, event.reason)
         elif isinstance(event, Drain) and self.state is SenderState.RUNNING:
@@ -439,6 +440,19 @@ class Sender:
                             self.channel, job.version, sorted(corrupt))
                 continue
             failed = failed | relays
+            left = self._leavers(failed) if failed else set()
+            if left:
+                # a member left while the version was on the wire (its abort()): the group is broken,
+                # and the others failed waiting on it (its victims, as a dead member's are), but
+                # nobody failed: no strike, no dump, no WARNING, and the attempt is not counted
+                self.tally.count("resends")
+                log.info("channel %r: %s left while version %d was on the wire; re-sending it to the others",
+                         self.channel, sorted(left), job.version)
+                gens.advance(reason=f"version {job.version}: {sorted(left)} left mid-version", failed=())
+                attempts += 1
+                if not self._resendable(job):
+                    break
+                continue
             # the group is broken: rebuild with the live members and re-send this version
             self.tally.count("resends")
             log.warning("channel %r: version %d failed for %s; re-sending it to the others (attempt %d); "
@@ -571,7 +585,8 @@ class Sender:
             self._chooser.note(self._sent_delta, job.manifest.total_bytes, time.monotonic() - t0)
         self._score(gens, acked, job.version, job.manifest.total_bytes)
         if failed:
-            self._recorder.dump_on_trouble(f"version {job.version}: no acknowledgement from {sorted(failed)}")
+            if not self._leavers(failed):
+                self._recorder.dump_on_trouble(f"version {job.version}: no acknowledgement from {sorted(failed)}")
             return failed
         arrivals = gens.last_arrivals
         if commits:
@@ -682,8 +697,16 @@ class Sender:
         acked, failed = gens.collect_acks(gen, seq, members, job.version, self.deadlines.acknowledgements())
         job.members_done |= acked
         self._note_in_place(job, members, acked, gens.last_still_read, staged=self.settings.activation == "all")
-        self._recorder.dump_on_trouble(f"version {job.version} failed: {err}")
-        return failed or set(members) - acked
+        blamed = failed or set(members) - acked
+        if not self._leavers(blamed):
+            self._recorder.dump_on_trouble(f"version {job.version} failed: {err}")
+        return blamed
+
+    def _leavers(self, members: set[str]) -> set[str]:
+        """Those of ``members`` that are leaving (queued events applied first): a member that aborts
+        mid-version breaks the group, says so in its acknowledgement, and sends its Leave next."""
+        self._pump()
+        return {m for m in members if self.membership.is_leaving(m)}
 
     def _finish(self, job: Job, t0: float, error: BaseException | None = None) -> None:
         self.staging.finish(job, retain=error is None)  # a failed version is never re-sent
