@@ -89,7 +89,7 @@ class Transfer:
     deadline: Callable[[int], float]  # seconds allowed for a bucket of n bytes
     before: Callable[[int], None] | None = None  # runs before bucket i is issued (packing)
     after: Callable[[int], None] | None = None  # runs once bucket i completed (checksums)
-    cancelled: Callable[[], bool] | None = None  # polled while waiting: True gives up (Cancelled)
+    cancelled: Callable[[], bool] | None = None  # polled before each bucket and while waiting: True stops (Cancelled)
     encoding: str = "full"  # how the buckets are encoded, and against which base (-1: none): recorded
     base: int = -1
     #: the version's Announce as sent: a plane reads its own fields there (where a segment is, whether
