@@ -195,6 +195,28 @@ def test_gloo_wire_bench_measures_every_point_on_both_ends(tmp_path: Path) -> No
     assert (tmp_path / "gloo_wire.png").stat().st_size > 10_000
 
 
+def test_floor_bench_times_every_mode_to_the_receivers_last_byte(tmp_path: Path) -> None:
+    out = run("-m", "benchmarks.floor", "--mib", "8", "--generators", "2", "--bucket-mib", "1", "--reps", "2",
+              "--out", str(tmp_path))
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    report = msgspec.json.decode((tmp_path / "floor.json").read_bytes())
+    modes = {m["mode"]: m for m in report["modes"]}
+    assert list(modes) == ["naive", "wire", "wire+digest", "snapshot+wire", "snapshot+wire+digest"]
+    assert modes["naive"]["ratio_to_naive"] == 1.0
+    for m in modes.values():  # each rep timed on the host's one clock, the receiver's CPU from its own process
+        assert len(m["runs_ms"]) == 2 and all(ms > 0 for ms in m["runs_ms"])
+        assert m["sender_cpu_ms"] > 0 and m["receiver_cpu_ms"] > 0
+        assert m["ratio_to_naive"] == pytest.approx(m["to_all_ms"] / modes["naive"]["to_all_ms"])
+    assert report["digest"] in ("crc32c", "xxh3") and report["tensors"] > 1 and report["generators"] == 2
+    assert "snapshot+wire+digest" in out.stdout and "/ naive" in out.stdout
+    assert (tmp_path / "floor.png").stat().st_size > 10_000
+
+
+def test_floor_bench_refuses_nonsense(tmp_path: Path) -> None:
+    out = run("-m", "benchmarks.floor", "--reps", "0", "--out", str(tmp_path))
+    assert out.returncode == 2 and "must be >= 1" in out.stderr
+
+
 def test_gloo_wire_bench_refuses_a_bucket_larger_than_the_buffer(tmp_path: Path) -> None:
     out = run("-m", "benchmarks.gloo_wire", "--mib", "4", "--buckets", "8", "--out", str(tmp_path))
     assert out.returncode == 2 and "larger than --mib" in out.stderr
