@@ -47,7 +47,7 @@ import torch.distributed as dist
 from benchmarks import report
 from benchmarks.gloo_wire import DEADLINE, DEPTH
 from weightsync import _torch_compat as compat
-from weightsync.bench.model import make_state_dict
+from weightsync.bench.model import make_state_dict, nbytes
 from weightsync.format import checksum
 from weightsync.transport.snapshots import Copier, _copy_threads
 
@@ -108,12 +108,12 @@ def _bucketed(pg: object, flat: torch.Tensor, bucket: int, digest: str | None) -
         finish()
 
 
-def measure(rank: int, world: int, store: dist.Store, mib: int, streams: int, bucket_mib: int, reps: int,
-            digest: str) -> dict[str, list[tuple[float, float, float]]]:
-    """Run every round on this end; per mode, per measured rep, (start, end, CPU seconds)."""
-    sd = make_state_dict(mib, seed=rank)
+def measure(rank: int, world: int, store: dist.Store, sd: dict[str, torch.Tensor], streams: int, bucket_mib: int,
+            reps: int, digest: str) -> dict[str, list[tuple[float, float, float]]]:
+    """Run every round on this end with ``sd`` (the trainer's state dict, or this receiver's model
+    tensors); per mode, per measured rep, (start, end, CPU seconds)."""
     tensors = list(sd.values())
-    total = sum(t.numel() * t.element_size() for t in tensors)
+    total = nbytes(sd)
     flat = torch.empty(total, dtype=torch.uint8).fill_(rank + 1)  # written once: no page faults timed
     ranges, at = [], 0
     for t in tensors:
@@ -149,7 +149,8 @@ def measure(rank: int, world: int, store: dist.Store, mib: int, streams: int, bu
 def receiver(port: int, args: argparse.Namespace) -> int:
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=dt.timedelta(seconds=DEADLINE))
     digest = store.get("digest").decode()
-    runs = measure(args.rank, args.generators + 1, store, args.mib, args.streams, args.bucket_mib, args.reps, digest)
+    runs = measure(args.rank, args.generators + 1, store, make_state_dict(args.mib, seed=args.rank), args.streams,
+                   args.bucket_mib, args.reps, digest)
     store.set(f"receiver-{args.rank}", msgspec.json.encode(runs))
     return 0
 
@@ -165,7 +166,8 @@ def run(mib: int, generators: int, streams: int, bucket_mib: int, reps: int) -> 
     root = Path(__file__).resolve().parent.parent
     children = [subprocess.Popen([*argv, "--rank", str(r)], cwd=root) for r in range(1, generators + 1)]
     try:
-        mine = measure(0, generators + 1, store, mib, streams, bucket_mib, reps, digest)
+        sd = make_state_dict(mib, seed=0)
+        mine = measure(0, generators + 1, store, sd, streams, bucket_mib, reps, digest)
         for child in children:
             if child.wait(timeout=DEADLINE * 4) != 0:
                 raise RuntimeError(f"a receiver process exited with {child.returncode}")
@@ -175,7 +177,6 @@ def run(mib: int, generators: int, streams: int, bucket_mib: int, reps: int) -> 
             if child.poll() is None:
                 child.kill()
                 child.wait()
-    sd = make_state_dict(mib)
     modes = []
     for mode in MODES:
         to_all = [(max(got[mode][k][1] for got in theirs) - sent[0]) * 1e3 for k, sent in enumerate(mine[mode])]
@@ -187,10 +188,8 @@ def run(mib: int, generators: int, streams: int, bucket_mib: int, reps: int) -> 
     for m in modes:
         m.ratio_to_naive = m.to_all_ms / naive
     return Floor(cpu=report.cpu_name(), glibc_tunables=os.environ.get("GLIBC_TUNABLES", ""),
-                 mib=sum(t.numel() * t.element_size() for t in sd.values()) / 2**20, tensors=len(sd),
-                 generators=generators,
-                 streams=streams, bucket_mib=bucket_mib, digest=digest, snapshot_threads=_copy_threads(),
-                 reps=reps, modes=modes)
+                 mib=nbytes(sd) / 2**20, tensors=len(sd), generators=generators, streams=streams,
+                 bucket_mib=bucket_mib, digest=digest, snapshot_threads=_copy_threads(), reps=reps, modes=modes)
 
 
 def table(rep: Floor) -> str:
