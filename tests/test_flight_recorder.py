@@ -127,6 +127,86 @@ def test_unreadable_dumps_exit_2_with_a_message(tmp_path: Path, content: bytes, 
     assert "bad-1.wsfr" in err and "Traceback" not in err
 
 
+def test_hostile_dumps_never_block_never_read_without_bound_never_reach_the_terminal(tmp_path: Path) -> None:
+    """A FIFO named like a dump blocked `fr analyze` forever; a symlink to /dev/zero or a 4 GiB file
+    was read whole (MemoryError); nested msgpack raised RecursionError; a member id with escape codes
+    reached the operator's terminal raw. Each is now a clear exit 2, or escaped text."""
+    def run(folder: Path) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "weightsync.cli", "fr", "analyze", str(folder)],
+                              capture_output=True, text=True, timeout=60, cwd=REPO)
+
+    cases = {"fifo": lambda p: os.mkfifo(p), "zero": lambda p: p.symlink_to("/dev/zero"),
+             "huge": lambda p: os.truncate(p.open("wb").name, 4 << 30),
+             "nested": lambda p: p.write_bytes(b"\x91" * 200_000 + b"\x00"),
+             "nested-map": lambda p: p.write_bytes(b"\x81\xa6format" + b"\x91" * 200_000 + b"\x00")}
+    for name, make in cases.items():
+        folder = tmp_path / name
+        folder.mkdir()
+        make(folder / f"bad-{name}.wsfr")
+        out = run(folder)
+        assert out.returncode == 2 and f"bad-{name}.wsfr" in out.stderr and "Traceback" not in out.stderr, out
+
+    evil = "gen0\n\x1b[2J\x1b[31mgen1 evicted (dead)\x07"
+    rec = FlightRecorder(capacity=10, directory=tmp_path / "escapes", label=evil)
+    rec.record("announce", channel="ch\x1b]0;title\x07", member="publisher", version=1, generation=1,
+               peers=(evil,)).start()
+    rec.record("heartbeat", channel="ch", member="publisher", peers=(evil,)).fail("silent\x1b[1m for 9 s")
+    rec.record("bucket_recv", channel="ch", member=evil, version=1, generation=1, bucket=0).start()
+    rec.dump()
+    for args in (["analyze", "--details"], ["analyze", "--json"]):
+        out = subprocess.run([sys.executable, "-m", "weightsync.cli", "fr", args[0], str(tmp_path / "escapes"),
+                              *args[1:]], capture_output=True, text=True, timeout=60, cwd=REPO)
+        assert out.returncode == 1 and "\x1b" not in out.stdout + out.stderr and "\x07" not in out.stdout, out
+        assert "\ngen1 evicted" not in out.stdout and "gen0\\n" in out.stdout.replace("\\\\", "\\"), out.stdout
+    assert "\x1b" not in str(load_dump(next((tmp_path / "escapes").glob("*.wsfr"))))
+
+
+def test_two_hundred_thousand_entries_analyze_and_draw_within_a_minute(tmp_path: Path) -> None:
+    """`fr timeline` on 200k entries ran past 120 s (every version scanned every entry; one bar drawn
+    per call). A generous liveness bound: seconds here."""
+    pytest.importorskip("matplotlib")
+    pub = FlightRecorder(capacity=130_000, directory=tmp_path, label="publisher")
+    gen = FlightRecorder(capacity=80_000, directory=tmp_path, label="gen0")
+    for v in range(40_000):
+        for op in ("announce", "bucket_send", "ack"):
+            pub.record(op, channel="ch", member="publisher", version=v, generation=v // 100,
+                       peers=("gen0",)).start().complete()
+        for b in range(2):
+            gen.record("bucket_recv", channel="ch", member="gen0", version=v, generation=v // 100,
+                       bucket=b).start().complete()
+    pub.record("announce", channel="ch", member="publisher", version=40_000, generation=400, peers=("gen0",)).start()
+    pub.dump()
+    gen.dump()
+    for command in (["analyze"], ["timeline", "-o", str(tmp_path / "t.png")]):
+        out = subprocess.run([sys.executable, "-m", "weightsync.cli", "fr", command[0], str(tmp_path), *command[1:]],
+                             capture_output=True, text=True, timeout=60, cwd=REPO)
+        assert out.returncode in (0, 1) and "Traceback" not in out.stderr, out.stderr
+    assert (tmp_path / "t.png").stat().st_size > 0
+
+
+def test_a_bad_entry_never_poisons_the_recorder_and_folders_keep_a_bound(tmp_path: Path) -> None:
+    """`get(min_version=2**70)` recorded a version msgpack cannot hold: every later dump raised
+    OverflowError out of `dump_on_trouble` ("never raises") and killed the receiver thread. Dumps of
+    many runs in one folder grew without bound."""
+    from weightsync.recorder.recorder import MAX_DUMPS_PER_FOLDER, prune_dumps
+
+    rec = FlightRecorder(capacity=10, directory=tmp_path / "run", label="gen")
+    rec.record("get", channel="c", member="gen", version=2**70).start()
+    rec.record("receive", channel="c", member="gen", version=3).start().fail("late")
+    path = rec.dump_on_trouble("a deadline", force=True)
+    assert path is not None and [e.version for e in load_dump(path).entries] == [3]
+
+    folder = tmp_path / "shared"
+    folder.mkdir()
+    for i in range(MAX_DUMPS_PER_FOLDER + 10):
+        (folder / f"old-{i}.wsfr").write_bytes(b"")
+        os.utime(folder / f"old-{i}.wsfr", (1_000_000 + i, 1_000_000 + i))
+    mine = FlightRecorder(capacity=4, directory=folder, label="new").dump()
+    left = set(p.name for p in folder.glob("*.wsfr"))
+    assert len(left) == MAX_DUMPS_PER_FOLDER and mine.name in left and "old-0.wsfr" not in left
+    assert prune_dumps(folder) == 0
+
+
 def test_empty_or_missing_directory_exits_2(tmp_path: Path, capsys) -> None:
     assert cli(["fr", "analyze", str(tmp_path)]) == 2
     assert "no flight-recorder dumps" in capsys.readouterr().err

@@ -22,6 +22,7 @@ import os
 import shutil
 import signal
 import socket
+import stat
 import tempfile
 import threading
 import time
@@ -214,7 +215,7 @@ class FlightRecorder:
             dump = Dump(label=label, pid=os.getpid(), host=socket.gethostname(), time=time.time(), reason=reason,
                         torch_version=str(torch.__version__), capacity=self.capacity, entries=self.snapshot())
             try:
-                tmp.write_bytes(msgspec.msgpack.encode(dump))
+                tmp.write_bytes(_encode(dump))
                 os.replace(tmp, target)
             except BaseException:
                 tmp.unlink(missing_ok=True)
@@ -223,6 +224,8 @@ class FlightRecorder:
             if torch_trace:
                 target.with_suffix(".torch.json").write_bytes(torch_trace)
             self.last_dump_path = target
+        if path is None:
+            prune_dumps(target.parent, keep=target)
         if path is None and not self._announced_dir:
             self._announced_dir = True
             log.warning("flight recorder dumps go to %s", target.parent)
@@ -238,7 +241,7 @@ class FlightRecorder:
         self._last_auto_dump = now
         try:
             return self.dump(reason=reason)
-        except OSError as err:
+        except Exception as err:  # noqa: BLE001 - a failed dump must never become the caller's failure
             log.warning("flight recorder could not dump (%s)", err)
             return None
 
@@ -260,6 +263,41 @@ class RecorderScope:
 
 
 MAX_DUMP_FOLDERS = 32  # under the default root: older ones go when a new one is made
+MAX_DUMPS_PER_FOLDER = 256  # in any folder this recorder writes to: the oldest dumps go past it
+
+
+def _encode(dump: Dump) -> bytes:
+    """The dump's bytes; an entry msgpack cannot hold (an int past 64 bits from a caller's bad
+    argument) is left out, never the whole dump."""
+    try:
+        return msgspec.msgpack.encode(dump)
+    except (OverflowError, TypeError, ValueError):
+        kept = []
+        for entry in dump.entries:
+            try:
+                msgspec.msgpack.encode(entry)
+            except (OverflowError, TypeError, ValueError):
+                continue
+            kept.append(entry)
+        return msgspec.msgpack.encode(msgspec.structs.replace(dump, entries=kept))
+
+
+def prune_dumps(folder: Path, *, keep: Path | None = None, limit: int = MAX_DUMPS_PER_FOLDER) -> int:
+    """Remove the oldest dumps (and torch's trace beside each) in ``folder`` beyond ``limit``, never
+    ``keep``; returns how many went. Every process writes its own file, so without a bound a
+    folder that many runs share (``$WEIGHTSYNC_FR_DIR``) would grow forever."""
+    try:
+        dumps = sorted(folder.glob(f"*{DUMP_SUFFIX}"), key=lambda p: p.stat().st_mtime, reverse=True)
+    except OSError:
+        return 0  # one went away while sorting: the next dump prunes
+    removed = 0
+    for old in dumps[limit:]:
+        if old == keep:
+            continue
+        old.unlink(missing_ok=True)
+        old.with_suffix(".torch.json").unlink(missing_ok=True)
+        removed += 1
+    return removed
 
 
 def dump_root() -> Path:
@@ -284,11 +322,25 @@ def dump_folders(root: Path | None = None) -> list[tuple[Path, int, float]]:
     return sorted(found, key=lambda f: f[2], reverse=True)
 
 
+EMPTY_FOLDER_AGE = 60.0  # seconds: an empty dump folder older than this is left over, and goes
+
+
+def _empty(folder: Path) -> bool:
+    try:
+        return not any(folder.iterdir())
+    except OSError:
+        return False
+
+
 def prune_dump_folders(keep: Path | None = None, *, limit: int = MAX_DUMP_FOLDERS, root: Path | None = None) -> int:
-    """Remove the oldest folders under the default root beyond ``limit`` (never ``keep``); returns how
-    many went. Only the default root is pruned: a directory the user named is theirs."""
+    """Remove the oldest folders under the default root beyond ``limit``, and empty ones left over
+    (never ``keep``); returns how many went. Only the default root's folders are pruned: a directory
+    the user named is theirs (its own dumps are bounded by :func:`prune_dumps`)."""
     removed = 0
-    for folder, _count, _mtime in dump_folders(root)[limit:]:
+    folders = dump_folders(root)
+    settled = time.time() - EMPTY_FOLDER_AGE  # younger empty ones may be another process's, about to dump
+    empty = [f for f, count, mtime in folders[:limit] if count == 0 and mtime < settled and _empty(f)]
+    for folder, _count, _mtime in [*folders[limit:], *((f, 0, 0.0) for f in empty)]:
         if keep is not None and folder == keep:
             continue
         try:
@@ -312,18 +364,67 @@ def process_recorder() -> FlightRecorder:
         return _process_recorder
 
 
-def load_dump(path: str | os.PathLike[str]) -> Dump:
-    """Read a ``.wsfr`` file; ValueError with a clear message for anything else."""
-    data = Path(path).read_bytes()
+MAX_DUMP_BYTES = 64 << 20  # a full ring of the default 2000 entries is about half a MiB
+
+
+def printable(text: str) -> str:
+    """``text`` with every control or non-printable character escaped (``\\n``, ``\\x1b``): what a
+    dump or a member says is printed to an operator's terminal, never interpreted by it."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
+def _read_bounded(path: str | os.PathLike[str], limit: int) -> bytes:
+    """A regular file's bytes, at most ``limit`` of them; ValueError for anything else (a FIFO, a
+    device such as ``/dev/zero`` behind a symlink, a file past the bound): nothing blocks or
+    reads without end."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise ValueError(f"{path}: not a regular file")
+        if info.st_size > limit:
+            raise ValueError(f"{path}: {info.st_size} bytes, more than a dump holds (at most {limit})")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            data = f.read(limit + 1)
+    finally:
+        os.close(fd)
+    if len(data) > limit:
+        raise ValueError(f"{path}: more than a dump holds (at most {limit} bytes)")
+    return data
+
+
+def _clean(entry: Entry) -> Entry:
+    texts = (entry.op, entry.channel, entry.member, entry.encoding, entry.digest, entry.state, entry.error)
+    if all(t.isprintable() for t in texts) and all(p.isprintable() for p in entry.peers):
+        return entry
+    return msgspec.structs.replace(entry, op=printable(entry.op), channel=printable(entry.channel),
+                                   member=printable(entry.member), encoding=printable(entry.encoding),
+                                   digest=printable(entry.digest), state=printable(entry.state),
+                                   error=printable(entry.error), peers=tuple(printable(p) for p in entry.peers))
+
+
+def load_dump(path: str | os.PathLike[str], *, limit: int = MAX_DUMP_BYTES) -> Dump:
+    """Read a ``.wsfr`` file; ValueError with a clear message for anything else.
+
+    Hostile input is bounded: only a regular file of at most ``limit`` bytes is read, and every
+    text in it comes back with control characters escaped (:func:`printable`)."""
+    data = _read_bounded(path, limit)
     try:
         dump = msgspec.msgpack.decode(data, type=Dump)
     except (msgspec.DecodeError, msgspec.ValidationError) as err:
-        raise ValueError(f"{path}: not a weightsync flight-recorder dump ({err})") from None
+        raise ValueError(f"{path}: not a weightsync flight-recorder dump ({printable(str(err))[:200]})") from None
+    except RecursionError:
+        raise ValueError(f"{path}: not a weightsync flight-recorder dump (nested too deep)") from None
     if dump.format != DUMP_FORMAT:
-        raise ValueError(f"{path}: format {dump.format!r} is not {DUMP_FORMAT!r}")
+        raise ValueError(f"{path}: format {printable(dump.format)[:64]!r} is not {DUMP_FORMAT!r}")
     if dump.format_version > DUMP_FORMAT_VERSION:
         raise ValueError(f"{path}: format version {dump.format_version} is newer than this weightsync reads "
                          f"({DUMP_FORMAT_VERSION}); upgrade weightsync")
+    dump.label, dump.host, dump.reason = printable(dump.label), printable(dump.host), printable(dump.reason)
+    dump.torch_version = printable(dump.torch_version)
+    dump.entries = [_clean(e) for e in dump.entries]
     return dump
 
 

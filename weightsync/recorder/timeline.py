@@ -26,6 +26,7 @@ COLORS = {"bucket_send": "#4C72B0", "bucket_recv": "#55A868", "put": "#8172B2", 
 LANE_OPS = ("put", "announce", "bucket_send", "bucket_recv", "ack", "receive", "publish", "rebuild")
 BEFORE, AFTER = 2.0, 8.0  # seconds of the incident panel around the first incident
 MIN_BAR = 0.004  # of a panel's span: shorter operations are still drawn, as a visible tick
+MAX_LANES = 48  # members drawn: the publisher, those with an incident, then the rest by name
 
 
 def _bars(dumps: list[Dump]) -> list[tuple[Dump, Entry]]:
@@ -63,9 +64,12 @@ def draw(dumps: list[Dump], analysis: Analysis, out: str | Path) -> Path:
     t0 = min(e.t_scheduled for _, e in entries)
     t_end = max(max(e.t_ended, e.t_started, e.t_scheduled) for _, e in entries)
     announced = {p for v in analysis.versions for p in v.members}
-    members = sorted({e.member for _, e in entries} | announced, key=lambda m: (m != PUBLISHER, m))
-    lane = {m: i for i, m in enumerate(members)}
     incidents = _incidents(dumps, analysis)
+    involved = {m for _, m, _ in incidents}
+    everyone = sorted({e.member for _, e in entries} | announced, key=lambda m: (m != PUBLISHER, m not in involved, m))
+    members = sorted(everyone[:MAX_LANES], key=lambda m: (m != PUBLISHER, m))
+    lane = {m: i for i, m in enumerate(members)}
+    entries = [(d, e) for d, e in entries if e.member in lane]
     panels = [(0.0, t_end - t0, "the whole run")]
     if incidents:
         first = incidents[0][0] - t0
@@ -77,7 +81,8 @@ def draw(dumps: list[Dump], analysis: Analysis, out: str | Path) -> Path:
         _panel(ax, dumps, analysis, entries, members, lane, incidents, t0, lo, hi)
         ax.set_title(title, fontsize=10, loc="left")
     axes[0, 0].set_xlabel("seconds since the first recorded operation")
-    fig.suptitle("weightsync flight recorder: " + ("no stall" if analysis.ok else "stall or failure"))
+    left_out = f" ({len(everyone) - len(members)} more members not drawn)" if len(everyone) > len(members) else ""
+    fig.suptitle("weightsync flight recorder: " + ("no stall" if analysis.ok else "stall or failure") + left_out)
     legend = [Patch(facecolor=c, label=op) for op, c in COLORS.items()]
     legend += [Patch(facecolor="#FF7F0E", hatch="//", label="never finished"),
                Patch(facecolor="#D62728", label="failed"), Patch(facecolor="#BBBBBB", label="abandoned"),
@@ -102,11 +107,12 @@ def _panel(ax: Any, dumps: list[Dump], analysis: Analysis, entries: list[tuple[D
            lane: dict[str, int], incidents: list[tuple[float, str, str]], t0: float, lo: float, hi: float) -> None:
     span = max(hi - lo, 1e-3)
     tick = span * MIN_BAR
+    batches: dict[tuple[str, tuple[tuple[str, Any], ...]], list[tuple[float, float]]] = {}
 
     def bar(member: str, start: float, end: float, **style: Any) -> None:
         if end < lo or start > hi:
-            return
-        ax.broken_barh([(start, max(end - start, tick))], (lane[member] - 0.35, 0.7), **style)
+            return  # bars of one lane and style are drawn in one call: 200k operations draw in seconds
+        batches.setdefault((member, tuple(sorted(style.items()))), []).append((start, max(end - start, tick)))
 
     have_dump = {e.member for _, e in entries}
     publisher = [e for d in dumps for e in d.entries if e.member == PUBLISHER]
@@ -135,6 +141,8 @@ def _panel(ax: Any, dumps: list[Dump], analysis: Analysis, entries: list[tuple[D
             color = "#D62728"
         bar(e.member, start, end, facecolors=color, hatch=hatch,
             edgecolor="black" if hatch or e.state != COMPLETED else "none", linewidth=0.5)
+    for (member, style), spans in batches.items():
+        ax.broken_barh(spans, (lane[member] - 0.35, 0.7), **dict(style))
     marks: dict[str, list[tuple[float, list[str]]]] = {}  # per lane: incidents close together share a label
     for when, member, label in incidents:
         x = when - t0
