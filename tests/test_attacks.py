@@ -135,6 +135,26 @@ async def test_an_admitted_member_cannot_speak_for_another() -> None:
         await pub.aclose()
 
 
+async def test_an_insider_cannot_forge_log_lines_with_its_member_id(caplog: pytest.LogCaptureFixture) -> None:
+    """A member id may not carry newlines or terminal escapes: with them an admitted member wrote
+    lines such as "gen0 evicted (dead)" into the publisher's log and drove the operator's terminal.
+    Such a Join is denied (with the secret: an insider), and nothing of it reaches a log line raw."""
+    rec = ws.FlightRecorder(capacity=500)
+    pub, subs = await secured(rec)
+    try:
+        for evil in ("mallory\nWARNING gen0 evicted (dead)", "m\x1b[2J\x1b]0;pwned\x07", "a b", "\u202egen0"):
+            mallory = Outsider(pub.address)
+            reply = await in_thread(mallory.join, evil, fingerprint(pub), SECRET.encode())
+            assert isinstance(reply, _wire.Deny) and "letters, digits" in reply.reason, reply
+            mallory.close()
+        assert all("\x1b" not in r.getMessage() and "\nWARNING" not in r.getMessage() for r in caplog.records)
+        assert pub.members == ("gen0",) and pub.evicted == []
+        await still_serves(pub, subs, 1)
+    finally:
+        await asyncio.gather(*(s.aclose() for s in subs))
+        await pub.aclose()
+
+
 async def test_forged_and_replayed_frames_to_a_subscriber_are_dropped() -> None:
     """The subscriber's side of the same rule: a forged Announce (version 10**15, empty
     manifest) or a replayed command never reaches the receiver."""

@@ -205,8 +205,12 @@ def test_options_are_validated() -> None:
     assert parse_address("[::1]:0") == ("::1", 0)
     with pytest.raises(ValueError, match="backend"):
         ws.Publisher("p", backend="mpi")
-    with pytest.raises(ValueError, match="without '/'"):
-        ws.Publisher("a/b")
+    for bad in ("a/b", "", "gen0\nevicted", "x\x1b[2J", "a b", "-a", "x" * 257, 7):
+        with pytest.raises(ValueError, match="letters, digits"):
+            ws.Publisher(bad)  # type: ignore[arg-type]
+        if bad != "":  # a Subscriber without a member id makes one
+            with pytest.raises(ValueError, match="letters, digits"):
+                ws.Subscriber("p", address="127.0.0.1:1", member_id=bad)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="port 0"):
         ws.Subscriber("p", address="127.0.0.1:0")
 

@@ -22,9 +22,24 @@ addresses through a store): the publisher serves it from memory, to admitted mem
 
 from __future__ import annotations
 
+import re
 from typing import Union
 
 import msgspec
+
+#: channel names and member ids: they become store prefixes, file names, log lines and Prometheus
+#: labels, so they keep to a safe alphabet (a member id with a newline or an escape code forged
+#: lines in the publisher's log and drove the operator's terminal)
+NAME_PATTERN = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._:@+=-]{0,255}")
+
+
+def name_problem(what: str, value: object) -> str | None:
+    """Why ``value`` is not a valid channel name or member id (``what`` says which), or None."""
+    if isinstance(value, str) and NAME_PATTERN.fullmatch(value):
+        return None
+    shown = repr(value[:64]) if isinstance(value, str) else type(value).__name__
+    return (f"{what} must be 1-256 characters of letters, digits and . _ : @ + = - (starting with a letter, "
+            f"digit or _; no '/', spaces or control characters), got {shown}")
 
 PROTOCOL_VERSION = 14  # 2: settings in Admit; CRC32C. 3: link probes. 4: same-host shm. 5: sharded (lanes).
 # 6: sliced members (Join.want, point-to-point buckets: Announce.direct)

@@ -20,7 +20,7 @@ import os
 import torch
 
 from weightsync import _torch_compat as compat
-from weightsync._wire import PROTOCOL_VERSION, Deny, Fingerprint, Join, Want, encode
+from weightsync._wire import PROTOCOL_VERSION, Deny, Fingerprint, Join, Want, encode, name_problem
 
 # NCCL variables that change the wire protocol or transport choice and so must agree.
 NCCL_VARS_THAT_MUST_MATCH = ("NCCL_PROTO", "NCCL_ALGO", "NCCL_IB_DISABLE", "NCCL_P2P_DISABLE",
@@ -111,8 +111,11 @@ def admission_problem(join: Join, *, channel: str, server_nonce: bytes, secret: 
     """
     if closing:
         return Deny(reason="the publisher is shutting down", kind="closed")
-    if not join.member_id or "/" in join.member_id or len(join.member_id) > 256:
-        return Deny(reason=f"invalid member id {join.member_id[:64]!r}", kind="token")
+    problem = name_problem("member id", join.member_id)
+    if problem is None and not (join.host.isprintable() and len(join.host) <= 256):
+        problem = f"host must be a printable name of at most 256 characters, got {join.host[:64]!r}"
+    if problem is not None:
+        return Deny(reason=problem, kind="token")
     if secret is not None:
         expected = join_proof(secret, channel=channel, server_nonce=server_nonce, client_nonce=join.nonce,
                               member_id=join.member_id, fp=join.fingerprint, transport=join.transport,

@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from typing import Any
 
+from weightsync._wire import name_problem
 from weightsync.errors import WeightSyncError
 from weightsync.pg.reaper import drain_retired
 from weightsync.recorder.recorder import FlightRecorder
@@ -46,9 +47,12 @@ def begin_close(state: EndState) -> tuple[EndState, bool]:
 
 
 def validate_name(what: str, value: object) -> str:
-    """A channel name or member id: a non-empty string without '/'; ValueError otherwise."""
-    if not isinstance(value, str) or not value or "/" in value:
-        raise ValueError(f"{what} must be a non-empty string without '/', got {value!r}")
+    """A channel name or member id in the safe alphabet (:data:`~weightsync._wire.NAME_PATTERN`);
+    ValueError otherwise."""
+    problem = name_problem(what, value)
+    if problem is not None:
+        raise ValueError(problem)
+    assert isinstance(value, str)
     return value
 
 
