@@ -76,10 +76,15 @@ class TrainerActor:
         self.pub = ws.Publisher(CHANNEL, timeout=timeout, heartbeat_interval=0.25)
         await self.pub.start()
         # set once the address is known: each replacement gets it, and its new member id
-        self.orchestrator = RayOrchestrator(generator_class, self.pub.address, "{member}", member_id="repl-{n}",
+        self.orchestrator = RayOrchestrator(generator_class, self.pub.address, "{new}", member_id="repl-{n}",
                                             options={"num_cpus": 0})
         self.pub.orchestrator = self.orchestrator
         return self.pub.address
+
+    def adopt(self, generators: dict[str, Any]) -> None:
+        """The generator actors the application started: the orchestrator may kill these (a slow one
+        it drops), and only these and its own."""
+        self.orchestrator.adopt(generators)
 
     async def wait_generators(self, n: int, timeout: float = 120.0) -> list[str]:
         assert self.pub is not None
@@ -175,6 +180,7 @@ def run(generators: int = 2, steps: int = 3, width: int = 1024, deadline: float 
     address = ray.get(trainer.start.remote(generator_cls), timeout=60)
     gens = {f"gen{i}": generator_cls.options(name=f"gen{i}").remote(address, f"gen{i}") for i in range(generators)}
     ray.get([g.ready.remote() for g in gens.values()], timeout=120)
+    ray.get(trainer.adopt.remote(gens), timeout=60)
     ray.get(trainer.wait_generators.remote(generators), timeout=130)
     say(f"trainer actor publishing at {address}; generators joined: {', '.join(gens)}")
     ray.get(trainer.train.remote(steps), timeout=deadline)

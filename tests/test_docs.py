@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -66,7 +68,8 @@ def free_port() -> int:
 
 
 def test_every_marked_snippet_is_run_by_this_module() -> None:
-    assert set(snippets()) == {"trainer.py", "generator.py", "sync_trainer.py", "replace.py", "ft_replace.py"}
+    assert set(snippets()) == {"trainer.py", "generator.py", "sync_trainer.py", "replace.py", "ft_replace.py",
+                               "ray_replace.py"}
 
 
 @pytest.mark.parametrize("trainer", ["trainer.py", "sync_trainer.py"])
@@ -93,6 +96,23 @@ def test_the_orchestrator_snippets_replace_a_killed_generator(scripts: Path, scr
     # the message whole: print's pieces were once interleaved with a generator's own line, and under
     # PYTHONUNBUFFERED a print's text and its newline are two writes, so only the text is held whole
     assert re.search(r"(replaced \S+ with|members now) \('[^'\n]+',\)", out), out
+
+
+def test_the_ray_recipe_runs_as_written(scripts: Path) -> None:
+    """fault-tolerance.md's Ray recipe once left the generator actor, its readiness call and the
+    secret to the reader; it runs whole here, on a local Ray cluster of its own."""
+    pytest.importorskip("ray", reason="Ray is not installed here (the test extra installs it)")
+    temp = tempfile.mkdtemp(prefix="wsray-")  # short: Ray's socket paths must stay under the Unix limit
+    try:
+        out = finish(start(scripts / "ray_replace.py", dict(env_for(), RAY_TMPDIR=temp)), 240)
+    finally:
+        for pid in subprocess.run(["pgrep", "-f", temp], capture_output=True, text=True).stdout.split():
+            try:  # anything of the script's cluster that outlived it
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        shutil.rmtree(temp, ignore_errors=True)
+    assert re.search(r"members now \('gen0', 'repl-1'\)", out) and re.search(r"repl-1 serves version \d+", out), out
 
 
 def test_the_module_table_in_architecture_md_names_every_module_and_only_modules_that_exist() -> None:

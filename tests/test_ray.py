@@ -77,11 +77,12 @@ def test_ray_orchestrator_kills_a_live_dropped_actor_and_reuses_its_name(cluster
     same id and name once Ray freed it, gets its fields filled in, and answers ready()."""
     old = Pinger.options(name="slowgen").remote("slowgen", "original")
     _member, _tag, old_pid = ray.get(old.ready.remote(), timeout=60)
-    orch = RayOrchestrator(Pinger, "{member}", tag="replaces {reason} #{n} {not-a-field}", member_id="{member}")
+    orch = RayOrchestrator(Pinger, "{new}", tag="replaces {member}: {reason} #{n} {not-a-field}",
+                           member_id="{member}", actors={"slowgen": old})
     asyncio.run(orch.replace(MemberInfo("slowgen", reason="slow")))
     new = ray.get_actor("slowgen")
     member, tag, pid = ray.get(new.ready.remote(), timeout=60)
-    assert (member, tag) == ("slowgen", "replaces slow #1 {not-a-field}") and pid != old_pid
+    assert (member, tag) == ("slowgen", "replaces slowgen: slow #1 {not-a-field}") and pid != old_pid
     with pytest.raises(ray.exceptions.RayActorError):
         ray.get(old.ready.remote(), timeout=60)
     assert [(m.member_id, new_id) for m, new_id, _h in orch.started] == [("slowgen", "slowgen")]
@@ -90,6 +91,24 @@ def test_ray_orchestrator_kills_a_live_dropped_actor_and_reuses_its_name(cluster
         ray.get_actor("slowgen")
     with pytest.raises(ray.exceptions.RayActorError):
         ray.get(new.ready.remote(), timeout=60)
+
+
+@pytest.mark.timeout(120)
+def test_an_insider_named_like_an_application_actor_never_gets_it_killed(cluster: str) -> None:
+    """A member that joins with the id of a named actor of the application ("reward_model") and goes
+    silent is dropped; kill_old looked the id up as a Ray name and killed the application's actor.
+    Only handles the orchestrator holds are killed now: the actor still answers, and the
+    replacement is a new actor under its own id, its fields meaning what they mean for
+    LocalProcessOrchestrator ({member}: the dropped id)."""
+    bystander = Pinger.options(name="reward_model").remote("reward_model", "the application's")
+    _m, _t, pid = ray.get(bystander.ready.remote(), timeout=60)
+    orch = RayOrchestrator(Pinger, "{new}", tag="replaces {member}")
+    asyncio.run(orch.replace(MemberInfo("reward_model", reason="dead")))
+    assert ray.get(bystander.ready.remote(), timeout=60) == ("reward_model", "the application's", pid)
+    assert ray.get(ray.get_actor("repl-1").ready.remote(), timeout=60)[:2] == ("repl-1", "replaces reward_model")
+    asyncio.run(orch.aclose())
+    assert ray.get(bystander.ready.remote(), timeout=60)[2] == pid  # aclose killed only its own
+    ray.kill(bystander, no_restart=True)
 
 
 def test_ray_orchestrator_refuses_what_is_not_an_actor_class(cluster: str) -> None:

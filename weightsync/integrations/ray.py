@@ -29,7 +29,7 @@ log = logging.getLogger("weightsync.orchestrator")
 
 __all__ = ["RayOrchestrator"]
 
-_FIELD = re.compile(r"\{(member|n|reason)\}")
+_FIELD = re.compile(r"\{(member|new|n|reason)\}")
 _NAME_RELEASE_POLL = 0.1  # seconds between looks at a killed actor's name (Ray frees it once dead)
 
 
@@ -47,29 +47,32 @@ class RayOrchestrator:
     Args:
         actor_class: the generator actor class, as ``@ray.remote`` made it.
         *args, **kwargs: its constructor's arguments. In every ``str`` among them ``{member}``
-            (the new member id), ``{n}`` (1, 2, ...) and ``{reason}`` (why the old one was dropped)
-            are filled in; other braces stay as written.
-        member_id: the new member's id, with the same fields; ``"{member}"`` reuses the dropped
-            id (the analyzer reads it as a new incarnation). Default ``"repl-{n}"``.
-        name: the new actor's Ray name (same fields; default: its member id), so an application
-            finds it with ``ray.get_actor``; ``None`` leaves it unnamed.
+            (the dropped member's id, as for :class:`~weightsync.LocalProcessOrchestrator`),
+            ``{new}`` (the new member's id), ``{n}`` (1, 2, ...) and ``{reason}`` (why the old one
+            was dropped) are filled in; other braces stay as written.
+        member_id: the new member's id, with the same fields (but ``{new}``); ``"{member}"`` reuses
+            the dropped id (the analyzer reads it as a new incarnation). Default ``"repl-{n}"``.
+        name: the new actor's Ray name (same fields; default ``"{new}"``: its member id), so an
+            application finds it with ``ray.get_actor``; ``None`` leaves it unnamed.
         namespace: the Ray namespace of the names (default: the job's).
         options: more ``actor_class.options(...)`` (``num_cpus``, ``resources``, ...).
         ready: a method of the new actor to call and wait for (``"ready"``: it returns once its
             subscriber joined); ``None`` returns as soon as the actor was created.
         ready_timeout: how long ``replace`` waits for ``ready`` and for a reused name to be freed.
         kill_old: kill the dropped member's actor first when it still runs (a slow member does).
-            It is found among the actors this orchestrator started, then by its member id as a Ray
-            name (``actors=`` may give more). Default True.
-        actors: the generator actors started by the application, by member id, so ``kill_old``
-            finds unnamed ones too.
+            Only a handle this orchestrator holds is ever killed: an actor it started, or one the
+            application handed it in ``actors=``. A member id is never looked up as a Ray name (a
+            member that joined as ``"trainer"`` and went silent would get the application's own
+            actor of that name killed). Default True.
+        actors: the generator actors started by the application, by member id: the ones
+            ``kill_old`` may kill (:meth:`adopt` adds more later).
 
     ``started`` lists ``(dropped member, new member id, actor handle)``; :meth:`aclose` kills the
     actors this orchestrator started (not the application's own) and returns once Ray has the
     named ones dead.
     """
 
-    def __init__(self, actor_class: Any, *args: Any, member_id: str = "repl-{n}", name: str | None = "{member}",
+    def __init__(self, actor_class: Any, *args: Any, member_id: str = "repl-{n}", name: str | None = "{new}",
                  namespace: str | None = None, options: Mapping[str, Any] | None = None, ready: str | None = "ready",
                  ready_timeout: float = 120.0, kill_old: bool = True, actors: Mapping[str, Any] | None = None,
                  **kwargs: Any) -> None:
@@ -78,6 +81,9 @@ class RayOrchestrator:
             raise TypeError(f"actor_class must be a @ray.remote class, got {actor_class!r}")
         if ready_timeout <= 0:
             raise ValueError(f"ready_timeout must be > 0, got {ready_timeout}")
+        if "{new}" in member_id:
+            raise ValueError(f"member_id makes the new id: it may use {{member}}, {{n}} and {{reason}}, "
+                             f"got {member_id!r}")
         self.actor_class, self.args, self.kwargs = actor_class, args, kwargs
         self.member_id, self.name, self.namespace = member_id, name, namespace
         self.options = dict(options or {})
@@ -96,9 +102,9 @@ class RayOrchestrator:
         """Kill the dropped member's actor (``kill_old``), start its replacement, wait for ``ready``."""
         ray = self._ray
         n = len(self.started) + 1
-        fields = {"member": member.member_id, "n": str(n), "reason": member.reason}
+        fields = {"member": member.member_id, "new": "{new}", "n": str(n), "reason": member.reason}
         new_id = _fill(self.member_id, fields)
-        fields["member"] = new_id
+        fields["new"] = new_id
         name = _fill(self.name, fields) if self.name is not None else None
         if self.kill_old:
             old = self._find(member.member_id)
@@ -127,13 +133,14 @@ class RayOrchestrator:
                 raise TimeoutError(f"Ray actor {name or new_id} did not answer {self.ready}() within "
                                    f"{self.ready_timeout:g} s") from None
 
+    def adopt(self, actors: Mapping[str, Any]) -> None:
+        """Hand over the application's generator actors (member id -> handle): ``kill_old`` may kill
+        these when their member is dropped, and no others but the ones it started."""
+        self.actors.update(actors)
+
     def _find(self, member_id: str) -> Any | None:
-        if member_id in self.actors:
-            return self.actors.pop(member_id)
-        try:
-            return self._ray.get_actor(member_id, namespace=self.namespace)
-        except ValueError:  # no live actor of that name
-            return None
+        """The handle this orchestrator holds for ``member_id``, or None: never a lookup by name."""
+        return self.actors.pop(member_id, None)
 
     async def _name_released(self, name: str) -> None:
         """A reused name is free once Ray has the old actor dead; wait for that, bounded."""
