@@ -283,9 +283,16 @@ def test_the_blocking_api_pushes_and_reads_without_an_event_loop() -> None:
             assert sub.get_into(dest, min_version=4, timeout=10, as_received=True) == 4 and dest["w"][0].item() == 4.0
             with pytest.raises(ws.SyncTimeout):  # the same errors as the asynchronous API
                 sub.get(min_version=99, timeout=0.2)
+            for end in (sub, pub):  # a second start is the caller's mistake: refused, the end keeps running
+                with pytest.raises(ws.Closed, match="starts once"):
+                    end.start()
+            with pytest.raises(ValueError, match="2\\*\\*63"):
+                sub.get(min_version=2**70, timeout=1)
             with pytest.raises(ValueError, match="strictly increase"):
                 pub.put({"w": torch.ones(8), "step": torch.tensor(0)}, version=1)
             assert pub.statistics().versions_put == 5
+            pub.put({"w": torch.full((8,), 5.0), "step": torch.tensor(5)}, version=5).delivered(timeout=10)
+            assert sub.get(min_version=5, timeout=10)["w"][0].item() == 5.0
     with pytest.raises(ws.Closed):  # closed: like the asynchronous publisher
         pub.put({"w": torch.ones(8)})
 
@@ -605,3 +612,62 @@ async def test_a_self_connected_try_is_tried_again(monkeypatch: pytest.MonkeyPat
         await asyncio.wait_for(joining, 30)
         await pub.wait_subscribers(1, timeout=10)
         await sub.aclose()
+
+
+@pytest.mark.asyncio
+async def test_every_bad_input_is_one_clear_error_at_the_call_and_the_end_keeps_running() -> None:
+    """An audit's bad inputs: internal errors, a sender thread dead at the first eviction
+    (`policy=5`), an empty version that reached generators as every parameter missing, a version
+    number that poisoned the recorder, a frame the publisher could not decode (it dropped the
+    member), a collector registered twice (every series twice). Each is refused where it is made,
+    with the argument named, and nothing of the end it was made on breaks."""
+    bad_constructors = [
+        (TypeError, "policy", {"policy": 5}), (TypeError, "max_snapshots", {"max_snapshots": 2.5}),
+        (ValueError, "max_snapshots", {"max_snapshots": 1}), (TypeError, "max_snapshots", {"max_snapshots": math.nan}),
+        (TypeError, "timeout", {"timeout": "5"}), (ValueError, "timeout", {"timeout": math.nan}),
+        (ValueError, "min_bandwidth", {"min_bandwidth": math.inf}), (TypeError, "bucket_bytes", {"bucket_bytes": 1e6}),
+    ]
+    if not torch.cuda.is_available():
+        bad_constructors.append((ValueError, "no usable CUDA", {"device": "cuda"}))
+    for error, words, kwargs in bad_constructors:
+        with pytest.raises(error, match=words):
+            ws.Publisher("bad", **kwargs)
+    for error, words, kwargs in [(TypeError, "timeout", {"timeout": "5"}),
+                                 (ValueError, "timeout", {"timeout": math.nan})]:
+        with pytest.raises(error, match=words):
+            ws.Subscriber("bad", address="127.0.0.1:1", **kwargs)
+    for capacity in (math.nan, 2.5, "9"):
+        with pytest.raises(TypeError, match="capacity"):
+            ws.FlightRecorder(capacity=capacity)  # type: ignore[arg-type]
+
+    rec = ws.FlightRecorder(capacity=500)
+    async with ws.Publisher("bad", recorder=rec, **FAST) as pub, \
+            ws.Subscriber("bad", address=pub.address, member_id="g0", recorder=rec, timeout=5.0) as sub:
+        await pub.wait_subscribers(1, timeout=10)
+        await (await pub.put({"w": torch.ones(8)}, version=0)).delivered(timeout=10)
+        for empty in ({}, {"w": torch.empty(0)}, [("a", torch.zeros(0, 3))]):
+            with pytest.raises(ValueError, match="empty|no tensors"):
+                await pub.put(empty)
+        for kwargs in ({"min_version": 2**70}, {"exact": -1}, {"min_version": 2**63}):
+            with pytest.raises(ValueError, match="2\\*\\*63"):
+                await sub.get(timeout=1, **kwargs)
+        for args in ((0, 7, "d"), (0, "layout", b"d"), (2**70, "layout", "d"), ("0", "layout", "d")):
+            with pytest.raises((TypeError, ValueError)):
+                await sub.compare_engine(*args)  # type: ignore[arg-type]
+        assert rec.dump_on_trouble("after the bad calls", force=True) is not None  # the recorder still dumps
+        await (await pub.put({"w": torch.full((8,), 2.0)}, version=1)).delivered(timeout=10)
+        assert (await sub.get(min_version=1, timeout=10))["w"][0] == 2.0
+        assert pub.members == ("g0",) and pub.evicted == [] and not sub.evicted
+        assert await sub.compare_engine(1, "layout", "d") == {"d": 1}  # the connection still speaks
+
+        prometheus_client = pytest.importorskip("prometheus_client")
+        from weightsync.prometheus import register, unregister
+
+        registry = prometheus_client.CollectorRegistry()
+        collector = register(pub, registry=registry)
+        with pytest.raises(ValueError, match="already registered"):
+            register(pub, registry=registry)
+        text = prometheus_client.generate_latest(registry).decode()
+        assert text.count("weightsync_versions_put_total{") == 1
+        unregister(collector, registry=registry)
+        register(pub, registry=registry)  # again, once removed

@@ -140,8 +140,16 @@ class _BlockingEnd:
         else:
             self.abort()
 
+    _start_tried = False
+
     def _started(self, coro: Coroutine[Any, Any, None], what: str) -> None:
-        """Start the end; its loop thread goes if it does not."""
+        """Start the end; its loop thread goes if it does not. A second start() is refused and
+        leaves the running end alone (it once closed the loop thread of a running subscriber)."""
+        if self._start_tried:
+            coro.close()
+            state = "running" if self._bridge.thread.alive else "closed"
+            raise Closed(f"{what}: a blocking end starts once (this one is {state})")
+        self._start_tried = True
         try:
             self._bridge.call(coro, None, what)
         except BaseException:

@@ -9,6 +9,7 @@ waits on nothing the publisher did not tell it (except its own join and liveness
 from __future__ import annotations
 
 import logging
+import math
 import socket
 
 import msgspec
@@ -23,6 +24,19 @@ MAX_STREAMS = 8  # gloo connections per pair: each is a socket and a thread on e
 def valid_streams(streams: object) -> bool:
     """A count of gloo connections per pair an end may build: an int in [1, MAX_STREAMS]."""
     return isinstance(streams, int) and not isinstance(streams, bool) and 1 <= streams <= MAX_STREAMS
+
+def check_number(what: str, value: object, *, integer: bool = False) -> None:
+    """TypeError unless ``value`` is a finite real number (an int, not a bool, with ``integer``):
+    ``timeout="5"`` or ``max_snapshots=2.5`` is refused at the call, naming the argument, instead
+    of failing inside a thread later. Range checks stay with each caller."""
+    kinds: tuple[type, ...] = (int,) if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds):
+        raise TypeError(f"{what} must be {'an int' if integer else 'a number'}, got {type(value).__name__} "
+                        f"{value!r:.40}")
+    assert isinstance(value, (int, float))
+    if not math.isfinite(value):
+        raise ValueError(f"{what} must be finite, got {value!r}")
+
 
 #: a member is dead after this many silent heartbeat intervals ...
 DEAD_AFTER_BEATS = 5
@@ -49,6 +63,9 @@ class ChannelOptions(msgspec.Struct, frozen=True, kw_only=True):
     streams: int = 2
 
     def __post_init__(self) -> None:
+        for what in ("timeout", "min_bandwidth", "heartbeat_interval"):
+            check_number(what, getattr(self, what))
+        check_number("bucket_bytes", self.bucket_bytes, integer=True)
         if not self.timeout > 0:
             raise ValueError(f"timeout must be > 0 seconds, got {self.timeout}")
         if not self.min_bandwidth > 0:
@@ -217,7 +234,13 @@ def warn_open_channel(channel: str, address: str) -> None:
 def resolve_device(device: str | torch.device | None) -> torch.device:
     if device is None:
         return torch.device("cpu")
+    if not isinstance(device, (str, torch.device)):
+        raise TypeError(f"device must be a str or torch.device, got {type(device).__name__}")
     dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {str(dev)!r}: this torch ({torch.__version__}) has no usable CUDA device "
+                         f"({'no GPU is visible' if torch.version.cuda else 'it was built without CUDA'}); "
+                         "use device='cpu'")
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
     if dev.type not in ("cpu", "cuda"):

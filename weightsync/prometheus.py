@@ -18,6 +18,8 @@ Only this module imports ``prometheus_client``; ``import weightsync`` never does
 
 from __future__ import annotations
 
+import threading
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -26,7 +28,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 
 from weightsync.statistics import PublisherStatistics, Quantiles, SubscriberStatistics
 
-__all__ = ["WeightsyncCollector", "register"]
+__all__ = ["WeightsyncCollector", "register", "unregister"]
 
 
 def _summary(name: str, doc: str, labels: dict[str, str], q: Quantiles) -> Metric:
@@ -128,8 +130,28 @@ class WeightsyncCollector(Collector):
 def register(end: Any, registry: CollectorRegistry | None = None) -> WeightsyncCollector:
     """Export ``end``'s statistics through ``registry`` (default: prometheus_client's global one).
 
-    Returns the collector (``registry.unregister(collector)`` removes it).
+    Returns the collector (:func:`unregister` removes it). An end registered twice with one
+    registry is refused (``ValueError``): its every series would be exported twice.
     """
     collector = WeightsyncCollector(end)
-    (REGISTRY if registry is None else registry).register(collector)
+    target = REGISTRY if registry is None else registry
+    with _lock:
+        ends = _registered.setdefault(target, weakref.WeakSet())
+        if end in ends:  # prometheus_client cannot see it (our collector describes nothing): every series twice
+            raise ValueError(f"{type(end).__name__} of channel {getattr(end, 'name', '?')!r} is already registered "
+                             "with this registry; unregister the collector register() returned first")
+        target.register(collector)
+        ends.add(end)
     return collector
+
+
+def unregister(collector: WeightsyncCollector, registry: CollectorRegistry | None = None) -> None:
+    """Stop exporting the end ``collector`` was made for (what :func:`register` returned)."""
+    target = REGISTRY if registry is None else registry
+    with _lock:
+        target.unregister(collector)
+        _registered.get(target, weakref.WeakSet()).discard(collector._end)
+
+
+_lock = threading.Lock()
+_registered: weakref.WeakKeyDictionary[Any, weakref.WeakSet[Any]] = weakref.WeakKeyDictionary()

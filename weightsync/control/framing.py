@@ -58,9 +58,10 @@ class Session:
 
     def seal(self, message: Any) -> bytes:
         """``message`` as the next frame, length prefix included."""
-        self.sent += 1
-        body = _wire.encode(message)
-        frame = _wire.encode(_wire.Frame(self.sent, self._mac(self.outgoing, self.sent, body), body))
+        body = _wire.encode(message)  # first: a message that cannot be encoded leaves the sequence as it was
+        seq = self.sent + 1
+        frame = _wire.encode(_wire.Frame(seq, self._mac(self.outgoing, seq, body), body))
+        self.sent = seq
         return HEADER.pack(len(frame)) + frame
 
     def open(self, frame_bytes: bytes, decoder: msgspec.msgpack.Decoder[Any]) -> Any:

@@ -84,6 +84,14 @@ class Entry(msgspec.Struct, kw_only=True):
         return self
 
 
+def _check_capacity(capacity: object) -> None:
+    if isinstance(capacity, bool) or not isinstance(capacity, int):
+        raise TypeError(f"capacity must be an int (0 turns recording off), got {type(capacity).__name__} "
+                        f"{capacity!r:.40}")
+    if capacity < 0:
+        raise ValueError(f"capacity must be >= 0 (0 turns recording off), got {capacity}")
+
+
 class Dump(msgspec.Struct, kw_only=True):
     """One process's recorder dump, as written to ``<label>-<pid>.wsfr`` (msgpack)."""
 
@@ -114,8 +122,7 @@ class FlightRecorder:
 
     def __init__(self, capacity: int = DEFAULT_CAPACITY, *, directory: str | os.PathLike[str] | None = None,
                  label: str | None = None) -> None:
-        if capacity < 0:
-            raise ValueError(f"capacity must be >= 0 (0 turns recording off), got {capacity}")
+        _check_capacity(capacity)
         self.capacity = capacity
         self._ring: deque[Entry] = deque(maxlen=capacity or 1)
         self._kept: deque[Entry] = deque(maxlen=max(1, capacity // 4))  # pushed out unfinished
@@ -246,6 +253,7 @@ class FlightRecorder:
             return None
 
     def resize(self, capacity: int) -> None:
+        _check_capacity(capacity)
         with self._lock:
             self.capacity = capacity
             self._ring = deque(self._ring, maxlen=capacity or 1)

@@ -119,14 +119,21 @@ def call_soon(loop: asyncio.AbstractEventLoop | None, fn: Callable[..., Any], *a
         pass
 
 
+def check_version(what: str, value: object, *, low: int = 0) -> int:
+    """A version argument: an int in [``low``, 2**63) (what the wire and the recorder hold), else a
+    clear error at the call (``get(min_version=2**70)`` once poisoned the recorder instead)."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{what} must be an int, got {type(value).__name__}")
+    if not low <= value < 1 << 63:
+        raise ValueError(f"{what} must be in [{'0' if low == 0 else low}, 2**63), got {value}")
+    return value
+
+
 def next_version(version: int | None, last: int | None) -> int:
     """The version a put gets: ``version``, checked, or the one after ``last`` (0 first)."""
     if version is None:
         return 0 if last is None else last + 1
-    if not isinstance(version, int) or isinstance(version, bool):
-        raise TypeError(f"version must be an int, got {type(version).__name__}")
-    if not 0 <= version < 1 << 63:
-        raise ValueError(f"version must be in [0, 2**63), got {version}")
+    check_version("version", version)
     if last is not None and version <= last:
         raise ValueError(f"versions must strictly increase: {version} after {last}")
     return version

@@ -46,6 +46,7 @@ from weightsync.options import (
     Deadlines,
     MiB,
     advertised_host,
+    check_number,
     is_loopback,
     resolve_device,
     warn_open_channel,
@@ -168,6 +169,11 @@ class Publisher:
             raise ValueError(f"activation={activation!r} is not supported for sharded trainers yet (world_size "
                              f"{self.world_size}): each lane's part would need its own commit; use 'each'")
         self._group = group
+        if policy is not None and not isinstance(policy, StragglerPolicy):
+            raise TypeError(f"policy must be a weightsync.StragglerPolicy, got {type(policy).__name__}")
+        check_number("max_snapshots", max_snapshots, integer=True)
+        if max_snapshots < 2:
+            raise ValueError(f"max_snapshots must be >= 2 (one in flight, one pending), got {max_snapshots}")
         if orchestrator is not None and not callable(getattr(orchestrator, "replace", None)):
             raise TypeError("orchestrator must have an async replace(member) method (see weightsync.Orchestrator)")
         self.name = name
@@ -483,6 +489,10 @@ class Publisher:
         self._check_running()
         assert self._put_lock is not None and self._loop is not None
         items = layout.as_items(tensors, sharded=self.world_size > 1)
+        if all(t.numel() == 0 for _, t in items):  # {} or only empty tensors: nothing a member could load
+            raise ValueError(f"put() of {'no tensors' if not items else 'only empty tensors'}: a version "
+                             "holds at least one element (an empty one would reach generators as every "
+                             "parameter missing)")
         wire = layout.wire_dtypes(items, dtype)
         if owners and self.world_size == 1:
             raise ValueError("owners is for sharded publishers (world_size > 1)")

@@ -35,7 +35,7 @@ from weightsync._errors import ProtocolError, StoreUnreachable
 from weightsync.control import auth
 from weightsync.errors import Closed, PublisherGone, Superseded, SyncTimeout, TransportUnavailable, WeightSyncError
 from weightsync.format import layout, sharding, slicing
-from weightsync.options import Deadlines, parse_address, resolve_device
+from weightsync.options import Deadlines, check_number, parse_address, resolve_device
 from weightsync.pg.group import resolve_backend
 from weightsync.planes.dataplane import registered_planes
 from weightsync.recorder.recorder import FlightRecorder, process_recorder
@@ -102,6 +102,7 @@ class Subscriber:
                                        "the group (NCCL); see docs/architecture.md", channel=name)
         if not isinstance(address, str):
             raise ValueError(f"address must be the publisher's 'host:port', got {address!r}")
+        check_number("timeout", timeout)
         if not timeout > 0:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
         self.name = name
@@ -297,8 +298,7 @@ class Subscriber:
         if exact is not None:
             if min_version is not None:
                 raise ValueError("get() takes min_version or exact, not both")
-            if not isinstance(exact, int) or isinstance(exact, bool):
-                raise TypeError(f"exact must be an int or None, got {type(exact).__name__}")
+            lifecycle.check_version("exact", exact)
             min_version = exact
         await self._wait_version(min_version, timeout)
         assert self._loop is not None
@@ -491,6 +491,10 @@ class Subscriber:
         Bounded by ``timeout`` (default: the subscriber's); ``PublisherGone`` if the connection is gone.
         """
         check_timeout("timeout", timeout)
+        lifecycle.check_version("version", version)
+        for what, value in (("layout", layout), ("digest", digest)):
+            if not isinstance(value, str) or len(value) > 1024:
+                raise TypeError(f"{what} must be a str of at most 1024 characters, got {type(value).__name__}")
         if self._state is not EndState.RUNNING or not self._receivers:
             raise RuntimeError("start the Subscriber first (async with Subscriber(...) as sub)")
         assert self._loop is not None
@@ -554,8 +558,8 @@ class Subscriber:
 
     async def _wait_version(self, min_version: int | None, timeout: float | None) -> None:
         check_timeout("timeout", timeout)
-        if min_version is not None and (not isinstance(min_version, int) or isinstance(min_version, bool)):
-            raise TypeError(f"min_version must be an int or None, got {type(min_version).__name__}")
+        if min_version is not None:
+            lifecycle.check_version("min_version", min_version, low=-(1 << 63))
         if self._state is EndState.NEW:
             raise RuntimeError("start the Subscriber first (async with Subscriber(...) as sub)")
         assert self._loop is not None and self._changed is not None
