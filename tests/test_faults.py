@@ -74,8 +74,10 @@ async def test_a_member_killed_after_a_spill_ahead_released_the_tensors_costs_th
     rec = ws.FlightRecorder(capacity=4000)
     async with ws.Publisher("ahead", timeout=timeout, heartbeat_interval=0.25, bucket_bytes=4 << 20,
                             recorder=rec, spill_ahead=True) as pub:
+        progress = procs.tmp / "gen0-read"
         workers = [procs.spawn("subscriber", channel="ahead", address=pub.address, member=f"gen{i}",
-                               until_version=3, deadline=120, mode="updates") for i in range(2)]
+                               until_version=3, deadline=120, mode="updates", progress_file=str(progress))
+                   for i in range(2)]
         await pub.wait_subscribers(2, timeout=60)
 
         def body(v: int) -> dict[str, torch.Tensor]:
@@ -96,6 +98,11 @@ async def test_a_member_killed_after_a_spill_ahead_released_the_tensors_costs_th
             assert "gen0" in report.members, (v, report)
             if v >= 2:
                 assert report.members == ("gen0",)
+            if v == 2:  # latest wins: under load version 3 could be readable before gen0 read 2
+                deadline = time.monotonic() + 60
+                while "2" not in (progress.read_text().split() if progress.exists() else []):
+                    assert time.monotonic() < deadline, "gen0 never read version 2"
+                    await asyncio.sleep(0.02)  # polling the worker's progress file, bounded
         assert [m.member_id for m in pub.evicted] == ["gen1"]
         assert pub.statistics().resends >= 1
         result = await procs.result(workers[0], timeout=60)
@@ -257,3 +264,41 @@ async def test_a_subscriber_resubscribes_to_a_restarted_publisher(procs: Procs, 
     assert [a for a, _ in served][0] == "first" and killed.is_set()
     second = [v for a, v in served if a == "second"]
     assert second == sorted(second) and len(second) >= 3
+
+
+@pytest.mark.parametrize("transport", ["group", "shm"])
+async def test_a_generator_frozen_past_its_eviction_gets_evicted_rejoins_and_the_readme_loop_goes_on(
+        procs: Procs, transport: str) -> None:
+    """SIGSTOP a generator past its eviction deadline, then SIGCONT: it found the publisher's notice
+    and the closed connection together, and 4 times in 7 its heartbeat saw the close first and
+    ended it with PublisherGone ("the publisher closed the connection": the README's loop took the
+    trainer for finished and quit while training went on). It must get Evicted, rejoin() and serve
+    the next version; PublisherGone only when the trainer really is gone. Twice in a row."""
+    def body(v: int) -> dict[str, torch.Tensor]:
+        return {"w": torch.full((1024,), float(v))}
+
+    async with ws.Publisher("frozen", timeout=2.0, heartbeat_interval=0.25) as pub:
+        worker = procs.spawn("subscriber", channel="frozen", address=pub.address, member="gen0", mode="readme",
+                             shapes={"w": [1024]}, deadline=150, timeout=2.0, transport=transport)
+        await pub.wait_subscribers(1, timeout=60)
+        version = 0
+        await (await pub.put(body(version), version=version)).delivered(timeout=30, min_members=1)
+        for cycle in range(2):
+            procs.signal(worker, signal.SIGSTOP)
+            deadline = time.monotonic() + 60
+            while len(pub.evicted) <= cycle:
+                assert time.monotonic() < deadline, "the frozen member was never evicted"
+                await asyncio.sleep(0.05)  # polling the publisher's view, bounded
+            version += 1
+            await (await pub.put(body(version), version=version)).delivered(timeout=30)  # to nobody
+            procs.signal(worker, signal.SIGCONT)
+            await pub.wait_subscribers(1, timeout=60)  # it rejoined
+            version += 1
+            report = await (await pub.put(body(version), version=version)).delivered(timeout=30, min_members=1)
+            assert report.members == ("gen0",)
+        assert [(m.member_id, m.reason) for m in pub.evicted] == [("gen0", "dead")] * 2
+    result = await procs.result(worker, timeout=60)
+    assert result["error"] == "Evicted,Evicted,PublisherGone", result["error"]
+    assert result["order"][-1] == version and result["order"] == sorted(result["order"])
+    for v, seen in result["digests"].items():
+        assert seen == digests(body(int(v))), v

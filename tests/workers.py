@@ -53,10 +53,30 @@ async def subscriber(spec: dict) -> dict:
                 order.append(w.version)
                 seen[w.version] = digests(w)
                 last = w.version
+        elif mode == "readme":  # the README's generator loop: rejoin when evicted, stop when the trainer is gone
+            last, errors = -1, []
+            model = {name: torch.zeros(shape) for name, shape in spec["shapes"].items()}
+            while time.monotonic() < deadline:
+                try:
+                    last = await sub.get_into(model, min_version=last + 1, only_newer=True,
+                                              timeout=deadline - time.monotonic())
+                except ws.Evicted:
+                    errors.append("Evicted")
+                    await sub.rejoin()
+                    continue
+                except ws.PublisherGone:
+                    errors.append("PublisherGone")
+                    break
+                order.append(last)
+                seen[last] = digests(model)
+            error = ",".join(errors)
         elif mode == "updates":
             async for w in sub.updates(timeout=deadline - time.monotonic()):
                 order.append(w.version)
                 seen[w.version] = digests(w)
+                if spec.get("progress_file"):  # what it read so far, for a test that must not outrun it
+                    with open(spec["progress_file"], "a") as f:
+                        f.write(f"{w.version}\n")
                 if spec.get("sleep"):
                     await asyncio.sleep(spec["sleep"])  # a slow consumer, on purpose
                 if w.version >= spec["until_version"]:

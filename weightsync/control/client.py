@@ -77,6 +77,9 @@ class ControlClient:
         self.tick = time.monotonic()
         self.closed = threading.Event()
         self.close_reason = ""
+        #: the publisher's word that it dropped this member (a Reconfigure without it), seen by the
+        #: reader before the connection closed: what ended it was an eviction, not the publisher
+        self.dropped = ""
         self._sock: socket.socket | None = None
         self._rsock: socket.socket | None = None
         self._session: Session | None = None
@@ -229,6 +232,16 @@ class ControlClient:
         if self._reader is not None and self._reader is not threading.current_thread():
             self.closed.wait(wait)  # the reader sees the publisher close its side (or the wait ends)
 
+    def drained(self, timeout: float) -> bool:
+        """Wait (at most ``timeout``) for the reader to have read what the publisher sent before the
+        connection broke; True once it has. A member frozen past its eviction finds the publisher's
+        notice and the close in its socket together, and its heartbeat may see the close first."""
+        reader = self._reader
+        if reader is None or reader is threading.current_thread():
+            return True
+        reader.join(timeout)
+        return not reader.is_alive()
+
     def close(self, reason: str = "closed") -> None:
         """Close the connection (idempotent); waits end at once."""
         self._close(reason)
@@ -295,6 +308,8 @@ class ControlClient:
         if isinstance(message, _wire.Challenge):
             self._rec.record("reject").fail("a second Challenge on one connection")
             return
+        if isinstance(message, _wire.Reconfigure) and self.member_id not in message.members:
+            self.dropped = message.reason or "evicted"  # set before the close that follows it is seen
         self.commands.put(message)
 
     def _close(self, reason: str) -> None:

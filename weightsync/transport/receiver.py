@@ -414,6 +414,9 @@ class Receiver:
             raise PublisherGone(f"no word from the publisher: {err}", channel=self.channel,
                                 member=self.member_id) from err
         except ControlFailure as err:
+            if self._client.dropped:  # the publisher's notice came before the close: see _publisher_gone
+                raise Evicted(f"evicted from the channel ({self._client.dropped}); the publisher closed the "
+                              "connection", channel=self.channel, member=self.member_id) from err
             if not self.closing.is_set():
                 raise PublisherGone(f"channel failed: {err}", channel=self.channel, member=self.member_id) from err
         finally:
@@ -786,6 +789,17 @@ class Receiver:
         self.wake("closing")
 
     def _publisher_gone(self, reason: str) -> None:
-        self.end(PublisherGone(reason, channel=self.channel, member=self.member_id))
+        """The connection closed, broke or fell silent. A member the publisher dropped (frozen past
+        its eviction, then woken) finds the notice and the close together: the reader reads what
+        came before the close first, and the end is Evicted (``rejoin()`` works), not PublisherGone."""
+        client = self._client
+        if not reason.startswith("publisher silent"):  # a close or a failed send: the reader ends soon
+            client.drained(4 * READ_SLICE)
+        if client.dropped:
+            self._rec.record("evict").complete()
+            self.end(Evicted(f"evicted from the channel ({client.dropped}); the publisher closed the connection",
+                             channel=self.channel, member=self.member_id))
+        else:
+            self.end(PublisherGone(reason, channel=self.channel, member=self.member_id))
         self.wake(reason)
 
