@@ -433,3 +433,29 @@ async def test_an_insider_cannot_outvote_honest_engines_or_grow_the_engine_table
                 await honest[0].compare_engine(7, "x" * 10_000, "good", timeout=5)
         finally:
             await asyncio.gather(*(s.aclose() for s in honest), insider.sub.aclose())
+
+
+async def test_a_member_that_never_answers_a_commit_is_evicted_and_the_others_stop_paying() -> None:
+    """activation="all": an insider stages every version and keeps beating, but never answers a
+    Commit. Every version's delivery waited the full deadline for it and it was never evicted.
+    Now it is the one evicted (after one version), and the report names only those that exposed
+    the version: the honest member's every version, bit-exact."""
+    timeout = 3.0
+    async with ws.Publisher("commit", activation="all", encoding="full", timeout=timeout,
+                            heartbeat_interval=0.25) as pub:
+        honest = ws.Subscriber("commit", address=pub.address, member_id="honest", timeout=timeout)
+        liar = ws.Subscriber("commit", address=pub.address, member_id="liar", timeout=timeout)
+        inject(liar, Faults(ignore_commits=True))
+        async with honest, liar:
+            await pub.wait_subscribers(2, timeout=30)
+            reports = []
+            for v in range(4):
+                sd = {"w": torch.full((4096,), float(v))}
+                reports.append(await (await pub.put(sd, version=v)).delivered(timeout=timeout * 4 + 30))
+                got = await honest.get(min_version=v, timeout=30)
+                assert digests(got) == digests(sd)
+            assert all(r.members == ("honest",) for r in reports), reports  # never the one that exposed nothing
+            assert [(m.member_id, m.reason) for m in pub.evicted] == [("liar", "commit unanswered")]
+            assert liar.version is None  # it never exposed anything
+            with pytest.raises(ws.Evicted):
+                await liar.get(timeout=30)

@@ -15,6 +15,8 @@ What each fault does, where a real failure would hit:
   took (at least 20 ms each), as a member on a busy host would;
 - ``corrupt={V, ...}``: one byte of bucket 0 is flipped the first time version V arrives, as a
   bad link would; the checksum must catch it, and the re-send must deliver V intact;
+- ``ignore_commits=True`` (``activation="all"``): the member stages every version and keeps
+  beating, but drops each Commit unanswered (an insider that holds the fleet's deliveries up);
 - ``stop_after_stage=V`` / ``kill_after_stage=V`` (``activation="all"``): the member's own
   process is frozen with SIGSTOP / killed with SIGKILL right after it staged version V, before
   it acknowledges it: a real signal at a point a test cannot hit from outside.
@@ -81,17 +83,25 @@ class Hooks:
     def after_stage(self, version: int) -> None:
         """With ``activation="all"``: ``version`` is verified and staged, not yet acknowledged."""
 
+    def on_commit(self, version: int) -> bool:
+        """With ``activation="all"``: the Commit of ``version`` came; False drops it unanswered."""
+        return True
+
 
 class Faults(Hooks):
     """A fault plan (see the module docstring)."""
 
     def __init__(self, *, slow: float = 1.0, corrupt: Iterable[int] = (), stop_after_stage: int | None = None,
-                 kill_after_stage: int | None = None) -> None:
+                 kill_after_stage: int | None = None, ignore_commits: bool = False) -> None:
         if slow < 1:
             raise ValueError(f"slow must be >= 1 (a factor of the wire's time), got {slow}")
         self.slow = float(slow)
         self.corrupt = set(corrupt)
         self.stop_after_stage, self.kill_after_stage = stop_after_stage, kill_after_stage
+        self.ignore_commits = ignore_commits
+
+    def on_commit(self, version: int) -> bool:
+        return not self.ignore_commits  # an insider that stages, beats, and never exposes nor answers
 
     def after_stage(self, version: int) -> None:
         # to this very thread: it takes the signal on return from the call, so the whole process is

@@ -402,7 +402,7 @@ class Receiver:
                     generation, members = message.next_generation, message.members
                     entered, pending = self._enter(generation, members)
                 elif isinstance(message, _wire.Commit):
-                    if message.generation == generation:
+                    if message.generation == generation and self._hooks.on_commit(message.version):
                         self._commit(message)
                 elif isinstance(message, _wire.Abandon):
                     continue  # for a version given up on; its receive (if any) already ended

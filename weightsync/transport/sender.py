@@ -592,14 +592,18 @@ class Sender:
         if commits:
             arrivals = self._commit(gens, job, gen, seq, tuple(sorted(acked)))
             self._committed_in_place(job, tuple(sorted(acked)))
-            self._hold(holders, shares)
+            job.members_done -= acked - set(arrivals)  # the report names only those that exposed it
+            self._hold({m: v for m, v in holders.items() if m in arrivals},
+                       {m: d for m, d in shares.items() if m in arrivals})
         job.exposure_spread = max(arrivals.values()) - min(arrivals.values()) if arrivals else 0.0
         self._finish(job, t0)
         return None
 
     def _commit(self, gens: Generations, job: Job, gen: int, seq: int, members: tuple[str, ...]) -> dict[str, float]:
         """Activation "all": every member staged ``job``; tell them to expose it, and when each said
-        it did (a member frozen or dead now is left to its heartbeats: the version is committed)."""
+        it did. The version is committed either way; a member that is alive (it beats) but did not
+        answer within the acknowledgement deadline is evicted: it would hold every later version's
+        delivery up for the whole deadline (a dead or frozen one is its heartbeats' business)."""
         entry = self._rec.record("commit", generation=gen, version=job.version, peers=members).start()
         job.committed_at = time.time()
         gens.tell(members, _wire.Commit(generation=gen, seq=seq, version=job.version))
@@ -607,6 +611,11 @@ class Sender:
         quiet = sorted(set(members) - set(exposed))
         if quiet:
             entry.fail(f"committed; no word of it exposed from {quiet}")
+            for member in quiet:
+                if self.membership.is_alive(member):
+                    log.warning("channel %r: %s did not answer version %d's Commit within %.3gs: evicting it",
+                                self.channel, member, job.version, self.deadlines.acknowledgements())
+                    self.membership.request_evict(member, "commit unanswered")
         else:
             entry.complete()
         return exposed
