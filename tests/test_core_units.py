@@ -754,23 +754,44 @@ def test_a_probe_is_timed_by_when_its_bytes_arrived_not_by_when_the_reader_read_
             sock.close()
 
 
-def test_relay_suspects_blame_the_relay_whose_children_were_fed_bad_bytes() -> None:
-    """gloo's binomial tree over the publisher (0) and members 1..n: 3 and 5 hear from 1, 6 from 2."""
-    from weightsync.membership.generations import relay_suspects
+def test_relay_blame_strikes_a_relay_on_two_members_word_and_never_on_one() -> None:
+    """gloo's binomial tree over the publisher (0) and members 1..n: 3 and 5 hear from 1, 6 from 2.
+    A relay is struck on two members' word; one member's word moves it under the publisher, where
+    bytes it calls corrupt are its own; an accuser of two relays nobody else accused pays."""
+    from weightsync.membership.blame import RelayBlame
 
     def parent(r: int) -> int | None:
         return r - (1 << (r.bit_length() - 1)) if r > 0 else None
 
     group = ("r1", "r2", "r3", "r4", "r5", "r6")
     # r1 forwards corrupted bytes: its children 3 and 5 were corrupt through the tree, intact directly
-    assert relay_suspects(group, {"r3", "r5"}, set(), parent) == {"r1"}
+    assert set(RelayBlame().judge(group, {"r3", "r5"}, set(), parent).struck) == {"r1"}
     # r3 is corrupt itself (again when sent directly): nobody else is suspected
-    assert relay_suspects(group, {"r3"}, {"r3"}, parent) == set()
+    assert RelayBlame().judge(group, {"r3"}, {"r3"}, parent).struck == {}
     # a bad receiving NIC on r2 corrupts what it forwards to r6 as well: r2 is corrupt again directly,
     # r6 is not, and above r6 the first intact copy is the publisher's: nobody but r2 itself
-    assert relay_suspects(group, {"r2", "r6"}, {"r2"}, parent) == set()
-    assert relay_suspects(group, {"r1"}, set(), parent) == set()  # straight from the publisher: no relay
-    assert relay_suspects(group, {"r3"}, set(), lambda r: None) == set()  # an unknown tree (NCCL)
+    assert RelayBlame().judge(group, {"r2", "r6"}, {"r2"}, parent).struck == {}
+    # straight from the publisher: no relay to blame, the member's own word (or link)
+    assert set(RelayBlame().judge(group, {"r1"}, set(), parent).struck) == {"r1"}
+    assert RelayBlame().judge(group, {"r3"}, set(), lambda r: None).struck == {}  # an unknown tree (NCCL)
+
+    # one accuser: no strike; it is swapped right under the publisher, and the next child of r1 decides
+    blame = RelayBlame()
+    first = blame.judge(group, {"r3"}, set(), parent)
+    assert first.struck == {} and first.accused == {"r1": ("r3",)} and first.swaps == (("r3", "r2"),)
+    moved = ("r1", "r3", "r2", "r4", "r5", "r6")
+    second = blame.judge(moved, {"r2"}, set(), parent)  # r1 corrupts its new child too: evidence
+    assert set(second.struck) == {"r1"} and second.evict == ()
+    assert blame.judge(moved, {"r5"}, set(), parent).evict == ("r1",)
+    # a liar at r3 framing r1: moved under the publisher, its next complaint strikes itself, twice evicts it
+    liar = RelayBlame()
+    liar.judge(group, {"r3"}, set(), parent)
+    assert set(liar.judge(moved, {"r3"}, set(), parent).struck) == {"r3"}
+    assert liar.judge(moved, {"r3"}, set(), parent).evict == ("r3",) and liar.strikes("r1") == 0
+    # a liar that accuses one relay, then another nobody else accused: it pays
+    framer = RelayBlame()
+    framer.judge(group, {"r3"}, set(), parent)  # r3 accuses r1
+    assert set(framer.judge(("r1", "r2", "r4", "r5", "r6", "r3"), {"r3"}, set(), parent).struck) == {"r3"}  # r2
 
 
 def test_a_failed_works_error_leaves_no_frame_holding_the_work() -> None:

@@ -407,6 +407,30 @@ async def test_a_relay_that_corrupts_what_it_forwards_is_blamed_not_its_child(pr
     del relay
 
 
+async def test_a_member_that_frames_its_relay_pays_and_no_honest_member_is_evicted(procs: Procs) -> None:
+    """An insider at rank 3 of gloo's tree (its parent: honest rank 1) calls every tree copy
+    corrupt and every point-to-point re-send intact (here its own bytes are flipped on the first
+    arrival of each version, so its word is even true of what it holds). Its honest parent was
+    blamed and evicted "failed" after two versions, and the liar was never struck. Its word alone
+    is not evidence now: it is moved under the publisher, where bytes it calls corrupt are its own,
+    and it is the one evicted; every honest member keeps every version, bit-exact."""
+    async with ws.Publisher("framed", bucket_bytes=256 << 10, **FAST) as pub:
+        workers = []
+        for i in range(2):
+            workers += await honest_followers(procs, pub.address, "framed", [f"honest{i}"])
+            await pub.wait_subscribers(i + 1, timeout=60)
+        procs.spawn("subscriber", channel="framed", address=pub.address, member="framer", mode="follow",
+                    deadline=120, timeout=5.0, faults={"corrupt": list(range(10))})
+        await pub.wait_subscribers(3, timeout=60)
+        assert pub.members == ("honest0", "honest1", "framer"), pub.members  # the framer under honest0
+        for v in range(8):
+            report = await (await pub.put(body(v), version=v)).delivered(timeout=60)
+            assert {"honest0", "honest1"} <= set(report.members), report
+        assert [(m.member_id, m.reason) for m in pub.evicted] == [("framer", "failed")], pub.evicted
+    results = [await procs.result(w, timeout=60) for w in workers]
+    check_followers(results, 0, 7)
+
+
 async def test_an_insider_cannot_outvote_honest_engines_or_grow_the_engine_table() -> None:
     """Engine digests are compared through the publisher (weightsync.integrations.vllm): an admitted
     member that reports thousands of versions, layouts and digests counts once per version, under its

@@ -38,29 +38,6 @@ log = logging.getLogger("weightsync.membership")
 PUBLISHER = "publisher"
 
 
-def relay_suspects(group: tuple[str, ...], corrupt_in_tree: set[str], corrupt_direct: set[str],
-                   parent: Callable[[int], int | None]) -> set[str]:
-    """The relays that forwarded corrupted bytes (rank = position in ``group`` + 1; 0 is the publisher).
-
-    A version whose bytes reached some members corrupted through the broadcast tree is sent to
-    everyone again point to point (no relays). A member corrupt again is at fault itself (or its
-    own link). One that got it intact directly was fed bad bytes on the way: the suspect is the
-    nearest relay above it whose own copy was intact (it acked the tree's bytes while its child
-    could not). Nobody is suspected where the tree is unknown (``parent`` says None) or the
-    chain reaches the publisher. A pure function: tests/test_core_units.py checks it.
-    """
-    suspects: set[str] = set()
-    for member in corrupt_in_tree - corrupt_direct:
-        if member not in group:
-            continue
-        up = parent(group.index(member) + 1)
-        while up is not None and up > 0 and group[up - 1] in corrupt_in_tree:
-            up = parent(up)
-        if up is not None and up > 0:
-            suspects.add(group[up - 1])
-    return suspects
-
-
 class Control(Protocol):
     """What Generations needs of the control plane (the publisher's ControlServer)."""
 

@@ -137,6 +137,14 @@ class Membership:
     def has_requests(self) -> bool:
         return bool(self._joining or self._leaving or self._evicting)
 
+    def swap(self, a: str, b: str) -> None:
+        """Exchange two members' places in the order the next generation is formed in (their ranks
+        in the broadcast tree: ``membership.blame`` moves an accuser under the publisher)."""
+        with self._lock:
+            if a in self.members and b in self.members:
+                i, j = self.members.index(a), self.members.index(b)
+                self.members[i], self.members[j] = b, a
+
     def request_evict(self, member_id: str, reason: str) -> None:
         with self._lock:
             if member_id in self.members:

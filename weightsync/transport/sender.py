@@ -45,8 +45,9 @@ from weightsync._errors import Cancelled, ControlFailure, LocalFailure, PeerFail
 from weightsync.errors import WeightSyncError
 from weightsync.format import layout, sharding
 from weightsync.format.checksum import checksum
-from weightsync.membership.generations import Control, Generations, Rendezvous, relay_suspects
-from weightsync.membership.membership import MAX_STRIKES, MemberInfo, Membership, StragglerPolicy
+from weightsync.membership.blame import RelayBlame
+from weightsync.membership.generations import Control, Generations, Rendezvous
+from weightsync.membership.membership import MemberInfo, Membership, StragglerPolicy
 from weightsync.options import Deadlines
 from weightsync.planes.dataplane import DataPlane, Outgoing, PublisherContext
 from weightsync.planes.delta import Chooser, KeptBase
@@ -187,7 +188,7 @@ class Sender:
         self.tally = tally or PublisherTally(channel)
         self._nobody_streak = False  # the last version reached nobody (its warning was logged)
         self._probe_round = 0  # the newest round of link probes a verdict was given on
-        self._corrupting: dict[str, int] = {}  # relay -> versions it was found corrupting (acks do not reset)
+        self._blame = RelayBlame()  # who corrupted bytes in the broadcast tree, on evidence
         # member -> the version it acknowledged whole last (a delta goes only to members holding its
         # base); forgotten when a member joins again, and when a delta it was sent did not apply
         self._holds: dict[str, int] = {}
@@ -411,23 +412,13 @@ class Sender:
                 continue
             relays: set[str] = set()
             if tree is not None:  # the point-to-point attempt tells a corrupting relay from a bad member
-                relays = relay_suspects(tree[0], tree[1], corrupt, gens.plane.broadcast_parent)
+                relays, reorder = self._judge_relays(job, tree, corrupt, gens.plane.broadcast_parent)
                 tree, direct = None, False
-                for relay in sorted(relays):
-                    self._rec.record("corrupt", version=job.version, peers=(relay,)).fail(
-                        "its children's bytes arrived corrupted through it, and intact point to point")
-                    log.warning("channel %r: %s forwarded corrupted bytes of version %d to its children",
-                                self.channel, relay, job.version)
-            if relays:  # its acks reset ordinary strikes: these are counted apart, and none for its victims
-                current = set(self.membership.members)
-                self._corrupting = {m: n for m, n in self._corrupting.items() if m in current}
-                for relay in relays:
-                    self._corrupting[relay] = self._corrupting.get(relay, 0) + 1
-                    if self._corrupting[relay] >= MAX_STRIKES:
-                        self.membership.request_evict(relay, "failed")
+            else:
+                reorder = False
             if failed is None:
-                if relays:
-                    gens.advance(reason=f"version {job.version}: corrupted by a relay", failed=relays)
+                if relays or reorder:  # a new tree: the struck relay's children, or an accuser moved
+                    gens.advance(reason=f"version {job.version}: corrupted in the broadcast tree", failed=relays)
                 return
             group = gens.group_of(tuple(self.membership.members))
             if corrupt and corrupt == failed and not relays and len(group) > 2 and \
@@ -619,6 +610,26 @@ class Sender:
         else:
             entry.complete()
         return exposed
+
+    def _judge_relays(self, job: Job, tree: tuple[tuple[str, ...], set[str]], corrupt: set[str],
+                      parent: Any) -> tuple[set[str], bool]:
+        """What a version corrupted in the broadcast tree says, its point-to-point re-send in
+        (``membership.blame``): the members struck (evicted at MAX_STRIKES), and whether the
+        group's order changes (an accuser moved right under the publisher)."""
+        self._blame.forget_all_but(self.membership.members)
+        verdict = self._blame.judge(tree[0], tree[1], corrupt, parent)
+        for member, why in sorted(verdict.struck.items()):
+            self._rec.record("corrupt", version=job.version, peers=(member,)).fail(why)
+            log.warning("channel %r: %s struck for version %d's corrupted bytes: %s", self.channel, member,
+                        job.version, why)
+        for relay, accusers in sorted(verdict.accused.items()):
+            if relay not in verdict.struck:
+                self._rec.record("accused", version=job.version, peers=(relay, *accusers)).complete()
+        for member in verdict.evict:
+            self.membership.request_evict(member, "failed")
+        for accuser, other in verdict.swaps:
+            self.membership.swap(accuser, other)
+        return set(verdict.struck), bool(verdict.swaps)
 
     def _keep_for(self, job: Job) -> KeptBase | None:
         """The copy a ``copy=False`` version's delta is against: made by the first copy=False put that
