@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -191,3 +192,27 @@ async def test_a_member_frozen_or_killed_after_staging_is_evicted_and_the_rest_c
     if how == "stop":
         assert first(entries, "stage", "gen2", 2)  # its own dump: it staged version 2, and never exposed it
         assert not [e for e in entries if e.member == "gen2" and e.op == "publish" and e.version >= 2]
+
+
+async def test_a_publisher_killed_mid_commit_leaves_no_member_silent_about_the_split(procs: Procs,
+                                                                                     tmp_path: Path) -> None:
+    """activation="all": the trainer is SIGKILLed inside its commit loop, after the Commit of version
+    2 reached member "a" and before it reached "b". "a" served 2 and "b" 1, for good, and neither said
+    so. Members cannot converge without the publisher (whether anyone else exposed 2 is exactly what
+    they cannot know), so each one reports the split at once, with the version it serves."""
+    address_file = tmp_path / "address"
+    pub_index = procs.spawn("dies_mid_commit", channel="split", address_file=str(address_file), die_at=2,
+                            subscribers=2, timeout=3.0)
+    deadline = time.monotonic() + 60
+    while not address_file.exists():  # polling for the child's address file, with a deadline
+        assert time.monotonic() < deadline, procs.log(pub_index)
+        await asyncio.sleep(0.05)
+    workers = [procs.spawn("subscriber", channel="split", address=address_file.read_text(), member=name,
+                           mode="follow", deadline=120, timeout=3.0, transport="group") for name in ("a", "b")]
+    a, b = [await procs.result(w, timeout=90) for w in workers]
+    assert (a["order"][-1], b["order"][-1]) == (2, 1), (a["order"], b["order"])  # the split, as it happens
+    assert a["error"] == b["error"] == "PublisherGone"
+    assert "this member serves version 2 (exposed on its Commit, never told that every member did)" \
+        in a["error_message"], a["error_message"]
+    assert "this member serves version 1 (it staged 2 and was never told to expose it); other members may " \
+           "serve 2" in b["error_message"], b["error_message"]

@@ -11,6 +11,7 @@ import faulthandler
 import os
 import signal
 import sys
+import threading
 import time
 
 import msgspec
@@ -26,7 +27,7 @@ async def subscriber(spec: dict) -> dict:
     """Join, collect versions until ``until_version``, digest each one seen."""
     seen: dict[int, dict[str, str]] = {}
     order: list[int] = []
-    error = ""
+    error = error_message = ""
     mode = spec.get("mode", "get")
     want = None
     if spec.get("want"):  # a sliced member taking these tensors (name -> [shape, dtype]) whole
@@ -48,7 +49,7 @@ async def subscriber(spec: dict) -> dict:
                 try:
                     w = await sub.get(min_version=last + 1, timeout=deadline - time.monotonic())
                 except (ws.PublisherGone, ws.Evicted) as err:
-                    error = type(err).__name__
+                    error, error_message = type(err).__name__, str(err)
                     break
                 order.append(w.version)
                 seen[w.version] = digests(w)
@@ -89,7 +90,7 @@ async def subscriber(spec: dict) -> dict:
                 seen[w.version] = digests(w)
                 last = w.version
     return {"member": spec["member"], "order": order, "digests": {str(k): v for k, v in seen.items()},
-            "transport": sub.transport, "error": error,
+            "transport": sub.transport, "error": error, "error_message": error_message,
             "checksum_failures": sub.statistics().checksum_failures,
             # the kernel's own count, not the library's: the most memory this process ever held
             "rss_baseline_mib": baseline, "rss_peak_mib": _status_mib("VmHWM")}
@@ -143,6 +144,36 @@ async def publisher(spec: dict) -> dict:
             version += 1
             await asyncio.sleep(0.05)
     return {"versions": version}
+
+
+async def dies_mid_commit(spec: dict) -> dict:
+    """An ``activation="all"`` publisher that dies (SIGKILL, from its own sender thread) while it
+    commits version ``die_at``: the Commit reaches the first member and nobody else, as when a
+    trainer is OOM-killed inside the commit loop."""
+    from weightsync import _wire
+    from weightsync.membership.generations import Generations
+
+    tell = Generations.tell
+
+    def dying_tell(self: Generations, members: object, message: object) -> None:
+        if isinstance(message, _wire.Commit) and message.version == spec["die_at"] and not message.settled:
+            tell(self, sorted(members)[:1], message)  # type: ignore[call-overload]
+            # the control thread writes that Commit, then (its next callback, in order) kills us
+            self.control._loop.call_soon_threadsafe(os.kill, os.getpid(), signal.SIGKILL)  # type: ignore[attr-defined]
+            threading.Event().wait(30)  # nobody else is told meanwhile; the process is gone long before
+        tell(self, members, message)  # type: ignore[arg-type]
+
+    Generations.tell = dying_tell  # type: ignore[method-assign]
+    async with ws.Publisher(spec["channel"], timeout=spec.get("timeout", 5.0), heartbeat_interval=0.25,
+                            activation="all", encoding="full") as pub:
+        tmp = spec["address_file"] + ".tmp"
+        with open(tmp, "w") as fh:
+            fh.write(pub.address or "")
+        os.replace(tmp, spec["address_file"])
+        await pub.wait_subscribers(spec.get("subscribers", 2), timeout=60)
+        for version in range(spec["die_at"] + 1):
+            await (await pub.put({"w": torch.full((1000,), float(version))}, version=version)).delivered(timeout=30)
+    return {"versions": spec["die_at"]}
 
 
 async def sharded_trainer(spec: dict) -> dict:
@@ -381,6 +412,8 @@ async def main(spec: dict) -> dict:
         return await coexist(spec)
     if spec["role"] == "publisher":
         return await publisher(spec)
+    if spec["role"] == "dies_mid_commit":
+        return await dies_mid_commit(spec)
     if spec["role"] == "sharded_trainer":
         return await sharded_trainer(spec)
     if spec["role"] == "tp_generator":

@@ -41,7 +41,7 @@ def name_problem(what: str, value: object) -> str | None:
     return (f"{what} must be 1-256 characters of letters, digits and . _ : @ + = - (starting with a letter, "
             f"digit or _; no '/', spaces or control characters), got {shown}")
 
-PROTOCOL_VERSION = 14  # 2: settings in Admit; CRC32C. 3: link probes. 4: same-host shm. 5: sharded (lanes).
+PROTOCOL_VERSION = 15  # 2: settings in Admit; CRC32C. 3: link probes. 4: same-host shm. 5: sharded (lanes).
 # 6: sliced members (Join.want, point-to-point buckets: Announce.direct)
 # 7: tied tensors sent once (Manifest.ties); Challenge.open
 # 8: each member's Announce names the version's encoding on the wire (Announce.encoding, .wire)
@@ -51,6 +51,7 @@ PROTOCOL_VERSION = 14  # 2: settings in Admit; CRC32C. 3: link probes. 4: same-h
 # 12: Announce.wire_later, WireSizes (a delta's wire buckets are sized as they are encoded, while earlier ones move)
 # 13: same-host members read snapshots in place; the publisher parks a buffer a member still reads (Ack.still_read)
 # 14: ChannelSettings.streams (a gloo group's connections per pair: every end builds as many)
+# 15: Commit.settled (activation "all": every member exposed the version; until then a member is in doubt)
 
 
 class TensorSpec(msgspec.Struct, frozen=True, array_like=True):
@@ -273,6 +274,9 @@ class Commit(msgspec.Struct, frozen=True, tag="commit"):
     generation: int
     seq: int
     version: int
+    #: a second Commit, once every member said it exposed the version: none is in doubt about it
+    #: (a member whose publisher dies before it, or before its Commit, reports the split: Receiver.end)
+    settled: bool = False
 
 
 class Abandon(msgspec.Struct, frozen=True, tag="abandon"):

@@ -167,6 +167,7 @@ class Receiver:
         self._held: _Held | None = None  # the readable version a delta may be against (a lane: its part of it)
         # activation "all": the verified version waiting in the receiving slot for its Commit
         self._staged: _Staged | None = None
+        self._unsettled: int | None = None  # exposed on a Commit; not yet told every member did
         self.tally = tally or SubscriberTally()
         # never admitted yet: a publisher that is not listening may still be starting (any start order)
         self._wait_for_publisher = wait_for_publisher
@@ -178,8 +179,28 @@ class Receiver:
                                      want=want)
 
     # terminal state ------------------------------------------------------------------------
+    def in_doubt(self) -> str:
+        """With ``activation="all"``: what this member cannot know of the fleet if its publisher is
+        gone now (the split it may be in), or "" when nothing is in doubt."""
+        serving = self._slots.version
+        staged, unsettled = self._staged, self._unsettled
+        if staged is not None and (serving is None or staged.version > serving):
+            return (f"the publisher was committing version {staged.version}: this member serves version {serving} "
+                    f"(it staged {staged.version} and was never told to expose it); other members may serve "
+                    f"{staged.version}")
+        if unsettled is not None:
+            return (f"the publisher was committing version {unsettled}: this member serves version {serving} "
+                    f"(exposed on its Commit, never told that every member did); other members may serve "
+                    f"an older version")
+        return ""
+
     def end(self, error: WeightSyncError) -> None:
-        """Any thread: the receiver is over for ``error``'s reason (first one wins)."""
+        """Any thread: the receiver is over for ``error``'s reason (first one wins). A publisher gone
+        mid-commit (``activation="all"``) is reported as the split it may leave (:meth:`in_doubt`)."""
+        doubt = self.in_doubt() if isinstance(error, PublisherGone) else ""
+        if doubt:
+            error = PublisherGone(f"{error.message}; {doubt}", channel=self.channel, member=self.member_id,
+                                  version=self._slots.version)
         if self.terminal.set(error):
             self.state = _TERMINAL_STATES.get(type(error), ReceiverState.FAILED)
             dumped = None
@@ -593,11 +614,16 @@ class Receiver:
     def _commit(self, commit: _wire.Commit) -> None:
         """Activation "all": the publisher committed a version every member staged. Expose it if it
         is the one staged here, and say whether this member now reads it (or a newer one)."""
+        if commit.settled:  # every member exposed it: nobody is in doubt about it any more
+            if self._unsettled is not None and self._unsettled <= commit.version:
+                self._unsettled = None
+            return
         staged = self._staged
         if staged is not None and (staged.generation, staged.seq, staged.version) == \
                 (commit.generation, commit.seq, commit.version):
             self._staged = None
             self._expose(staged)
+            self._unsettled = staged.version
         have = self._slots.version
         ok = have is not None and have >= commit.version
         if not ok:

@@ -599,6 +599,9 @@ class Sender:
         job.committed_at = time.time()
         gens.tell(members, _wire.Commit(generation=gen, seq=seq, version=job.version))
         exposed = gens.collect_exposed(gen, seq, members, self.deadlines.acknowledgements())
+        # those that exposed it hear that the others did too (a quiet one is evicted below): until
+        # then, a member whose publisher dies reports the split it may be in
+        gens.tell(sorted(exposed), _wire.Commit(generation=gen, seq=seq, version=job.version, settled=True))
         quiet = sorted(set(members) - set(exposed))
         if quiet:
             entry.fail(f"committed; no word of it exposed from {quiet}")
