@@ -77,6 +77,7 @@ async def test_receive_stream_and_load_in_place_copy_nothing() -> None:
         for v in range(1, 4):
             report = await (await pub.put(sds[v], version=v)).delivered(timeout=30)
             assert report.members == ("m",)
+            assert report.wire_bytes == 0  # read in place: nothing moved (once counted as a whole version sent)
             async with sub.stream(min_version=v, timeout=10) as w:
                 seen = {name: t for name, t in w}
                 assert digests(seen) == digests(sds[v])

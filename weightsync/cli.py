@@ -48,7 +48,7 @@ def _doctor() -> int:
 
 
 def _fr_list() -> int:
-    from weightsync.recorder.recorder import dump_folders, dump_root
+    from weightsync.recorder.recorder import dump_folders, dump_root, printable
 
     folders = dump_folders()
     if not folders:
@@ -57,7 +57,7 @@ def _fr_list() -> int:
     print(f"dump folders under {dump_root()} (newest first; one per channel and address, or per process):")
     for folder, count, mtime in folders:
         stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(mtime))
-        print(f"  {stamp}  {count:>3} dumps  {folder}")
+        print(f"  {stamp}  {count:>3} dumps  {printable(str(folder))}")  # a folder's name is anyone's
     return 0
 
 
@@ -65,6 +65,7 @@ def _fr(args: argparse.Namespace) -> int:
     import msgspec
 
     from weightsync.recorder.analyze import analyze, load_dir, render
+    from weightsync.recorder.recorder import printable
 
     if args.fr_command == "list":
         return _fr_list()
@@ -72,7 +73,7 @@ def _fr(args: argparse.Namespace) -> int:
     try:
         dumps = load_dir(args.dir)
     except (ValueError, OSError) as err:
-        print(f"weightsync fr: {err}", file=sys.stderr)
+        print(f"weightsync fr: {printable(str(err))}", file=sys.stderr)
         return 2
     analysis = analyze(dumps, names=[f"{d.label}-{d.pid}" for d in dumps])
     if args.fr_command == "timeline":

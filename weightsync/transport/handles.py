@@ -37,7 +37,8 @@ class DeliveryReport(msgspec.Struct, frozen=True):
         delivered_at: ``time.time()`` when the sender thread decided the outcome (0.0 for a
             superseded put); the handle may resolve later when the event loop is busy.
         wire_bytes: what was sent for this version, counted once per member reached: a delta's
-            encoded size for a member that got the delta, ``nbytes`` for one that got it full.
+            encoded size for a member that got the delta, ``nbytes`` for one that got it full,
+            nothing for a same-host member that reads the snapshot in place (no byte moved).
         encodings: per member reached, the encoding it got (``"delta"`` or ``"full"``).
         base: the version the deltas were against (-1 when nobody got a delta).
         encode_seconds: the sender thread's time making the delta (0.0 when none was made).

@@ -686,13 +686,16 @@ class Sender:
         (``encoded``: an encoded version's, once moved; ``own``: members sent their own bytes, a
         sliced member's share or its delta)."""
         forms: dict[str, tuple[str, int]] = {}
+        whole_snapshot = job.flat is not None and job.assembly is None
         for part, to in by.items():
             got = fields[part]
             each = got.get("each", {})
+            # a same-host member reading the snapshot in place: nothing moved for it
+            in_place = whole_snapshot and getattr(part, "reads_in_place", False)
             for member in to:
                 name = each.get(member, got).get("encoding", "full")
                 size = encoded if name != "full" and encoded is not None else job.manifest.total_bytes
-                forms[member] = (name, own.get(member, size))
+                forms[member] = (name, 0 if in_place else own.get(member, size))
         return forms
 
     def _generation_broken(self) -> bool:
