@@ -493,8 +493,8 @@ class Subscriber:
         check_timeout("timeout", timeout)
         lifecycle.check_version("version", version)
         for what, value in (("layout", layout), ("digest", digest)):
-            if not isinstance(value, str) or len(value) > 1024:
-                raise TypeError(f"{what} must be a str of at most 1024 characters, got {type(value).__name__}")
+            if not isinstance(value, str):
+                raise TypeError(f"{what} must be a str, got {type(value).__name__}")
         if self._state is not EndState.RUNNING or not self._receivers:
             raise RuntimeError("start the Subscriber first (async with Subscriber(...) as sub)")
         assert self._loop is not None
