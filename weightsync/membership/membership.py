@@ -26,6 +26,7 @@ from weightsync.recorder.recorder import FlightRecorder
 from weightsync.statistics import MemberStatistics
 
 MAX_STRIKES = 2
+LINK_HISTORY = 3  # probes a link is judged on (its best of them)
 
 
 @dataclass
@@ -104,6 +105,7 @@ class Membership:
         self.receive_seconds: dict[str, deque[float]] = {}
         self._own: dict[str, deque[float]] = {}  # member -> recent own (non-waiting) receive seconds
         self._slow_streak: dict[str, int] = {}
+        self._links: dict[str, deque[tuple[float, float]]] = {}  # member -> its last probes' (least, most)
 
     # requests (inbox thread) -------------------------------------------------------------
     def request_join(self, member_id: str) -> bool:
@@ -230,6 +232,7 @@ class Membership:
                 self._strikes.pop(member, None)
                 self._versions.pop(member, None)
                 self._slow_streak.pop(member, None)
+                self._links.pop(member, None)
                 self.receive_seconds.pop(member, None)
                 self._own.pop(member, None)
                 self._rec.record("evict", generation=plan.generation,
@@ -260,12 +263,15 @@ class Membership:
         nobody is scored (docs/security.md).
 
         ``link`` (when every member's link was timed): per member what its link took at least and
-        at most for this version. A member is also slow when its link's least is past the upper
-        median of the others' most: it surely took longer than they surely did. The two are
+        at most for this version, each judged on its best of the last ``LINK_HISTORY`` probes (a
+        loaded machine only ever delays a probe). A member is also slow when its link's least is
+        past the upper median of the others' most: it surely took longer than they surely did. The two are
         compared apart, so others' loose upper bounds on their links never hide a slow own time.
         """
         flagged: dict[str, float] = {}
         with self._lock:
+            for member, bounds in (link or {}).items():
+                self._links.setdefault(member, deque(maxlen=LINK_HISTORY)).append(bounds)
             for member, mine in own.items():
                 others = [m for m in own if m != member]
                 if len(others) < 2 or member not in self.members:
@@ -273,7 +279,7 @@ class Membership:
                 ratio, slow = 0.0, False
                 criteria = [(mine, [own[m] for m in others])]
                 if link is not None and all(m in link for m in own):
-                    criteria.append((link[member][0], [link[m][1] for m in others]))
+                    criteria.append((self._link_least(member), [self._link_most(m) for m in others]))
                 for score, theirs in criteria:
                     typical = sorted(theirs)[len(theirs) // 2]  # the upper median: one low report cannot pull it down
                     if score > policy.slow_factor * typical + policy.slow_floor:
@@ -282,6 +288,17 @@ class Membership:
                 if self._slow_streak[member] >= policy.window:
                     flagged[member] = ratio
         return flagged
+
+    # a link's time is judged on its best of the last LINK_HISTORY probes: on a loaded machine a
+    # probe is only ever delayed (the receiving process was not scheduled), never sped up, so one
+    # late probe of a healthy member no longer hides a slow one (it broke the streak: under a
+    # busy loop the member behind a 10x slower link went unflagged for 12 versions), nor makes
+    # a healthy one look slow
+    def _link_least(self, member: str) -> float:
+        return min(least for least, _most in self._links[member])
+
+    def _link_most(self, member: str) -> float:
+        return min(most for _least, most in self._links[member])
 
     def last_versions(self) -> dict[str, tuple[int | None, float | None]]:
         """Per current member: the newest version it acknowledged and its last receive time."""
