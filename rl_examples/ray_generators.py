@@ -177,7 +177,9 @@ def run(generators: int = 2, steps: int = 3, width: int = 1024, deadline: float 
     """The whole run on the Ray cluster this process is connected to; returns what it measured."""
     trainer_cls, generator_cls = remote_classes()
     trainer = trainer_cls.options(name="trainer").remote(width=width)
-    address = ray.get(trainer.start.remote(generator_cls), timeout=60)
+    # the cluster's first actor: a new worker process imports torch and weightsync first, which
+    # took more than 60 s with a busy loop beside it on 2 cores
+    address = ray.get(trainer.start.remote(generator_cls), timeout=deadline)
     gens = {f"gen{i}": generator_cls.options(name=f"gen{i}").remote(address, f"gen{i}") for i in range(generators)}
     ray.get([g.ready.remote() for g in gens.values()], timeout=120)
     ray.get(trainer.adopt.remote(gens), timeout=60)
