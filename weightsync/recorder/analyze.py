@@ -151,10 +151,7 @@ def analyze(dumps: Iterable[Dump], names: Iterable[str] = ()) -> Analysis:
         entries.sort(key=lambda e: (e.t_scheduled, e.seq))
     publisher = entries_by_member.get(PUBLISHER, [])
     announces = [e for e in publisher if e.op == "announce"]
-    by_key: dict[tuple[str, int, int], list[Entry]] = defaultdict(list)  # (op, version, generation)
-    for e in publisher:
-        by_key[(e.op, e.version, e.generation)].append(e)
-    indexed = {member: [_Incarnation(entries) for entries in lists] for member, lists in incarnations.items()}
+    by_key, indexed = _index(publisher, incarnations)
     failures = [f"{e.member}: {e.op}{_about(e)}{_where(e)} {e.state}: {e.error}"
                 for es in entries_by_member.values() for e in es
                 if e.state not in (COMPLETED, STARTED, "scheduled")
@@ -232,6 +229,16 @@ def analyze(dumps: Iterable[Dump], names: Iterable[str] = ()) -> Analysis:
                     versions=versions, first_divergence=divergence, culprits=_dedupe(culprits), failures=failures,
                     departures=departures,
                     deaths=deaths, incarnations={m: len(i) for m, i in sorted(incarnations.items()) if len(i) > 1})
+
+
+def _index(publisher: list[Entry], incarnations: dict[str, list[list[Entry]]]) -> tuple[
+        dict[tuple[str, int, int], list[Entry]], dict[str, list[_Incarnation]]]:
+    """The publisher's entries by (op, version, generation), and each member's incarnations indexed:
+    each version's analysis then reads only its own entries."""
+    by_key: dict[tuple[str, int, int], list[Entry]] = defaultdict(list)
+    for e in publisher:
+        by_key[(e.op, e.version, e.generation)].append(e)
+    return by_key, {member: [_Incarnation(entries) for entries in lists] for member, lists in incarnations.items()}
 
 
 class _Incarnation:
