@@ -436,8 +436,7 @@ class Receiver:
                                 member=self.member_id) from err
         except ControlFailure as err:
             if self._client.dropped:  # the publisher's notice came before the close: see _publisher_gone
-                raise Evicted(f"evicted from the channel ({self._client.dropped}); the publisher closed the "
-                              "connection", channel=self.channel, member=self.member_id) from err
+                raise self._dropped() from err
             if not self.closing.is_set():
                 raise PublisherGone(f"channel failed: {err}", channel=self.channel, member=self.member_id) from err
         finally:
@@ -814,6 +813,11 @@ class Receiver:
             self.closing.wait(interval)
         self.wake("closing")
 
+    def _dropped(self) -> Evicted:
+        """The end of a member whose connection closed after the publisher's word that it dropped it."""
+        return Evicted(f"evicted from the channel ({self._client.dropped}); the publisher closed the connection",
+                       channel=self.channel, member=self.member_id)
+
     def _publisher_gone(self, reason: str) -> None:
         """The connection closed, broke or fell silent. A member the publisher dropped (frozen past
         its eviction, then woken) finds the notice and the close together: the reader reads what
@@ -823,8 +827,7 @@ class Receiver:
             client.drained(4 * READ_SLICE)
         if client.dropped:
             self._rec.record("evict").complete()
-            self.end(Evicted(f"evicted from the channel ({client.dropped}); the publisher closed the connection",
-                             channel=self.channel, member=self.member_id))
+            self.end(self._dropped())
         else:
             self.end(PublisherGone(reason, channel=self.channel, member=self.member_id))
         self.wake(reason)
