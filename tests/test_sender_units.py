@@ -31,8 +31,9 @@ from weightsync.options import ChannelOptions
 from weightsync.planes import shm
 from weightsync.planes.dataplane import Transfer
 from weightsync.recorder.recorder import FlightRecorder
+from weightsync.transport.events import Abort, Join, Leave, PutCommitted
 from weightsync.transport.handles import DeliveryReport, PutHandle
-from weightsync.transport.sender import Abort, Join, Leave, PutCommitted, Sender
+from weightsync.transport.sender import Sender
 from weightsync.transport.staging import BucketBuffers, Job, Staging
 
 SETTINGS = ChannelOptions(timeout=5.0, bucket_bytes=1 << 12, heartbeat_interval=0.2).settings(checksum=True,

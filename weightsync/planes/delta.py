@@ -39,7 +39,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
@@ -181,6 +181,105 @@ class KeptBase:
             return packed_then_kept
 
         out.wrap(outer)
+
+
+class SendBases:
+    """The publisher's end of the delta encodings' bookkeeping, which the Sender asks and tells.
+
+    It knows which member holds which version whole (a delta goes only to members holding its
+    base; a sliced member: its share, named by the digests of its share), what ``"auto"`` measured
+    (:class:`Chooser`) and the ``copy=False`` copy deltas are against (:class:`KeptBase`). A member
+    is forgotten when it joins again and when a delta it was sent did not apply. Only the sender
+    thread uses it.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self._holds: dict[str, int] = {}  # member -> the version it acknowledged whole last
+        self._shares: dict[str, bytes] = {}  # a sliced member in _holds: the digest of its share of it
+        self._device = device
+        self.chooser = Chooser()
+        self.kept: KeptBase | None = None
+        self.sent_delta = False  # the last attempt sent some member a delta
+        self._staged: tuple[dict[str, int], dict[str, bytes]] = ({}, {})  # acked, held once committed
+
+    def forget(self, *members: str) -> None:
+        """No base is known for ``members`` (a newcomer, a rejoin, a delta that did not apply)."""
+        for member in members:
+            self._holds.pop(member, None)
+            self._shares.pop(member, None)
+
+    def keep_for(self, job: Any, encoding: str) -> KeptBase | None:
+        """The copy a ``copy=False`` version's delta is against: made by the first copy=False put that
+        asks for ``encoding="delta"`` (it costs a version's bytes), then refreshed by every copy=False
+        put, whatever its encoding (a full one is the next base too); a snapshot's put drops it."""
+        if job.flat is not None:
+            self.kept = None  # a snapshot is its own next base
+            return None
+        if self.kept is None and encoding != DELTA:
+            return None  # copy=False that never asked for a delta keeps its two buckets' memory
+        if self.kept is None or not self.kept.fits(job.manifest, job.assembly, self._device):
+            self.kept = None  # the old layout's copy goes before the new one is made: never two at once
+            self.kept = KeptBase(job.manifest, job.assembly, self._device)
+        return self.kept
+
+    def resendable(self, job: Any) -> bool:
+        """A copy=False version whose tensors were let go can be sent again only from a copy of it:
+        a whole spill (``Job.spill_ahead``), or the copy kept as deltas' base."""
+        kept = self.kept
+        return (job.flat is not None or not job.released.is_set() or job.whole_spill()
+                or (kept is not None and kept.version == job.version))
+
+    def base(self, job: Any, retained: Any, kept: KeptBase | None) -> Base | None:
+        """What ``job`` may go as a delta against: the ``retained`` version (staging keeps it while
+        ``job`` is in flight), named by its digests (copy=False: the ``kept`` copy); with the members
+        known to hold it."""
+        if job.flat is None:
+            return None if kept is None else kept.base(self.holding)
+        if retained is None or retained.flat is None or not retained.digests or job is retained:
+            return None
+        holders, shares = self.holding(retained.version)
+        return Base(retained.version, retained.flat, retained.manifest,
+                    base_digest(retained.version, retained.digests), holders,
+                    assembly=retained.assembly, shares=shares)
+
+    def holding(self, version: int) -> tuple[frozenset[str], dict[str, bytes]]:
+        """The members known to hold ``version`` whole, and the sliced ones' digests of their shares of it."""
+        shares = {m: d for m, d in self._shares.items() if self._holds.get(m) == version}
+        return frozenset(m for m, v in self._holds.items() if v == version and m not in self._shares), shares
+
+    def _hold(self, holders: dict[str, int], shares: dict[str, bytes]) -> None:
+        self._holds.update(holders)
+        for member in holders:
+            self._shares.pop(member, None)
+        self._shares.update(shares)
+
+    def sent(self, fields: Any) -> bool:
+        """After ``prepare``: whether this attempt sends some member a delta (its parts' fields)."""
+        self.sent_delta = any(f.get("encoding", FULL) != FULL for part in fields.values()
+                              for f in (part, *part.get("each", {}).values()))
+        return self.sent_delta
+
+    def acknowledged(self, job: Any, out: Any, acked: set[str], sliced: Mapping[str, Sequence[int]],
+                     digests: tuple[int, ...] | None, *, verify: bool, staged: bool) -> None:
+        """``acked`` hold ``job`` now (``staged``: once committed, :meth:`committed`). ``digests``:
+        the staged buckets' (None: not all taken), which name the version as the next base; a sliced
+        member holds its share, named by the digests it was sent (none without checksums: no base)."""
+        if digests is not None and self.kept is not None and self.kept.version == job.version:
+            self.kept.digests = digests
+        holders = dict.fromkeys((m for m in acked if m not in sliced or verify), job.version)
+        shares = {m: base_digest(job.version, sliced[m]) for m in acked if m in sliced and verify}
+        self._staged = (holders, shares) if staged else ({}, {})
+        if not staged:
+            self._hold(holders, shares)
+        if self.sent_delta and out.base is not None:
+            job.base = out.base.version
+
+    def committed(self, exposed: Any) -> None:
+        """Activation "all": the members that exposed the version hold it."""
+        holders, shares = self._staged
+        self._hold({m: v for m, v in holders.items() if m in exposed},
+                   {m: d for m, d in shares.items() if m in exposed})
+        self._staged = ({}, {})
 
 
 class DeltaEncoder:

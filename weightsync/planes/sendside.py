@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import msgspec
+
 from weightsync._errors import InternalError, own_hook
 from weightsync.planes.dataplane import Outgoing, PublisherContext, SendPart, plane_spec
 
@@ -82,6 +84,29 @@ class SendSide:
             for i in range(len(out.buckets)):
                 own_hook(out.before, i, "packing")
                 out.after(i)
+
+    @staticmethod
+    def announce(tell: Callable[[tuple[str, ...], Any], None], announce: Any,
+                 by: Mapping[SendPart, tuple[str, ...]], fields: Mapping[SendPart, Mapping[str, Any]]) -> None:
+        """Tell each part's members ``announce`` with that part's fields; a member with fields of its
+        own (``"each"``: a sliced member's delta) gets those too."""
+        for part, to in by.items():
+            own = dict(fields[part])
+            each = own.pop("each", {})
+            rest = tuple(m for m in to if m not in each)
+            if rest:
+                tell(rest, msgspec.structs.replace(announce, **own) if own else announce)
+            for member, extra in each.items():
+                tell((member,), msgspec.structs.replace(announce, **own, **extra))
+
+    def seal(self, tell: Callable[[tuple[str, ...], Any], None], seal: Any, by: Mapping[SendPart, tuple[str, ...]],
+             unchecked: set[SendPart], sums: Sequence[int]) -> None:
+        """After ``move``: a sliced member checks exactly what it was sent (its part's digests);
+        every other member of a checked part the staged buckets' ``sums``."""
+        own = self.digests(by)
+        whole = tuple(m for part, ms in by.items() if part not in unchecked for m in ms if m not in own)
+        for to, digests in ([(whole, sums)] if whole else []) + [((m,), d) for m, d in own.items()]:
+            tell(to, msgspec.structs.replace(seal, checksums=tuple(digests)))
 
     @staticmethod
     def digests(by: Mapping[SendPart, tuple[str, ...]]) -> dict[str, Sequence[int]]:

@@ -116,3 +116,64 @@ def member_plane(ctx: MemberContext) -> ShmPlane:
 
 
 PLANE = PlaneSpec("shm", send_part=ShmSend, member_plane=member_plane)
+
+
+#: versions a same-host member that stopped acknowledging may still read in place
+IN_PLACE_KEPT = 3
+
+
+class InPlaceLeases:
+    """The versions each same-host member may read in place now: the one it acknowledged last, and
+    one it was sent but did not acknowledge. Staging parks their buffers (``held``) and, over its
+    bound, has the readers of a version it must write again evicted (``overdue``). The sender
+    thread writes it; staging reads it under its own lock from any thread (a dict replaced per
+    member, read as a copy)."""
+
+    def __init__(self) -> None:
+        self._leases: dict[str, frozenset[int]] = {}
+
+    def forget(self, member: str) -> None:
+        self._leases.pop(member, None)
+
+    def held(self, members: set[str]) -> frozenset[int]:
+        """The versions ``members`` (the channel's) read in place now."""
+        return frozenset(v for m, versions in list(self._leases.items()) if m in members for v in versions)
+
+    def readers(self, version: int, members: set[str]) -> list[str]:
+        """Those of ``members`` that may read ``version`` in place."""
+        return [m for m, versions in list(self._leases.items()) if version in versions and m in members]
+
+    def acknowledged(self, job: Any, members: Sequence[str], acked: set[str], still_read: Mapping[str, int],
+                     reads_in_place: Callable[[str], bool], *, staged: bool = False) -> None:
+        """After a version's acknowledgements: which versions its in-place readers may read now.
+
+        Acknowledged: this version, and the older one a reader of theirs still holds (``Ack.still_read``:
+        such a reader keeps that slot, so nothing newer is received into it before the next Ack
+        says again). Not acknowledged, or only staged (activation "all"): any version they may
+        read, this one included (the most recent :data:`IN_PLACE_KEPT`; staging bounds the rest)."""
+        if job.flat is None or job.assembly is not None:
+            for member in members:  # a copy into the member's own slot (a ring, a lane's part)
+                if member in acked and not staged:
+                    # its reader may still copy an older in-place version: that one stays still
+                    kept = self._leases.pop(member, frozenset()) & {still_read.get(member, -1)}
+                    if kept:
+                        self._leases[member] = kept
+            return
+        for member in members:
+            if not reads_in_place(member):
+                continue
+            if member in acked and not staged:
+                older = still_read.get(member, -1)
+                self._leases[member] = frozenset((job.version, older) if older >= 0 else (job.version,))
+            else:
+                known = self._leases.get(member, frozenset()) | {job.version}
+                self._leases[member] = frozenset(sorted(known)[-IN_PLACE_KEPT:])
+
+    def committed(self, version: int, members: Sequence[str]) -> None:
+        """Activation "all", after the Commit: a member reads ``version``, and its readers may still
+        hold the one it exposed before."""
+        for member in members:
+            known = self._leases.get(member)
+            if known is not None and version in known:
+                older = [v for v in known if v < version]
+                self._leases[member] = frozenset([version, *older[-1:]])

@@ -12,7 +12,8 @@ from collections.abc import Callable
 from typing import Any
 
 from weightsync.control.server import Link
-from weightsync.transport.sender import Join, Leave, MemberDied, Sender
+from weightsync.transport.events import Join, Leave, MemberDied
+from weightsync.transport.sender import Sender
 
 
 class Door:

@@ -58,10 +58,11 @@ from weightsync.recorder.recorder import FlightRecorder, process_recorder
 from weightsync.statistics import PublisherStatistics, PublisherTally
 from weightsync.transport import lifecycle
 from weightsync.transport.door import Door
+from weightsync.transport.events import Abort, Drain, Evict, PutCommitted
 from weightsync.transport.handles import PutHandle, check_timeout
 from weightsync.transport.lifecycle import EndState, call_soon
 from weightsync.transport.planeset import PlaneSet
-from weightsync.transport.sender import Abort, Drain, Evict, PutCommitted, Sender, SenderState
+from weightsync.transport.sender import Sender, SenderState
 from weightsync.transport.snapshots import Snapshots, default_pipeline
 from weightsync.transport.staging import (
     Job,

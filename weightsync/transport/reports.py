@@ -1,0 +1,45 @@
+"""What a version's attempts add up to: per member, the encoding it got and the bytes that moved
+for it (``forms``), and the :class:`~weightsync.transport.handles.DeliveryReport` its put resolves
+with (``delivered``). The Sender calls both; neither touches the wire."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from weightsync.transport.handles import DeliveryReport
+from weightsync.transport.staging import Job
+
+FULL = "full"
+
+
+def forms(job: Job, by: Mapping[Any, tuple[str, ...]], fields: Mapping[Any, Mapping[str, Any]],
+          encoded: int | None, own: Mapping[str, int]) -> dict[str, tuple[str, int]]:
+    """Per member in an attempt: the encoding it was sent in, and the bytes that put on the wire
+    (``encoded``: an encoded version's, once moved; ``own``: members sent their own bytes, a
+    sliced member's share or its delta)."""
+    out: dict[str, tuple[str, int]] = {}
+    whole_snapshot = job.flat is not None and job.assembly is None
+    for part, to in by.items():
+        got = fields[part]
+        each = got.get("each", {})
+        # a same-host member reading the snapshot in place: nothing moved for it
+        in_place = whole_snapshot and getattr(part, "reads_in_place", False)
+        for member in to:
+            name = each.get(member, got).get("encoding", FULL)
+            size = encoded if name != FULL and encoded is not None else job.manifest.total_bytes
+            out[member] = (name, 0 if in_place else own.get(member, size))
+    return out
+
+
+def delivered(job: Job, members: tuple[str, ...], t0: float) -> DeliveryReport:
+    """The report of ``job`` delivered to ``members`` (their forms as its attempts recorded them)."""
+    got = {m: job.forms.get(m, (FULL, job.manifest.total_bytes)) for m in members}
+    return DeliveryReport(version=job.version, members=members, nbytes=job.manifest.total_bytes,
+                          seconds=time.monotonic() - (job.started or t0), delivered_at=time.time(),
+                          wire_bytes=sum(size for _name, size in got.values()),
+                          encodings={m: name for m, (name, _size) in got.items()},
+                          base=job.base if any(name != FULL for name, _s in got.values()) else -1,
+                          encode_seconds=job.encode_seconds, committed_at=job.committed_at,
+                          exposure_spread=job.exposure_spread)
