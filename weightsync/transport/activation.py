@@ -1,4 +1,5 @@
-"""``activation="all"``: the Commit that has every member expose a version together.
+"""``activation="all"``: the Commit that has every member expose a version together; the
+publisher's end (:func:`commit`) and a member's (:class:`MemberCommit`).
 
 Once every member of a version acknowledged it staged (not yet readable), the Sender calls
 :func:`commit`: it tells them to expose it, waits for each one's word that it did, tells those the
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from weightsync import _wire
@@ -38,3 +40,41 @@ def commit(gens: Any, job: Any, gen: int, seq: int, members: tuple[str, ...], *,
                         channel, member, job.version, deadline)
             membership.request_evict(member, "commit unanswered")
     return exposed
+
+
+class MemberCommit:
+    """A member's end of the Commit: the verified version waiting in its receiving slot, and the
+    version it exposed on a Commit that nobody has yet said every member exposed. Written by the
+    receiver thread; :meth:`in_doubt` is read from any thread (a publisher gone)."""
+
+    def __init__(self) -> None:
+        self.staged: Any = None  # the verified version waiting for its Commit (transport.landing.Staged)
+        self.unsettled: int | None = None  # exposed on a Commit; not yet told every member did
+
+    def on_commit(self, commit: _wire.Commit, expose: Callable[[Any], None]) -> None:
+        """``commit`` arrived: a settled one ends the doubt about its version; otherwise the staged
+        version it names is exposed (``expose``)."""
+        if commit.settled:  # every member exposed it: nobody is in doubt about it any more
+            if self.unsettled is not None and self.unsettled <= commit.version:
+                self.unsettled = None
+            return
+        staged = self.staged
+        if staged is not None and (staged.generation, staged.seq, staged.version) == \
+                (commit.generation, commit.seq, commit.version):
+            self.staged = None
+            expose(staged)
+            self.unsettled = staged.version
+
+    def in_doubt(self, serving: int | None) -> str:
+        """What a member serving ``serving`` cannot know of the fleet if its publisher is gone now
+        (the split it may be in), or "" when nothing is in doubt."""
+        staged, unsettled = self.staged, self.unsettled
+        if staged is not None and (serving is None or staged.version > serving):
+            return (f"the publisher was committing version {staged.version}: this member serves version {serving} "
+                    f"(it staged {staged.version} and was never told to expose it); other members may serve "
+                    f"{staged.version}")
+        if unsettled is not None:
+            return (f"the publisher was committing version {unsettled}: this member serves version {serving} "
+                    f"(exposed on its Commit, never told that every member did); other members may serve "
+                    f"an older version")
+        return ""

@@ -39,7 +39,8 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -49,22 +50,17 @@ from weightsync._errors import (
     ChecksumMismatch,
     ControlFailure,
     LocalFailure,
-    NotListening,
     PeerFailure,
     ProtocolError,
-    PublisherBusy,
     StoreTimeout,
     StoreUnreachable,
 )
 from weightsync.control import auth
-from weightsync.control.client import READ_SLICE, ControlClient
+from weightsync.control.client import ControlClient
 from weightsync.control.rendezvous import RemoteStore
 from weightsync.errors import (
-    AdmissionDenied,
     Closed,
     Evicted,
-    HandshakeMismatch,
-    ManifestMismatch,
     PublisherGone,
     SyncTimeout,
     WeightSyncError,
@@ -77,15 +73,13 @@ from weightsync.planes.dataplane import DataPlane, GenerationSpec, MemberContext
 from weightsync.recorder.recorder import FlightRecorder
 from weightsync.statistics import SubscriberTally
 from weightsync.testing import Hooks
-from weightsync.transport.into import DestWriter
+from weightsync.transport import activation, heartbeat, joining, seals
+from weightsync.transport.landing import Held, Landing, Staged, Targets
 from weightsync.transport.lifecycle import Latch
 from weightsync.transport.slots import SlotPair
 
 #: what a receive may fail with and still be acknowledged (as failed): the wire, not a bug
 RECEIVE_FAILURES = (PeerFailure, Cancelled, ProtocolError, ControlFailure, LocalFailure)
-PRE_ADMISSION_BEAT = 0.25  # seconds between beats until the publisher's interval is known
-SIZE_SLICE = 0.25  # seconds between looks for an Abandon while waiting for a wire bucket's length
-CONNECT_BACKOFF = (0.05, 1.0)  # first and longest pause between tries to reach a publisher not up yet
 
 log = logging.getLogger("weightsync.subscriber")
 
@@ -93,25 +87,14 @@ log = logging.getLogger("weightsync.subscriber")
 _ENGINE_RIDS = itertools.count(1)  # negative rids: apart from the rendezvous calls' on the same connection
 
 
-class _Held(NamedTuple):
-    """What this member (a lane: this lane's part of it) verified of a version a delta may be against."""
+@dataclass
+class _Spent:
+    """Where one receive's time went (monotonic seconds), for the member's own time in its Ack."""
 
-    version: int
-    digest: bytes  # planes.encoding.base_digest over its buckets' digests
-    manifest: Any = None  # a lane or a sliced member: the manifest it came under (a lane's own),
-    assembly: Any = None  # ...and a lane's Assembly
-    sliced: bool = False  # a sliced member's share: its bytes lie in its own slot layout
-
-
-class _Staged(NamedTuple):
-    """A verified version in the receiving slot, with what exposing it records."""
-
-    generation: int
-    seq: int
-    version: int
-    nbytes: int
-    began: float  # monotonic: when its receive started
-    held: _Held | None  # what a delta against it names; None: not a base
+    moving: float = 0.0  # when the plane's move began
+    in_move: float = 0.0  # in the plane's move (the collective: mostly waiting on others)
+    sealing: float = 0.0  # after it, until the Seal was checked (it comes when the whole broadcast is done)
+    checking: float = 0.0  # of the time in move, what this member spent on its own buckets
 
 
 class ReceiverState(enum.Enum):
@@ -163,11 +146,11 @@ class Receiver:
         self.want = want  # a sliced member: only these boxes arrive (point to point), packed in its slot
         self._rec = recorder.scope(channel, member_id if lane == 0 else f"{member_id}@rank{lane}")
         self._plane: DataPlane | None = None
+        self._targets = Targets(slots, lane=lane, want=want, device=device, channel=channel, member_id=member_id)
         self._clean_shutdown = False
-        self._held: _Held | None = None  # the readable version a delta may be against (a lane: its part of it)
+        self._held: Held | None = None  # the readable version a delta may be against (a lane: its part of it)
         # activation "all": the verified version waiting in the receiving slot for its Commit
-        self._staged: _Staged | None = None
-        self._unsettled: int | None = None  # exposed on a Commit; not yet told every member did
+        self._commits = activation.MemberCommit()
         self.tally = tally or SubscriberTally()
         # never admitted yet: a publisher that is not listening may still be starting (any start order)
         self._wait_for_publisher = wait_for_publisher
@@ -177,22 +160,13 @@ class Receiver:
                                      send_timeout=own_timeout,
                                      transport=transport,
                                      want=want)
+        self._heartbeat = heartbeat.Heartbeat(self, self._rec)
 
     # terminal state ------------------------------------------------------------------------
     def in_doubt(self) -> str:
         """With ``activation="all"``: what this member cannot know of the fleet if its publisher is
         gone now (the split it may be in), or "" when nothing is in doubt."""
-        serving = self._slots.version
-        staged, unsettled = self._staged, self._unsettled
-        if staged is not None and (serving is None or staged.version > serving):
-            return (f"the publisher was committing version {staged.version}: this member serves version {serving} "
-                    f"(it staged {staged.version} and was never told to expose it); other members may serve "
-                    f"{staged.version}")
-        if unsettled is not None:
-            return (f"the publisher was committing version {unsettled}: this member serves version {serving} "
-                    f"(exposed on its Commit, never told that every member did); other members may serve "
-                    f"an older version")
-        return ""
+        return self._commits.in_doubt(self._slots.version)
 
     def end(self, error: WeightSyncError) -> None:
         """Any thread: the receiver is over for ``error``'s reason (first one wins). A publisher gone
@@ -220,6 +194,11 @@ class Receiver:
     def transport(self) -> str:
         """The transport this member joined with: the plane it receives through (decided when it connects)."""
         return self._client.transport
+
+    @property
+    def client(self) -> ControlClient:
+        """This member's control connection (the heartbeat thread beats on it)."""
+        return self._client
 
     @property
     def over(self) -> bool:
@@ -277,7 +256,12 @@ class Receiver:
     def _join(self) -> tuple[int, tuple[str, ...]]:
         entry = self._rec.record("join").start()
         deadline = time.monotonic() + self.join_timeout
-        self._connect(deadline, entry)
+        try:
+            joining.connect(self._client, deadline, entry, wait=self._wait_for_publisher, closing=self.closing,
+                            where=self._where, within=self.join_timeout, channel=self.channel, member=self.member_id)
+        except SyncTimeout:
+            self._clean_shutdown = True  # never reached: nothing happened worth a dump
+            raise
         try:
             reply = self._next_message(max(deadline - time.monotonic(), 0.0))
         except StoreUnreachable as err:
@@ -288,17 +272,7 @@ class Receiver:
             entry.fail(err)
             raise SyncTimeout("the publisher did not answer the join", channel=self.channel,
                               member=self.member_id) from err
-        if reply is None:
-            entry.fail("closed while joining")
-            raise Closed("closed while joining", channel=self.channel, member=self.member_id)
-        if isinstance(reply, _wire.Deny):
-            entry.fail(reply.reason)
-            kinds: dict[str, type[WeightSyncError]] = {"handshake": HandshakeMismatch, "closed": PublisherGone}
-            raise kinds.get(reply.kind, AdmissionDenied)(f"join refused: {reply.reason}", channel=self.channel,
-                                                         member=self.member_id)
-        if not isinstance(reply, _wire.Admit):
-            entry.fail(f"unexpected {type(reply).__name__}")
-            raise WeightSyncError(f"unexpected reply to join: {type(reply).__name__}", channel=self.channel)
+        reply = joining.admitted(reply, entry, self.channel, self.member_id)
         self.deadlines = Deadlines(reply.settings)
         self.lanes = reply.lanes
         log.info("%s joined channel %r at %s (generation %d, transport %s)", self.member_id, self.channel,
@@ -311,43 +285,6 @@ class Receiver:
             store=lambda: RemoteStore(client, timeout)))
         entry.complete()
         return reply.generation, reply.members
-
-    def _connect(self, deadline: float, entry: Any) -> None:
-        """Open the control connection. A publisher not listening yet (this subscriber was started
-        first, as launchers do) is tried again with backoff until ``deadline``; one that answered
-        once and is gone now is PublisherGone at once. Nothing is dumped for a publisher never reached."""
-        pause, tries, last, busy = CONNECT_BACKOFF[0], 0, "", False
-        while True:
-            tries += 1
-            try:
-                self._client.connect(max(deadline - time.monotonic(), 0.01))
-                return
-            except PublisherBusy as err:  # a flood at the door: a place frees up soon, whoever we are
-                last, busy = str(err), True
-            except NotListening as err:
-                last, busy = str(err), False
-                if not self._wait_for_publisher:
-                    entry.fail(err)
-                    raise PublisherGone(f"cannot reach the publisher: {err}", channel=self.channel,
-                                        member=self.member_id) from err
-            except ControlFailure as err:
-                entry.fail(err)
-                raise PublisherGone(f"cannot reach the publisher: {err}", channel=self.channel,
-                                    member=self.member_id) from err
-            if tries == 1:
-                log.info("%s: no publisher at %s yet; trying again until it answers (%.3gs)", self.member_id,
-                         self._where, max(deadline - time.monotonic(), 0.0))
-            left = deadline - time.monotonic()
-            if left <= 0:
-                entry.fail(f"never answered: {last}")
-                self._clean_shutdown = True  # nothing happened worth a dump
-                what = "was too busy to admit us" if busy else "never answered"
-                raise SyncTimeout(f"the publisher {what} at {self._where} within {self.join_timeout:.3g}s "
-                                  f"({tries} tries; last: {last})", channel=self.channel, member=self.member_id)
-            if self.closing.wait(min(pause, left)):  # closed meanwhile: the caller stops waiting
-                entry.fail("closed while waiting for the publisher")
-                raise Closed("closed while waiting for the publisher", channel=self.channel, member=self.member_id)
-            pause = min(pause * 2, CONNECT_BACKOFF[1])
 
     def _enter(self, generation: int, members: tuple[str, ...]) -> tuple[bool, Any]:
         """Enter ``generation``: (entered, the message that replaced the plan or None).
@@ -435,143 +372,32 @@ class Receiver:
             raise PublisherGone(f"no word from the publisher: {err}", channel=self.channel,
                                 member=self.member_id) from err
         except ControlFailure as err:
-            if self._client.dropped:  # the publisher's notice came before the close: see _publisher_gone
-                raise self._dropped() from err
+            if self._client.dropped:  # the publisher's notice came before the close: see transport.heartbeat
+                raise heartbeat.dropped(self._client, self.channel, self.member_id) from err
             if not self.closing.is_set():
                 raise PublisherGone(f"channel failed: {err}", channel=self.channel, member=self.member_id) from err
         finally:
             self._plane.leave("subscriber stopped")
 
     def _receive(self, announce: _wire.Announce) -> None:
-        assert self._plane is not None and self.deadlines is not None
+        """Receive one announced version: land it (:mod:`.landing`), move and decode its buckets,
+        check them against the Seal, expose or stage it, and acknowledge (failed, on the wire's
+        failures: :data:`RECEIVE_FAILURES`)."""
         manifest = announce.manifest
         t0 = time.monotonic()
         entry = self._rec.record("receive", generation=announce.generation, version=announce.version,
-                                      nbytes=manifest.total_bytes).start()
-        ok, error, in_move, sealing, corrupt = False, "", 0.0, 0.0, False
-        checking = [0.0]  # of the time in move(), what this member spent on its own buckets
-        assembly, epoch = announce.assembly, 0
-        in_place: tuple[torch.Tensor, Callable[[], bool]] | None = None
-        placer: sharding.Placer | slicing.SlicePlacer | None = None
-        ahead: DestWriter | None = None
-        self._staged = None  # whatever waited for a Commit is overwritten now: it was given up on
+                                 nbytes=manifest.total_bytes).start()
+        ok, error, corrupt = False, "", False
+        spent = _Spent()
+        self._commits.staged = None  # whatever waited for a Commit is overwritten now: it was given up on
         try:
-            if assembly is not None and assembly.rank != self.lane:
-                raise ProtocolError(f"trainer rank {self.lane}'s lane announced rank {assembly.rank}'s part")
-            ranges = (layout.bucket_ranges(manifest.total_bytes, announce.bucket_bytes) if assembly is None
-                      else sharding.bucket_plan(manifest, announce.bucket_bytes))
-            if self.want is not None:  # only our boxes, point to point, packed in our own slot layout
-                placer, buckets, epoch = self._sliced_targets(announce, ranges)
-            elif assembly is None:
-                in_place = self._in_place(announce)
-                flat = (self._slots.prepare(manifest, self.deadlines.readers()) if in_place is None
-                        else self._slots.prepare_in_place(manifest, *in_place, self.deadlines.readers()))
-                buckets = [flat[lo:hi] for lo, hi in ranges]
-                into = self._slots.into  # a get_into(as_received=True) waiting: written as buckets come
-                # (host memory only: a device bucket is complete on the plane's stream, not the writer's)
-                if into is not None and in_place is None and self.device.type == "cpu" \
-                        and self.deadlines.settings.activation != "all":
-                    ahead = into.writer(announce.version, manifest, flat)
-            else:  # this lane's part of a sharded version, straight into its places in the full slot
-                full, epoch = self._slots.prepare_part(self.lane, assembly.manifest, self.deadlines.readers())
-                try:
-                    lane_placer = sharding.Placer(full, manifest, assembly.pieces, ranges)
-                except ValueError as err:
-                    raise ProtocolError(f"version {announce.version}: {err}") from err
-                placer, buckets = lane_placer, lane_placer.targets
-            if len(ranges) != announce.num_buckets:
-                raise ProtocolError(f"announced {announce.num_buckets} buckets, layout has {len(ranges)}")
-            sums: list[int] = []
-            last = [time.monotonic()]
-            verify, kind = announce.checksum, announce.digest
-            if verify and kind not in KINDS:
-                raise ProtocolError(f"version {announce.version} is sealed with digest {kind[:32]!r}, "
-                                    f"which this member does not have (it has {sorted(KINDS)})")
-            try:  # the wire form the plane receives; decoded into the slot's buckets before each digest
-                decoder = encoding.decoder(announce.encoding)
-                told = self._told_sizes(announce, ranges)  # only a decoder of such versions is asked with it
-                held_base = self._base(placer)
-                if isinstance(placer, slicing.SlicePlacer) and placer.segments:
-                    # a sliced member's share is cut into its own segments (only built-in deltas go to one)
-                    wire = decoder.plan(announce, buckets, held_base, told, segments=placer.segments.__getitem__)
-                else:
-                    wire = (decoder.plan(announce, buckets, held_base) if told is None
-                            else decoder.plan(announce, buckets, held_base, told))
-            except KeyError:
-                raise ProtocolError(f"version {announce.version} is in encoding {announce.encoding[:32]!r}, "
-                                    "which this member does not have") from None
-            if announce.wire and tuple(b.numel() for b in wire.wire) != announce.wire:
-                raise ProtocolError(f"version {announce.version}: wire buckets of {list(announce.wire)[:4]} bytes, "
-                                    f"the decoder planned {[b.numel() for b in wire.wire][:4]}")
-            decode = wire.hook
-
-            # test faults hit the wire; read in place there is none (the publisher's memory is
-            # read-only here): they get a copy of the bucket's head, and what they change goes nowhere
-            faulty = type(self._hooks) is not Hooks and in_place is not None
-
-            def after(i: int) -> None:  # bucket i is here; bucket i+1 is on the wire meanwhile
-                began = time.monotonic()
-                bucket = wire.wire[i][:64].clone() if faulty else wire.wire[i]
-                self._hooks.after_bucket(announce.version, i, bucket, began - last[0])
-                if decode is not None:
-                    decode(i)
-                if verify and ahead is not None:  # one read: each piece digested, then written while in cache
-                    sums.append(ahead.digest_and_write(*ranges[i], kind) if buckets[i].numel() else 0)
-                elif verify:
-                    sums.append(checksum(buckets[i], kind) if buckets[i].numel() else 0)
-                if placer is not None:
-                    placer.place(i)
-                if ahead is not None:
-                    ahead.upto(ranges[i][1])
-                last[0] = time.monotonic()
-                checking[0] += last[0] - began
-
-            # anything new in our queue mid-transfer means the publisher gave up on this version
-            moving = time.monotonic()
-            try:
-                self._plane.move(Transfer(announce.version, wire.wire, self.deadlines.bucket, before=wire.before,
-                                          after=after,
-                                          cancelled=lambda: self.aborting.is_set()
-                                          or not self._client.commands.empty(), announce=announce,
-                                          encoding=announce.encoding, base=announce.base))
-            finally:
-                in_move = time.monotonic() - moving
-            if wire.check is not None:  # a version the decoder could not rebuild is refused as corrupt
-                try:
-                    wire.check()
-                except ChecksumMismatch as err:
-                    self._rec.record("checksum", generation=announce.generation, version=announce.version).fail(err)
-                    log.warning("%s: version %d: its delta against version %d did not apply (%s); not made readable "
-                                "(the publisher re-sends it in full)", self.member_id, announce.version, announce.base,
-                                err)
-                    raise
-            if verify:  # the Seal comes when the whole broadcast is done: waiting for it is not ours
-                self._verify(announce, sums)
-                sealing = time.monotonic() - moving - in_move
-            if assembly is not None:
-                # this lane's part, verified: a base for the next one once the whole version is readable
-                self._held = (_Held(announce.version, encoding.base_digest(announce.version, sums), manifest, assembly,
-                                    sliced=self.want is not None) if verify else None)
-                if self._slots.part_done(self.lane, assembly.world, announce.version, epoch):
-                    self._rec.record("publish", generation=announce.generation, version=announce.version,
-                                     nbytes=assembly.manifest.total_bytes).complete()
-                    self.tally.received(assembly.manifest.total_bytes, time.monotonic() - t0)
-                    self._on_publish()
-            elif self._slots.version is None or announce.version > self._slots.version:
-                # what a delta against this version must name: only a whole slot, proven by its digests
-                held = (_Held(announce.version, encoding.base_digest(announce.version, sums),
-                              manifest if self.want is not None else None, sliced=self.want is not None)
-                        if verify else None)
-                staged = _Staged(announce.generation, announce.seq, announce.version, manifest.total_bytes, t0, held)
-                if self.deadlines.settings.activation == "all":
-                    self._staged = staged  # readable only on the publisher's Commit
-                    self._rec.record("stage", generation=announce.generation, version=announce.version,
-                                     nbytes=manifest.total_bytes).complete()
-                    self._hooks.after_stage(announce.version)
-                else:
-                    if ahead is not None:
-                        ahead.finish()  # before it is readable: the waiting get_into finds it written
-                    self._expose(staged)
+            landing, ranges, wire = self._land(announce)
+            sums = self._move(announce, landing, ranges, wire, spent)
+            if announce.checksum:  # the Seal comes when the whole broadcast is done: waiting for it is not ours
+                assert self.deadlines is not None
+                seals.verify(self._client, announce, sums, self.deadlines.seal(), self._rec, self.member_id)
+                spent.sealing = time.monotonic() - spent.moving - spent.in_move
+            self._settle(announce, landing, sums, t0)
             ok = True
             entry.complete()
         except RECEIVE_FAILURES as err:
@@ -586,21 +412,129 @@ class Receiver:
         # own time: everything but waiting on others (preparing the slot, checking buckets, a
         # busy host). Not ours: the collective, and the publisher's Seal, which comes when the
         # whole broadcast is done; in gloo's tree a leaf finishes early and waits for it.
-        own = max(seconds - in_move - sealing, 0.0) + checking[0]
+        own = max(seconds - spent.in_move - spent.sealing, 0.0) + spent.checking
         if self._plane is not None and self._plane.moves_alone:  # no peer to wait on in move (a copy)
-            own = max(seconds - sealing, 0.0)
+            own = max(seconds - spent.sealing, 0.0)
         self._acknowledge(announce, ok=ok, error=error, seconds=seconds, own=own, corrupt=corrupt)
 
-    def _in_place(self, announce: _wire.Announce) -> tuple[torch.Tensor, Callable[[], bool]] | None:
-        """A same-host snapshot this member reads where it lies (planes.shm): its view and guard."""
-        ref = getattr(announce, "segment", None)
-        view = getattr(self._plane, "view", None)
-        if (not isinstance(ref, _wire.ShmRef) or ref.ring or not ref.sealed or view is None
-                or announce.encoding != "full" or self.device.type != "cpu"):
-            return None
-        return view(ref, announce.manifest.total_bytes)
+    def _land(self, announce: _wire.Announce) -> tuple[Landing, list[tuple[int, int]], encoding.WirePlan]:
+        """Where ``announce``'s buckets land, their staged ranges, and the wire form the plane
+        receives (decoded into the landing's buckets before each digest)."""
+        assert self._plane is not None and self.deadlines is not None
+        manifest, assembly = announce.manifest, announce.assembly
+        if assembly is not None and assembly.rank != self.lane:
+            raise ProtocolError(f"trainer rank {self.lane}'s lane announced rank {assembly.rank}'s part")
+        ranges = (layout.bucket_ranges(manifest.total_bytes, announce.bucket_bytes) if assembly is None
+                  else sharding.bucket_plan(manifest, announce.bucket_bytes))
+        landing = self._targets.land(announce, ranges, self._plane, self.deadlines.readers(),
+                                     ahead=self.deadlines.settings.activation != "all")
+        if len(ranges) != announce.num_buckets:
+            raise ProtocolError(f"announced {announce.num_buckets} buckets, layout has {len(ranges)}")
+        if announce.checksum and announce.digest not in KINDS:
+            raise ProtocolError(f"version {announce.version} is sealed with digest {announce.digest[:32]!r}, "
+                                f"which this member does not have (it has {sorted(KINDS)})")
+        told = seals.told_sizes(self._client, announce, ranges, self.deadlines.bucket, self.aborting)
+        base, placer = self._targets.base(self._held, landing.placer), landing.placer
+        try:
+            decoder = encoding.decoder(announce.encoding)
+            if isinstance(placer, slicing.SlicePlacer) and placer.segments:
+                # a sliced member's share is cut into its own segments (only built-in deltas go to one)
+                wire = decoder.plan(announce, landing.buckets, base, told, segments=placer.segments.__getitem__)
+            else:
+                wire = (decoder.plan(announce, landing.buckets, base) if told is None
+                        else decoder.plan(announce, landing.buckets, base, told))
+        except KeyError:
+            raise ProtocolError(f"version {announce.version} is in encoding {announce.encoding[:32]!r}, "
+                                "which this member does not have") from None
+        if announce.wire and tuple(b.numel() for b in wire.wire) != announce.wire:
+            raise ProtocolError(f"version {announce.version}: wire buckets of {list(announce.wire)[:4]} bytes, "
+                                f"the decoder planned {[b.numel() for b in wire.wire][:4]}")
+        return landing, ranges, wire
 
-    def _expose(self, staged: _Staged) -> None:
+    def _move(self, announce: _wire.Announce, landing: Landing, ranges: list[tuple[int, int]],
+              wire: encoding.WirePlan, spent: _Spent) -> list[int]:
+        """Move the version's buckets through the plane, each decoded, digested and placed as it
+        comes; returns their digests (none unchecked). A version the decoder could not rebuild is
+        refused as corrupt."""
+        assert self._plane is not None and self.deadlines is not None
+        sums: list[int] = []
+        last = [time.monotonic()]
+        verify, kind, decode, buckets = announce.checksum, announce.digest, wire.hook, landing.buckets
+        placer, ahead = landing.placer, landing.ahead
+        # test faults hit the wire; read in place there is none (the publisher's memory is
+        # read-only here): they get a copy of the bucket's head, and what they change goes nowhere
+        faulty = type(self._hooks) is not Hooks and landing.in_place is not None
+
+        def after(i: int) -> None:  # bucket i is here; bucket i+1 is on the wire meanwhile
+            began = time.monotonic()
+            bucket = wire.wire[i][:64].clone() if faulty else wire.wire[i]
+            self._hooks.after_bucket(announce.version, i, bucket, began - last[0])
+            if decode is not None:
+                decode(i)
+            if verify and ahead is not None:  # one read: each piece digested, then written while in cache
+                sums.append(ahead.digest_and_write(*ranges[i], kind) if buckets[i].numel() else 0)
+            elif verify:
+                sums.append(checksum(buckets[i], kind) if buckets[i].numel() else 0)
+            if placer is not None:
+                placer.place(i)
+            if ahead is not None:
+                ahead.upto(ranges[i][1])
+            last[0] = time.monotonic()
+            spent.checking += last[0] - began
+
+        # anything new in our queue mid-transfer means the publisher gave up on this version
+        spent.moving = time.monotonic()
+        try:
+            self._plane.move(Transfer(announce.version, wire.wire, self.deadlines.bucket, before=wire.before,
+                                      after=after,
+                                      cancelled=lambda: self.aborting.is_set() or not self._client.commands.empty(),
+                                      announce=announce, encoding=announce.encoding, base=announce.base))
+        finally:
+            spent.in_move = time.monotonic() - spent.moving
+        if wire.check is not None:
+            try:
+                wire.check()
+            except ChecksumMismatch as err:
+                self._rec.record("checksum", generation=announce.generation, version=announce.version).fail(err)
+                log.warning("%s: version %d: its delta against version %d did not apply (%s); not made readable "
+                            "(the publisher re-sends it in full)", self.member_id, announce.version, announce.base,
+                            err)
+                raise
+        return sums
+
+    def _settle(self, announce: _wire.Announce, landing: Landing, sums: list[int], t0: float) -> None:
+        """The verified version: a lane's part is done (readable once every lane's is); a whole
+        version or a sliced share is exposed, or staged for the Commit (``activation="all"``)."""
+        assert self.deadlines is not None
+        manifest, assembly, verify = announce.manifest, announce.assembly, announce.checksum
+        digest = encoding.base_digest(announce.version, sums)  # what a delta against this version must name
+        if assembly is not None:
+            # this lane's part, verified: a base for the next one once the whole version is readable
+            self._held = Held(announce.version, digest, manifest, assembly, sliced=self.want is not None) \
+                if verify else None
+            if self._slots.part_done(self.lane, assembly.world, announce.version, landing.epoch):
+                self._rec.record("publish", generation=announce.generation, version=announce.version,
+                                 nbytes=assembly.manifest.total_bytes).complete()
+                self.tally.received(assembly.manifest.total_bytes, time.monotonic() - t0)
+                self._on_publish()
+            return
+        if self._slots.version is not None and announce.version <= self._slots.version:
+            return
+        # only a whole slot, proven by its digests, is a base
+        held = Held(announce.version, digest, manifest if self.want is not None else None,
+                    sliced=self.want is not None) if verify else None
+        staged = Staged(announce.generation, announce.seq, announce.version, manifest.total_bytes, t0, held)
+        if self.deadlines.settings.activation == "all":
+            self._commits.staged = staged  # readable only on the publisher's Commit
+            self._rec.record("stage", generation=announce.generation, version=announce.version,
+                             nbytes=manifest.total_bytes).complete()
+            self._hooks.after_stage(announce.version)
+            return
+        if landing.ahead is not None:
+            landing.ahead.finish()  # before it is readable: the waiting get_into finds it written
+        self._expose(staged)
+
+    def _expose(self, staged: Staged) -> None:
         """The verified version in the receiving slot becomes readable, atomically."""
         self._slots.publish(staged.version)
         self._held = staged.held
@@ -613,16 +547,9 @@ class Receiver:
     def _commit(self, commit: _wire.Commit) -> None:
         """Activation "all": the publisher committed a version every member staged. Expose it if it
         is the one staged here, and say whether this member now reads it (or a newer one)."""
-        if commit.settled:  # every member exposed it: nobody is in doubt about it any more
-            if self._unsettled is not None and self._unsettled <= commit.version:
-                self._unsettled = None
+        self._commits.on_commit(commit, self._expose)
+        if commit.settled:
             return
-        staged = self._staged
-        if staged is not None and (staged.generation, staged.seq, staged.version) == \
-                (commit.generation, commit.seq, commit.version):
-            self._staged = None
-            self._expose(staged)
-            self._unsettled = staged.version
         have = self._slots.version
         ok = have is not None and have >= commit.version
         if not ok:
@@ -634,61 +561,6 @@ class Receiver:
         except ControlFailure:
             pass
 
-    def _base(self, placer: sharding.Placer | slicing.SlicePlacer | None = None) -> encoding.Base | None:
-        """The readable slot as a delta's base, when this member holds a whole version it verified
-        (a lane, ``placer``: when it verified its own part of the readable version; its bytes are
-        gathered from where they lie in the slot; a sliced member: its share of each bucket,
-        gathered from its own slot). Only a receiver swaps the slots, and a lane's only once every
-        lane is done with the next version, so the base stays put while a delta is decoded
-        against it."""
-        slot, held = self._slots.readable, self._held
-        if held is None or slot.version != held.version or slot.flat is None or slot.manifest is None:
-            return None
-        whole = slot.flat[: slot.manifest.total_bytes]
-        if isinstance(placer, slicing.SlicePlacer):
-            if not held.sliced:
-                return None
-            share = placer
-            return encoding.Base(slot.version, whole, held.manifest, held.digest, assembly=held.assembly,
-                                 part=lambda i: share.held(i, whole))
-        if held.sliced:
-            return None
-        if held.assembly is None:
-            return None if placer is not None else encoding.Base(slot.version, whole, slot.manifest, held.digest)
-        if placer is None or slot.manifest != held.assembly.manifest:
-            return None
-        return encoding.Base(slot.version, whole, held.manifest, held.digest, assembly=held.assembly,
-                             part=lambda i: placer.gather(i, whole))
-
-    def _sliced_targets(self, announce: _wire.Announce,
-                        ranges: list[tuple[int, int]]) -> tuple[slicing.SlicePlacer, list[torch.Tensor], int]:
-        """A sliced member's slot for ``announce`` and where each bucket's share of it lands."""
-        assert self.want is not None and self.deadlines is not None
-        if not announce.direct:
-            raise ProtocolError(f"version {announce.version} was broadcast to a sliced member")
-        assembly = announce.assembly
-        full = announce.manifest if assembly is None else assembly.manifest
-        try:
-            mine = slicing.sliced_manifest(full, self.want)
-            plan = slicing.cached_routes(announce.manifest, None if assembly is None else assembly.pieces, full,
-                                          self.want, tuple(ranges))
-        except ValueError as err:  # the engine asked for what this channel does not publish: say so, stop
-            raise ManifestMismatch(f"want= does not fit version {announce.version}: {err}", channel=self.channel,
-                                   member=self.member_id) from err
-        epoch = 0
-        if assembly is None:
-            slot = self._slots.prepare(mine, self.deadlines.readers())
-        else:
-            slot, epoch = self._slots.prepare_part(self.lane, mine, self.deadlines.readers())
-        try:
-            placer = slicing.SlicePlacer(slot, plan)
-            if announce.encoding in (encoding.DELTA, encoding.AUTO):
-                placer.segments = slicing.cached_share_segments(announce.manifest, None if assembly is None
-                                                                else assembly.pieces, full, self.want, tuple(ranges))
-        except ValueError as err:
-            raise ProtocolError(f"version {announce.version}: {err}") from err
-        return placer, placer.targets, epoch
-
     def _acknowledge(self, announce: _wire.Announce, *, ok: bool, error: str, seconds: float, own: float = 0.0,
                      corrupt: bool = False) -> None:
         ack = _wire.Ack(generation=announce.generation, seq=announce.seq, member_id=self.member_id,
@@ -699,66 +571,6 @@ class Receiver:
             self._client.send(ack)
         except ControlFailure:
             pass
-
-    def _told_sizes(self, announce: _wire.Announce, ranges: list[tuple[int, int]]) -> Callable[[int], int] | None:
-        """For an Announce with ``wire_later``: ``size(i)`` waits for wire bucket i's length, told in a
-        WireSizes on our own connection before that bucket moves (the publisher encodes a bucket while
-        the ones before it are on the wire); None otherwise."""
-        if not announce.wire_later:
-            return None
-        assert self.deadlines is not None
-        bound = self.deadlines.bucket
-        told: dict[int, int] = {}
-        key = (announce.generation, announce.seq)
-
-        def size(i: int) -> int:
-            lo, hi = ranges[i] if i < len(ranges) else (0, 0)
-            deadline = time.monotonic() + bound(hi - lo)
-            while i not in told:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise PeerFailure(f"version {announce.version}: wire bucket {i}'s length did not come "
-                                      f"within {bound(hi - lo):.1f}s")
-                if self.aborting.is_set() or not self._client.commands.empty():
-                    raise Cancelled(f"version {announce.version} was given up on")
-                try:
-                    word = self._client.seals.get(timeout=min(left, SIZE_SLICE))
-                except queue.Empty:
-                    continue
-                if isinstance(word, _wire.Wake):
-                    raise StoreUnreachable(self._client.close_reason)
-                if isinstance(word, _wire.WireSizes) and (word.generation, word.seq) == key:
-                    told.update(zip(range(word.first, word.first + len(word.sizes)), word.sizes, strict=True))
-                elif isinstance(word, _wire.Seal) and (word.generation, word.seq) == key:
-                    raise ProtocolError(f"version {announce.version}'s Seal came before wire bucket {i}'s length")
-                # older versions' words (given up on) are skipped, as _verify skips their Seals
-            return told[i]
-
-        return size
-
-    def _verify(self, announce: _wire.Announce, sums: list[int]) -> None:
-        """Compare our buckets' digests with the publisher's Seal; raises ChecksumMismatch."""
-        assert self.deadlines is not None
-        deadline = time.monotonic() + self.deadlines.seal()
-        while True:
-            try:
-                seal = self._client.seals.get(timeout=max(deadline - time.monotonic(), 0.0))
-            except queue.Empty:
-                raise PeerFailure(f"no checksums for version {announce.version} within {self.deadlines.seal()}s") \
-                    from None
-            if isinstance(seal, _wire.Wake):
-                raise StoreUnreachable(self._client.close_reason)
-            if isinstance(seal, _wire.Seal) and (seal.generation, seal.seq) == (announce.generation, announce.seq):
-                break  # older seals belong to versions given up on: skipped
-        if seal.abandoned:
-            raise ProtocolError(f"the publisher gave up on version {announce.version}")
-        bad = [i for i, (mine, theirs) in enumerate(zip(sums, seal.checksums, strict=False)) if mine != theirs]
-        if bad or len(sums) != len(seal.checksums):
-            self._rec.record("checksum", generation=announce.generation, version=announce.version,
-                                  bucket=bad[0] if bad else -1).fail(f"buckets {bad} do not match")
-            log.warning("%s: version %d: buckets %s arrived corrupted; not made readable (the publisher re-sends)",
-                        self.member_id, announce.version, bad[:8])
-            raise ChecksumMismatch(f"version {announce.version}: buckets {bad} arrived corrupted; not made readable")
 
     def report_engine(self, version: int, layout: str, digest: str, timeout: float) -> dict[str, int]:
         """Any thread: tell the publisher what this member's engine holds after loading ``version``;
@@ -778,57 +590,4 @@ class Receiver:
 
     # the heartbeat thread --------------------------------------------------------------------
     def heartbeat_main(self) -> None:
-        try:
-            self._beat()
-        except Exception as err:  # noqa: BLE001 - a failed heartbeat thread must never be silent
-            failure = WeightSyncError(f"heartbeat stopped: {type(err).__name__}: {err}", channel=self.channel,
-                                      member=self.member_id)
-            self._rec.record("heartbeat").fail(failure)
-            self.end(failure)
-            self.wake("heartbeat failed")
-
-    def _beat(self) -> None:
-        while not self.closing.is_set() and not self.over:
-            # a member whose receiver stopped (evicted, failed) stops beating, so the
-            # publisher drops it in a few beats instead of waiting for it
-            if self.deadlines is None:  # not admitted yet: the receiver's join wait is bounded itself
-                self.closing.wait(PRE_ADMISSION_BEAT)
-                continue
-            interval = self.deadlines.settings.heartbeat_interval
-            client = self._client
-            if client.closed.is_set():
-                self._publisher_gone(f"control connection closed: {client.close_reason}")
-                return
-            try:
-                client.send(_wire.Beat())
-            except ControlFailure as err:
-                self._publisher_gone(f"cannot reach the publisher: {err}")
-                return
-            now = time.monotonic()
-            silent = now - client.last_heard
-            reader_running = now - client.tick < 2 * READ_SLICE + interval  # else this process stalled
-            if silent > self.deadlines.publisher_silence(self.own_timeout) and reader_running:
-                self._publisher_gone(f"publisher silent for {silent:.1f}s")
-                return
-            self.closing.wait(interval)
-        self.wake("closing")
-
-    def _dropped(self) -> Evicted:
-        """The end of a member whose connection closed after the publisher's word that it dropped it."""
-        return Evicted(f"evicted from the channel ({self._client.dropped}); the publisher closed the connection",
-                       channel=self.channel, member=self.member_id)
-
-    def _publisher_gone(self, reason: str) -> None:
-        """The connection closed, broke or fell silent. A member the publisher dropped (frozen past
-        its eviction, then woken) finds the notice and the close together: the reader reads what
-        came before the close first, and the end is Evicted (``rejoin()`` works), not PublisherGone."""
-        client = self._client
-        if not reason.startswith("publisher silent"):  # a close or a failed send: the reader ends soon
-            client.drained(4 * READ_SLICE)
-        if client.dropped:
-            self._rec.record("evict").complete()
-            self.end(self._dropped())
-        else:
-            self.end(PublisherGone(reason, channel=self.channel, member=self.member_id))
-        self.wake(reason)
-
+        self._heartbeat.main()
