@@ -4,7 +4,7 @@
 process): the publisher's part rides along (``drives`` False) and drops a copy of bucket i in
 the mailbox once bucket i is ready (an after-bucket hook); a member's ``move`` takes bucket i
 out of it, bounded by the bucket's deadline and given up when the transfer is cancelled. It
-joins no group. Registered with :func:`weightsync.planes.dataplane.register_plane`, it is
+joins no group. Registered with :func:`weightsync.extend.register_plane`, it is
 served by the library's Sender and Receiver as they are: announcements, seals, checksums,
 acknowledgements, re-sends and scoring are theirs.
 """
@@ -19,10 +19,12 @@ from typing import Any
 import torch
 
 from tests.fakes import GrouplessPlane
-from weightsync._errors import Cancelled, LocalFailure, PeerFailure
-from weightsync.planes.dataplane import (
+from weightsync.extend import (
+    Cancelled,
+    LocalFailure,
     MemberContext,
     Outgoing,
+    PeerFailure,
     PlaneSpec,
     PublisherContext,
     Transfer,

@@ -15,8 +15,8 @@ import pytest
 import weightsync as ws
 from tests import xor_encoding
 from tests.statedicts import digest, mixed_state_dict
+from weightsync.extend import register_encoding, unregister_encoding
 from weightsync.planes import shm
-from weightsync.planes.encoding import register_encoding, unregister_encoding
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(120)]
 

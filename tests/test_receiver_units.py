@@ -24,12 +24,12 @@ import torch
 from tests import xor_encoding
 from tests.fakes import GrouplessPlane
 from weightsync import _wire
+from weightsync.extend import register_encoding, unregister_encoding
 from weightsync.format import layout, sharding, slicing
 from weightsync.format.checksum import checksum
 from weightsync.options import ChannelOptions
 from weightsync.planes import shm
 from weightsync.planes.dataplane import PlaneSpec, Transfer, register_plane, unregister_plane
-from weightsync.planes.encoding import register_encoding, unregister_encoding
 from weightsync.recorder.recorder import FlightRecorder
 from weightsync.testing import Hooks
 from weightsync.transport.receiver import Receiver

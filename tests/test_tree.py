@@ -103,3 +103,46 @@ def test_modules_and_functions_keep_to_the_size_budget() -> None:
     assert not grew, f"functions over {FUNCTION_LINES} lines (now, allowed): {grew}"
     shrunk = sorted(set(OVER_BUDGET) - set(over))
     assert not shrunk, f"within the budget now (or gone): take them out of OVER_BUDGET: {shrunk}"
+
+
+def _graph() -> dict[str, set[str]]:
+    """Module -> the weightsync modules it imports, at its top or inside a function."""
+    paths = {".".join(p.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__"): p
+             for p in sorted((REPO / "weightsync").rglob("*.py"))}
+    graph: dict[str, set[str]] = {}
+    for module, path in paths.items():
+        found: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("weightsync"):
+                # "from weightsync.planes import delta" imports the module weightsync.planes.delta
+                names = {f"{node.module}.{a.name}" for a in node.names} & set(paths)
+                found |= names or {node.module}
+            elif isinstance(node, ast.Import):
+                found |= {a.name for a in node.names if a.name.startswith("weightsync")}
+        graph[module] = {t for t in found if t in paths and t != module}
+    return graph
+
+
+def test_no_module_imports_itself_back_through_others() -> None:
+    """An import circle (planes.encoding and planes.delta once imported each other) means two
+    modules that are one concern, or a seam in the wrong place."""
+    graph, circles = _graph(), []
+    for start in graph:
+        seen, todo = set(), [(start, (start,))]
+        while todo:
+            module, path = todo.pop()
+            for nxt in graph[module]:
+                if nxt == start:
+                    circles.append(" -> ".join((*path, start)))
+                elif nxt not in seen:
+                    seen.add(nxt)
+                    todo.append((nxt, (*path, nxt)))
+    assert not circles, circles
+
+
+def test_a_plane_and_an_encoding_written_outside_import_only_the_public_seams() -> None:
+    """tests/mailbox_plane.py and tests/xor_encoding.py are what an author outside the library
+    writes: every weightsync name they use comes from weightsync.extend."""
+    private = [f"{name}: {module}" for name in ("mailbox_plane", "xor_encoding")
+               for module in _imports(REPO / "tests" / f"{name}.py") if module != "weightsync.extend"]
+    assert not private, private

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from weightsync.planes.encoding import EncodingSpec, WirePlan
+from weightsync.extend import EncodingSpec, WirePlan
 
 KEY = 0x5A
 

@@ -63,7 +63,7 @@ from typing import Any, Protocol
 
 import torch
 
-from weightsync.planes import encoding
+from weightsync.planes import registry
 from weightsync.planes.encoding import Base, WirePlan
 
 
@@ -215,7 +215,7 @@ class Outgoing:
         is staged. The plan's ``encoding`` is what the Announce names (an encoder may send full)."""
         if self._wire is None:
             self.receivers = receivers
-            plan = encoding.encoder(self.encoding).plan(self)
+            plan = registry.encoder(self.encoding).plan(self)
             plan.encoding = plan.encoding or self.encoding
             if plan.hook is not None:
                 encode = plan.hook

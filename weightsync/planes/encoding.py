@@ -1,11 +1,12 @@
 """The encoding seam: what a version looks like on the wire, between staging and the plane.
 
 A version is staged as the bytes a member will hold (its manifest's layout). On its way it may
-be *encoded* (``"full"``, the identity, is the only built-in one today; deltas against a base
-version and quantized forms plug in here), and a member *decodes* each bucket between the plane
-and its slot. The digests in the Seal are the staged bytes' and each member checks its
-decoded bytes against them: the checksum proves what the member holds after decoding (a wrong
-base, a corrupted wire, a bug in either end), never only the wire's bytes.
+be *encoded* (built in: ``"full"``, the identity, here; ``"delta"`` and ``"auto"``, against a base
+version, in :mod:`weightsync.planes.delta`; quantized forms plug in the same way), and a member
+*decodes* each bucket between the plane and its slot. The digests in the Seal are the staged
+bytes' and each member checks its decoded bytes against them: the checksum proves what the
+member holds after decoding (a wrong base, a corrupted wire, a bug in either end), never only
+the wire's bytes.
 
 Publisher side, per version and per part that carries the encoding (the group's broadcast; the
 same-host segment holds the staged bytes and its members read them as they are, and members sent
@@ -34,15 +35,14 @@ in, before the member's digest of bucket i.
 
 What an encoding may assume: the manifest (names, dtypes, offsets; every dtype's element size
 is whole bytes), the staged bytes of this version on the publisher's device, and, on the member,
-the slot's buckets on the member's device. A base version is not given today: the delta encoding
-adds it (the base's version number and digest named in the Announce, the member's copy of it
-found by the decoder, the full version instead wherever a member lacks it). Registered
-encodings (:func:`register_encoding`) must be registered on both ends.
+the slot's buckets on the member's device, and a base version where the Sender's bases name one
+(``out.base``; the member's copy of it is the decoder's ``base``). Encodings are looked up by
+name in :mod:`weightsync.planes.registry`; one registered from outside
+(``weightsync.extend.register_encoding``) must be registered on both ends.
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -52,7 +52,6 @@ import torch
 FULL = "full"
 DELTA = "delta"
 AUTO = "auto"
-_BUILT_IN_LATER = (DELTA, AUTO)  # weightsync.planes.delta, imported when first named
 
 
 @dataclass
@@ -144,50 +143,4 @@ class _FullDecoder:
         return WirePlan(buckets)
 
 
-_registered: dict[str, EncodingSpec] = {FULL: EncodingSpec(FULL, _FullEncoder(), _FullDecoder())}
-_lock = threading.Lock()
-
-
-def _lookup(name: str) -> EncodingSpec:
-    """Under ``_lock``: the spec of ``name`` (KeyError when unknown); the delta encodings are built
-    in, loaded on first use."""
-    if name in _BUILT_IN_LATER and name not in _registered:
-        from weightsync.planes import delta
-
-        for spec in delta.SPECS:
-            _registered[spec.name] = spec
-    return _registered[name]
-
-
-def register_encoding(spec: EncodingSpec) -> None:
-    """Make ``spec.name`` an encoding this process can send and receive (``Publisher(encoding=)``)."""
-    if spec.name in (FULL, *_BUILT_IN_LATER):
-        raise ValueError(f"encoding {FULL!r} is built in")
-    with _lock:
-        _registered[spec.name] = spec
-
-
-def unregister_encoding(name: str) -> None:
-    if name not in (FULL, *_BUILT_IN_LATER):
-        with _lock:
-            _registered.pop(name, None)
-
-
-def known(name: str) -> bool:
-    with _lock:
-        try:
-            _lookup(name)
-        except KeyError:
-            return False
-        return True
-
-
-def encoder(name: str) -> Encoder:
-    with _lock:
-        return _lookup(name).encoder
-
-
-def decoder(name: str) -> Decoder:
-    """KeyError for an encoding this process does not have (the member refuses the version)."""
-    with _lock:
-        return _lookup(name).decoder
+FULL_SPEC = EncodingSpec(FULL, _FullEncoder(), _FullDecoder())

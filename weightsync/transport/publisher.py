@@ -53,7 +53,8 @@ from weightsync.options import (
 )
 from weightsync.orchestrator import Orchestrator, Replacements
 from weightsync.pg.group import reconfigure_enabled, resolve_backend
-from weightsync.planes.encoding import AUTO, FULL, known
+from weightsync.planes.encoding import AUTO, FULL
+from weightsync.planes.registry import known
 from weightsync.recorder.recorder import FlightRecorder, process_recorder
 from weightsync.statistics import PublisherStatistics, PublisherTally
 from weightsync.transport import lifecycle

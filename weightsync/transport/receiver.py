@@ -68,7 +68,7 @@ from weightsync.errors import (
 from weightsync.format import layout, sharding, slicing
 from weightsync.format.checksum import KINDS, checksum
 from weightsync.options import UNBOUNDED, Deadlines
-from weightsync.planes import encoding
+from weightsync.planes import encoding, registry
 from weightsync.planes.dataplane import DataPlane, GenerationSpec, MemberContext, Transfer, plane_spec
 from weightsync.recorder.recorder import FlightRecorder
 from weightsync.statistics import SubscriberTally
@@ -436,7 +436,7 @@ class Receiver:
         told = seals.told_sizes(self._client, announce, ranges, self.deadlines.bucket, self.aborting)
         base, placer = self._targets.base(self._held, landing.placer), landing.placer
         try:
-            decoder = encoding.decoder(announce.encoding)
+            decoder = registry.decoder(announce.encoding)
             if isinstance(placer, slicing.SlicePlacer) and placer.segments:
                 # a sliced member's share is cut into its own segments (only built-in deltas go to one)
                 wire = decoder.plan(announce, landing.buckets, base, told, segments=placer.segments.__getitem__)

@@ -80,7 +80,7 @@ class Subscriber:
             this host and stages in host memory, else the group; ``"group"``: always the process
             group; ``"shm"``: shared memory, or :class:`TransportUnavailable` at ``start``;
             ``"cuda_ipc"`` is not built yet and raises :class:`TransportUnavailable`; the name of
-            a plane registered with ``weightsync.planes.dataplane.register_plane``: that plane.
+            a plane registered with ``weightsync.extend.register_plane``: that plane.
         want: a tensor-parallel engine's own tensors (names to ``DTensor`` shards on its mesh,
             or plain tensors): receive only those, each DTensor only its local shard's box,
             point to point from every trainer rank (docs/sharding.md, "Sliced receive").
