@@ -134,6 +134,9 @@ class GrouplessPlane:
     def enter(self, spec: GenerationSpec) -> None:
         return None
 
+    def view_of(self, announce: Any) -> None:
+        return None
+
     def leave(self, reason: str, *, failed: bool = False) -> None:
         return None
 

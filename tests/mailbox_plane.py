@@ -26,6 +26,7 @@ from weightsync.extend import (
     Outgoing,
     PeerFailure,
     PlaneSpec,
+    Prepared,
     PublisherContext,
     Transfer,
 )
@@ -62,7 +63,7 @@ class MailboxSend:
     def forget(self, member: str) -> None:
         self.members.discard(member)
 
-    def prepare(self, out: Outgoing, members: tuple[str, ...]) -> dict[str, Any]:
+    def prepare(self, out: Outgoing, members: tuple[str, ...]) -> Prepared:
         def post(i: int) -> None:
             with BOX.cond:
                 BOX.buckets[(self.channel, out.generation, out.seq, i)] = out.buckets[i].clone()
@@ -70,7 +71,7 @@ class MailboxSend:
                 BOX.cond.notify_all()
 
         out.afters.append(post)
-        return {}  # nothing for the Announce: a member finds the buckets by generation and seq
+        return Prepared()  # nothing more in the Announce: a member finds the buckets by generation and seq
 
     def move(self, out: Outgoing, members: tuple[str, ...]) -> None:
         """Nothing: ``post`` ran as each bucket became ready."""

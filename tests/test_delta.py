@@ -403,7 +403,7 @@ def test_a_member_refuses_a_wire_bucket_told_longer_than_any_delta_of_it() -> No
     manifest = layout.build_manifest(items)
     flat = _flat(items, manifest)
     announce = _wire.Announce(generation=1, seq=1, version=1, manifest=manifest, bucket_bytes=1 << 20, num_buckets=1,
-                              encoding="delta", wire_later=True, base=0, base_digest=b"x")
+                              coding=_wire.Coding(name="delta", later=True, base=0, base_digest=b"x"))
     most = delta.longest(delta.segments(manifest, 0, manifest.total_bytes))
     for told, fits in ((most, True), (most + 1, False), (-1, False), (1 << 40, False)):
         plan = DeltaDecoder().plan(announce, [flat], None, lambda _i, n=told: n)

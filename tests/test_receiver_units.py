@@ -255,7 +255,9 @@ def test_a_same_host_member_copies_the_announced_segment(member: Any) -> None:
         m = member(transport="shm")
         ranges = layout.bucket_ranges(manifest.total_bytes, BUCKET)
         digests = [checksum(flat[lo:hi]) for lo, hi in ranges]
-        ack = m.send(announce(7, manifest, len(ranges), segment=pool.ref(buf)), digests)
+        ref = pool.ref(buf)
+        assert ref is not None
+        ack = m.send(announce(7, manifest, len(ranges), plane=shm.announced(ref)), digests)
         assert ack.ok and m.slots.version == 7 and torch.equal(readable(m)["w"], items(5.0)[0][1])
         m.close()
     finally:
@@ -268,7 +270,7 @@ def test_a_version_is_decoded_into_the_slot_before_its_digest(member: Any) -> No
     buckets = [flat[lo:hi] for lo, hi in layout.bucket_ranges(manifest.total_bytes, BUCKET)]
     digests = [checksum(b) for b in buckets]  # the staged bytes', as the publisher seals them
     feed(0, [torch.bitwise_xor(b, xor_encoding.KEY) for b in buckets])  # what the wire carried
-    ack = m.send(announce(8, manifest, len(buckets), encoding=xor_encoding.XOR.name), digests)
+    ack = m.send(announce(8, manifest, len(buckets), coding=_wire.Coding(name=xor_encoding.XOR.name)), digests)
     assert ack.ok and torch.equal(readable(m)["w"], items(6.0)[0][1])
-    ack = m.send(announce(9, manifest, len(buckets), seq=1, encoding="no-such-encoding"), digests)
+    ack = m.send(announce(9, manifest, len(buckets), seq=1, coding=_wire.Coding(name="no-such-encoding")), digests)
     assert not ack.ok and "no-such-encoding" in ack.error and m.slots.version == 8

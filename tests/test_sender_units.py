@@ -185,7 +185,7 @@ def test_group_members_get_the_buckets_through_the_plane_and_digests_of_what_was
     report = r.put(0, items)
     assert report.members == ("a",) and moves(r.plane) == [0]
     announce, seal = a.of(_wire.Announce)[-1], a.of(_wire.Seal)[-1]
-    assert announce.segment is None and not announce.direct and announce.num_buckets == 3  # 12 KiB in 4 KiB
+    assert announce.plane == b"" and not announce.direct and announce.num_buckets == 3  # 12 KiB in 4 KiB
     assert announce.digest == kind  # the Seal's function is named, and is what was used
     assert list(seal.checksums) == digests_of(staged(r, 0), SETTINGS.bucket_bytes, kind)
 
@@ -198,11 +198,12 @@ def test_same_host_members_read_the_announced_segment_beside_the_group(rig) -> N
     assert set(report.members) == {"near", "far"}
     assert [s.members for s in r.plane.entered][-1] == ("far",)  # the same-host member is in no group
     announce = near.of(_wire.Announce)[-1]
-    assert announce.segment is not None and announce.segment.ring == 0 and announce.segment.nbytes > 0
+    segment = shm.segment_of(announce)
+    assert segment.ring == 0 and segment.nbytes > 0
     # each member is told what its own plane reads: a group member never learns the segment's token
-    assert far.of(_wire.Announce)[-1].segment is None and far.of(_wire.Announce)[-1].version == announce.version
+    assert far.of(_wire.Announce)[-1].plane == b"" and far.of(_wire.Announce)[-1].version == announce.version
     # one pass, for the group member: the same-host member reads the sealed snapshot, told no digest
-    assert announce.segment.sealed and announce.checksum is False and not near.of(_wire.Seal)
+    assert segment.sealed and announce.checksum is False and not near.of(_wire.Seal)
     assert far.of(_wire.Announce)[-1].checksum is True
     assert list(far.of(_wire.Seal)[-1].checksums) == digests_of(staged(r, 0), SETTINGS.bucket_bytes)
 
@@ -216,7 +217,7 @@ def test_a_same_host_only_generation_moves_nothing_through_the_plane_and_digests
     assert moves(r.plane) == []  # nobody in the group: the plane is not asked to move anything
     # a sealed snapshot: no Seal, no digest named (the seal, token and epoch prove it)
     announce = near.of(_wire.Announce)[-1]
-    assert announce.segment is not None and announce.segment.sealed
+    assert shm.segment_of(announce).sealed
     assert announce.checksum is False and not near.of(_wire.Seal)
 
 
@@ -227,7 +228,7 @@ def test_copy_false_to_a_same_host_member_goes_through_the_two_bucket_ring(rig) 
     items = tensors(3000, 4.0)
     assert r.put(0, items, copy=False).members == ("near",)
     announce = near.of(_wire.Announce)[-1]
-    assert announce.segment is not None and announce.segment.ring == SETTINGS.bucket_bytes  # two slots
+    assert shm.segment_of(announce).ring == SETTINGS.bucket_bytes  # two slots
     assert announce.num_buckets == 3 and len(near.of(_wire.Seal)[-1].checksums) == 3
 
 

@@ -243,8 +243,8 @@ def test_a_reused_segment_is_never_read_as_the_announced_version() -> None:
     from weightsync._errors import Cancelled, ProtocolError
     from weightsync.planes.dataplane import Transfer
 
-    def at(ref: _wire.ShmRef) -> SimpleNamespace:  # the Announce's fields the plane reads
-        return SimpleNamespace(segment=ref, generation=0, seq=0)
+    def at(ref: shm.ShmRef) -> SimpleNamespace:  # the Announce's fields the plane reads
+        return SimpleNamespace(plane=shm.announced(ref), generation=0, seq=0, version=0)
 
     pool = shm.SegmentPool("unit")
     pool.open()
@@ -274,10 +274,10 @@ def test_a_reused_segment_is_never_read_as_the_announced_version() -> None:
         with pytest.raises(Cancelled, match="failed"):
             plane.move(Transfer(3, buckets, lambda n: 10.0, announce=at(ref)))
         with pytest.raises(ProtocolError, match="not the announced segment"):
-            plane.move(Transfer(3, buckets, lambda n: 10.0, announce=at(_wire.ShmRef(
+            plane.move(Transfer(3, buckets, lambda n: 10.0, announce=at(shm.ShmRef(
                 fd=ref.fd, token=b"y" * 16, offset=0, nbytes=ref.nbytes, epoch=1))))
         with pytest.raises(ProtocolError, match="overrun"):
-            plane.move(Transfer(4, buckets, lambda n: 10.0, announce=at(_wire.ShmRef(
+            plane.move(Transfer(4, buckets, lambda n: 10.0, announce=at(shm.ShmRef(
                 fd=ref.fd, token=ref.token, offset=ref.nbytes - 10, nbytes=ref.nbytes, epoch=1))))
         pool.drop(buf)
         assert pool.ref(buf) is None

@@ -41,7 +41,7 @@ def name_problem(what: str, value: object) -> str | None:
     return (f"{what} must be 1-256 characters of letters, digits and . _ : @ + = - (starting with a letter, "
             f"digit or _; no '/', spaces or control characters), got {shown}")
 
-PROTOCOL_VERSION = 15  # 2: settings in Admit; CRC32C. 3: link probes. 4: same-host shm. 5: sharded (lanes).
+PROTOCOL_VERSION = 16  # 2: settings in Admit; CRC32C. 3: link probes. 4: same-host shm. 5: sharded (lanes).
 # 6: sliced members (Join.want, point-to-point buckets: Announce.direct)
 # 7: tied tensors sent once (Manifest.ties); Challenge.open
 # 8: each member's Announce names the version's encoding on the wire (Announce.encoding, .wire)
@@ -52,6 +52,8 @@ PROTOCOL_VERSION = 15  # 2: settings in Admit; CRC32C. 3: link probes. 4: same-h
 # 13: same-host members read snapshots in place; the publisher parks a buffer a member still reads (Ack.still_read)
 # 14: ChannelSettings.streams (a gloo group's connections per pair: every end builds as many)
 # 15: Commit.settled (activation "all": every member exposed the version; until then a member is in doubt)
+# 16: an Announce carries its encoding's fields in Announce.coding and its plane's as opaque Announce.plane
+#     (a plane or an encoding added never edits this module); the same-host ShmRef moved to planes.shm
 
 
 class TensorSpec(msgspec.Struct, frozen=True, array_like=True):
@@ -100,22 +102,6 @@ class ShmOffer(msgspec.Struct, frozen=True):
     fd: int  # the door: a one-page segment holding ``token``
     token: bytes
     boot_id: str  # the kernel's boot id: another host (or boot) has another
-
-
-class ShmRef(msgspec.Struct, frozen=True):
-    """Where an announced version's bytes lie: segment ``fd`` of the publisher, from ``offset``."""
-
-    fd: int
-    token: bytes  # the segment's own random token (its first page), checked at each mapping
-    offset: int
-    nbytes: int  # the segment's data bytes
-    epoch: int = 0  # the segment's write count when announced: a member that reads another stops
-    # a copy=False version through two bucket slots of ``ring`` bytes: bucket i is at (i % 2) * ring,
-    # written once every same-host member said it copied bucket i - 2 (``Copied``)
-    ring: int = 0
-    # sealed against writes by anyone but the publisher's own mapping (F_SEAL_FUTURE_WRITE): only
-    # then may a member read it in place (no other process can change what it verified)
-    sealed: bool = False
 
 
 class Piece(msgspec.Struct, frozen=True, array_like=True):
@@ -219,8 +205,26 @@ class Go(msgspec.Struct, frozen=True, tag="go"):
     group: tuple[str, ...] = ()  # the members that form the group, in rank order (the others read shm)
 
 
+class Coding(msgspec.Struct, frozen=True):
+    """How an announced version's buckets are encoded on the wire (``weightsync.planes.encoding``)."""
+
+    name: str = "full"  # the encoding ("full": the staged bytes as they are)
+    wire: tuple[int, ...] = ()  # each bucket's bytes on the wire; empty: the layout's (as staged)...
+    later: bool = False  # ...or told bucket by bucket in WireSizes, each before its bucket moves
+    base: int = -1  # a delta: the version it is against (the member's readable one), else -1
+    base_digest: bytes = b""  # ...and that version's digest (planes.encoding.base_digest)
+    own: bytes = b""  # the encoding's own fields: msgpack it writes and reads itself, opaque here
+
+
+FULL_CODING = Coding()
+
+
 class Announce(msgspec.Struct, frozen=True, tag="announce"):
-    """Version `version` follows on the data plane as `num_buckets` broadcasts."""
+    """Version `version` follows on the data plane as `num_buckets` buckets.
+
+    What is every plane's and every encoding's is here; a plane's own fields (where a same-host
+    member finds the segment) travel in ``plane``, which its member end decodes, and an
+    encoding's in ``coding``: neither a new plane nor a new encoding edits this module."""
 
     generation: int
     seq: int
@@ -230,15 +234,11 @@ class Announce(msgspec.Struct, frozen=True, tag="announce"):
     num_buckets: int
     resend: bool = False
     checksum: bool = True  # a Seal with this version's per-bucket digests follows its buckets
-    segment: ShmRef | None = None  # same-host members copy the version from here
     assembly: Assembly | None = None  # a sharded version: where this lane's bytes go in the full one
-    direct: bool = False  # the buckets come point to point from rank 0, each member's own (Join.want) or whole
-    encoding: str = "full"  # how the buckets are encoded on the wire (weightsync.planes.encoding)
-    wire: tuple[int, ...] = ()  # each bucket's bytes on the wire; empty: the layout's (as staged)...
-    wire_later: bool = False  # ...or told bucket by bucket in WireSizes, each before its bucket moves
-    base: int = -1  # a delta: the version it is against (the member's readable one), else -1
-    base_digest: bytes = b""  # ...and that version's digest (planes.encoding.base_digest)
+    direct: bool = False  # the buckets come point to point, each member's own (Join.want) or whole
     digest: str = "crc32c"  # the function of the Seal's per-bucket digests (format.checksum.KINDS)
+    coding: Coding = FULL_CODING  # how the buckets are encoded on the wire
+    plane: bytes = b""  # the serving plane's own fields: msgpack its two ends write and read, opaque here
 
 
 class Seal(msgspec.Struct, frozen=True, tag="seal"):

@@ -21,12 +21,14 @@ a plane and an encoding written against this module alone.
 from __future__ import annotations
 
 from weightsync._errors import Cancelled, ChecksumMismatch, LocalFailure, PeerFailure, ProtocolError
+from weightsync._wire import Coding
 from weightsync.planes.dataplane import (
     DataPlane,
     GenerationSpec,
     MemberContext,
     Outgoing,
     PlaneSpec,
+    Prepared,
     PublisherContext,
     SendPart,
     Transfer,
@@ -41,6 +43,7 @@ __all__ = [
     "Base",
     "Cancelled",
     "ChecksumMismatch",
+    "Coding",
     "DataPlane",
     "EncodingSpec",
     "GenerationSpec",
@@ -49,6 +52,7 @@ __all__ = [
     "Outgoing",
     "PeerFailure",
     "PlaneSpec",
+    "Prepared",
     "ProtocolError",
     "PublisherContext",
     "SendPart",

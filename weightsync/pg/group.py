@@ -415,6 +415,10 @@ class GroupPlane:
             raise Cancelled("no generation entered")
         self.group.exchange(transfer, sends, op="bucket_send")
 
+    def view_of(self, announce: Any) -> None:
+        """Nothing is read in place: every version is received into the slot."""
+        return None
+
     def leave(self, reason: str, *, failed: bool = False) -> None:
         # a failed generation's publisher end is torn down after its peers' (reaper.retire)
         grace = PUBLISHER_GRACE if failed and self.member == "publisher" and reason != "closed" else 0.0

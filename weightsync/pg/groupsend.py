@@ -23,7 +23,7 @@ from weightsync.format import slicing
 from weightsync.format.checksum import checksum
 from weightsync.options import MAX_STREAMS, valid_streams
 from weightsync.pg.group import GroupPlane
-from weightsync.planes.dataplane import MemberContext, Outgoing, PlaneSpec, PublisherContext, Transfer
+from weightsync.planes.dataplane import MemberContext, Outgoing, PlaneSpec, Prepared, PublisherContext, Transfer
 from weightsync.planes.encoding import AUTO, DELTA
 
 BUILT_IN_DELTAS = (DELTA, AUTO)  # the encodings a sliced member's share can take (planes.delta)
@@ -53,14 +53,13 @@ class GroupSend:
     def forget(self, member: str) -> None:
         self.wants.pop(member, None)
 
-    def prepare(self, out: Outgoing, members: tuple[str, ...]) -> dict[str, Any]:
+    def prepare(self, out: Outgoing, members: tuple[str, ...]) -> Prepared:
         plans = {m: self._plan(m, out) for m in members if m in self.wants}
         self._fanout = None
         if not (plans or out.point_to_point):  # one broadcast, in the version's encoding
             wire = out.encoded(members)
             self._wire, self._form = wire.wire, (wire.encoding, wire.base)
-            return {"direct": False, "encoding": wire.encoding, "wire": wire.sizes, "wire_later": wire.later,
-                    "base": wire.base, "base_digest": wire.base_digest}
+            return Prepared(coding=wire.coding(out.encoding))
         # point to point: each member is sent its gathered share of the staged bytes ("full"), a
         # sliced member that holds its share of the base a delta of it (planes.delta.share_coder)
         self._wire, self._form = out.buckets, ("full", -1)
@@ -88,7 +87,7 @@ class GroupSend:
 
             out.wrap(outer)
         out.afters.append(lambda i: fanout.done(i, out.checksum))
-        return {"direct": True, "each": each} if each else {"direct": True}
+        return Prepared(direct=True, each=each)
 
     def move(self, out: Outgoing, members: tuple[str, ...]) -> None:
         transfer = Transfer(out.version, self._wire, out.deadline, before=out.before, after=out.after,

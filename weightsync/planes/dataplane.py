@@ -63,6 +63,7 @@ from typing import Any, Protocol
 
 import torch
 
+from weightsync import _wire
 from weightsync.planes import registry
 from weightsync.planes.encoding import Base, WirePlan
 
@@ -117,6 +118,12 @@ class DataPlane(Protocol):
     def enter(self, spec: GenerationSpec) -> None: ...
 
     def move(self, transfer: Transfer) -> None: ...
+
+    def view_of(self, announce: Any) -> tuple[torch.Tensor, Callable[[], bool]] | None:
+        """A version this end serves where it lies instead of moving it into the slot (a sealed
+        same-host snapshot): a read-only view of its bytes and a guard (True while they are
+        unchanged); None: ``move`` receives it."""
+        ...
 
     def leave(self, reason: str, *, failed: bool = False) -> None: ...
 
@@ -231,6 +238,25 @@ class Outgoing:
         return self._wire
 
 
+@dataclass(frozen=True)
+class Prepared:
+    """What a part's ``prepare`` returns for its members: what their Announce says beyond what
+    every Announce says, and whether they check the Seal's digests."""
+
+    plane: bytes = b""  # the plane's own fields (``Announce.plane``: msgpack its member end reads)
+    coding: _wire.Coding = _wire.FULL_CODING  # how the buckets go on the wire for these members
+    direct: bool = False  # point to point: each member its own bytes (``Announce.direct``)
+    #: members with a coding of their own (a sliced member sent a delta of its share)
+    each: Mapping[str, _wire.Coding] = field(default_factory=dict)
+    checked: bool = True  # its members check the Seal's digests (False: a sealed same-host snapshot)
+
+    def coding_of(self, member: str) -> _wire.Coding:
+        return self.each.get(member, self.coding)
+
+    def codings(self) -> tuple[_wire.Coding, ...]:
+        return (self.coding, *self.each.values())
+
+
 class SendPart(Protocol):
     """The publisher's end of one plane, for the members admitted to it (see the module docstring)."""
 
@@ -241,15 +267,14 @@ class SendPart(Protocol):
     plane: Any  # the part ``in_group``: the group plane Generations forms generations through; else None
     # optional ``reads_in_place`` (read with getattr, default False): its members read a whole
     # snapshot where staging keeps it, so staging parks the buffer of a version they still read;
-    # optional ``wire_of()``: per member it sent bytes of its own (a sliced member's share), how many.
-    # ``prepare``'s fields may hold ``"each"``: per member, Announce fields of its own (its encoding)
+    # optional ``wire_of()``: per member it sent bytes of its own (a sliced member's share), how many
 
     def admit(self, member: str, want: Any) -> None: ...
 
     def forget(self, member: str) -> None: ...
 
-    def prepare(self, out: Outgoing, members: tuple[str, ...]) -> dict[str, Any]:
-        """Ready ``out`` for ``members`` (this part's, in the version); returns Announce fields.
+    def prepare(self, out: Outgoing, members: tuple[str, ...]) -> Prepared:
+        """Ready ``out`` for ``members`` (this part's, in the version); returns what their Announce says.
         Raises LocalFailure when this end cannot serve them (the put fails, nobody is blamed)."""
         ...
 

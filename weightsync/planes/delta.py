@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 
+from weightsync import _wire
 from weightsync._errors import ChecksumMismatch, ProtocolError
 from weightsync.format import delta, layout, sharding, slicing
 from weightsync.format.checksum import checksum
@@ -253,10 +254,9 @@ class SendBases:
             self._shares.pop(member, None)
         self._shares.update(shares)
 
-    def sent(self, fields: Any) -> bool:
-        """After ``prepare``: whether this attempt sends some member a delta (its parts' fields)."""
-        self.sent_delta = any(f.get("encoding", FULL) != FULL for part in fields.values()
-                              for f in (part, *part.get("each", {}).values()))
+    def sent(self, prepared: Any) -> bool:
+        """After ``prepare``: whether this attempt sends some member a delta (each part's ``Prepared``)."""
+        self.sent_delta = any(c.name != FULL for got in prepared.values() for c in got.codings())
         return self.sent_delta
 
     def acknowledged(self, job: Any, out: Any, acked: set[str], sliced: Mapping[str, Sequence[int]],
@@ -398,7 +398,7 @@ def _as_packed(out: Any, base: Base, auto: bool) -> WirePlan:
 
 
 def share_coder(out: Any, member: str, plan: Sequence[Sequence[Any]], segments: Sequence[Sequence[delta.Segment]]
-                ) -> tuple[Callable[[int, torch.Tensor], torch.Tensor], dict[str, Any]] | None:
+                ) -> tuple[Callable[[int, torch.Tensor], torch.Tensor], _wire.Coding] | None:
     """A sliced member's deltas: ``code(i, share)``, its share of bucket i (``plan``: its routes)
     encoded against its share of the base, each segment as :func:`weightsync.format.delta.encode`
     chooses (``"auto"``: dense ones as they are), its length told to it alone; and the Announce
@@ -428,7 +428,7 @@ def share_coder(out: Any, member: str, plan: Sequence[Sequence[Any]], segments: 
         out.tell_sizes(i, (wire.numel(),), (member,))
         return wire
 
-    return code, {"encoding": DELTA, "base": base.version, "base_digest": digest, "wire_later": True, "wire": ()}
+    return code, _wire.Coding(name=DELTA, base=base.version, base_digest=digest, later=True)
 
 
 class DeltaDecoder:
@@ -440,14 +440,15 @@ class DeltaDecoder:
         manifest = announce.manifest
         ranges = (layout.bucket_ranges(manifest.total_bytes, announce.bucket_bytes) if announce.assembly is None
                   else sharding.bucket_plan(manifest, announce.bucket_bytes))
-        if len(ranges) != len(buckets) or not announce.wire_later or sizes is None:
+        if len(ranges) != len(buckets) or not announce.coding.later or sizes is None:
             raise ChecksumMismatch(f"version {announce.version}: a delta whose wire buckets are not told as they "
                                    f"go, or of {len(ranges)} buckets for {len(buckets)}")
         refused = ""
         if base is None:
             refused = "this member holds no base version"
-        elif (base.version, base.digest) != (announce.base, announce.base_digest):
-            refused = f"this member holds version {base.version}, not the base {announce.base} (or not its bytes)"
+        elif (base.version, base.digest) != (announce.coding.base, announce.coding.base_digest):
+            refused = (f"this member holds version {base.version}, not the base {announce.coding.base} "
+                       "(or not its bytes)")
         elif base.manifest != manifest or base.assembly != announce.assembly:
             refused = "the base is in another layout"
         device = buckets[0].device if buckets else torch.device("cpu")

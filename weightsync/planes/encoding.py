@@ -49,6 +49,8 @@ from typing import Any, Protocol
 
 import torch
 
+from weightsync import _wire
+
 FULL = "full"
 DELTA = "delta"
 AUTO = "auto"
@@ -74,6 +76,12 @@ class WirePlan:
     told: list[int] = field(default_factory=list)  # publisher, ``later``: the lengths told so far
     before: Callable[[int], None] | None = None  # member, ``later``: sizes wire bucket i before it moves
     close: Callable[[], None] | None = None  # publisher: the version is done with; stop encoding
+    own: bytes = b""  # publisher: the encoding's own Announce fields (msgpack its decoder reads)
+
+    def coding(self, asked: str = FULL) -> _wire.Coding:
+        """What the Announce says of this wire form (``asked``: the encoding named when the plan names none)."""
+        return _wire.Coding(name=self.encoding or asked, wire=self.sizes, later=self.later, base=self.base,
+                            base_digest=self.base_digest, own=self.own)
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from typing import Any
 import msgspec
 
 from weightsync._errors import InternalError, own_hook
-from weightsync.planes.dataplane import Outgoing, PublisherContext, SendPart, plane_spec
+from weightsync.planes.dataplane import Outgoing, Prepared, PublisherContext, SendPart, plane_spec
 
 
 class SendSide:
@@ -67,9 +67,16 @@ class SendSide:
             by.setdefault(self.part_of(member), []).append(member)
         return {part: tuple(ms) for part, ms in by.items()}
 
-    def prepare(self, out: Outgoing, by: Mapping[SendPart, tuple[str, ...]]) -> dict[SendPart, dict[str, Any]]:
-        """Each part's Announce fields for its members."""
-        return {part: part.prepare(out, members) for part, members in by.items()}
+    def prepare(self, out: Outgoing, by: Mapping[SendPart, tuple[str, ...]]) -> dict[SendPart, Prepared]:
+        """What each part's members' Announce says (:class:`~weightsync.planes.dataplane.Prepared`)."""
+        got: dict[SendPart, Prepared] = {}
+        for part, members in by.items():
+            prepared = part.prepare(out, members)
+            if not isinstance(prepared, Prepared):
+                raise InternalError(f"the {part.name!r} plane's prepare returned {type(prepared).__name__}, "
+                                    "not a weightsync.extend.Prepared")
+            got[part] = prepared
+        return got
 
     def move(self, out: Outgoing, by: Mapping[SendPart, tuple[str, ...]]) -> None:
         drivers = [part for part in by if part.drives]
@@ -87,17 +94,18 @@ class SendSide:
 
     @staticmethod
     def announce(tell: Callable[[tuple[str, ...], Any], None], announce: Any,
-                 by: Mapping[SendPart, tuple[str, ...]], fields: Mapping[SendPart, Mapping[str, Any]]) -> None:
-        """Tell each part's members ``announce`` with that part's fields; a member with fields of its
-        own (``"each"``: a sliced member's delta) gets those too."""
+                 by: Mapping[SendPart, tuple[str, ...]], prepared: Mapping[SendPart, Prepared]) -> None:
+        """Tell each part's members ``announce`` with what their part prepared; a member with a
+        coding of its own (a sliced member's delta) gets that."""
         for part, to in by.items():
-            own = dict(fields[part])
-            each = own.pop("each", {})
-            rest = tuple(m for m in to if m not in each)
+            got = prepared[part]
+            mine = msgspec.structs.replace(announce, plane=got.plane, coding=got.coding, direct=got.direct,
+                                           checksum=announce.checksum and got.checked)
+            rest = tuple(m for m in to if m not in got.each)
             if rest:
-                tell(rest, msgspec.structs.replace(announce, **own) if own else announce)
-            for member, extra in each.items():
-                tell((member,), msgspec.structs.replace(announce, **own, **extra))
+                tell(rest, mine)
+            for member, coding in got.each.items():
+                tell((member,), msgspec.structs.replace(mine, coding=coding))
 
     def seal(self, tell: Callable[[tuple[str, ...], Any], None], seal: Any, by: Mapping[SendPart, tuple[str, ...]],
              unchecked: set[SendPart], sums: Sequence[int]) -> None:

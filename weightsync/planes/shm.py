@@ -59,6 +59,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
 import torch
 
 from weightsync import _wire
@@ -124,6 +125,41 @@ def _create(name: str, nbytes: int, token: bytes) -> tuple[int, torch.Tensor, bo
     return fd, whole, sealed
 
 
+class ShmRef(msgspec.Struct, frozen=True):
+    """Where an announced version's bytes lie: segment ``fd`` of the publisher, from ``offset``."""
+
+    fd: int
+    token: bytes  # the segment's own random token (its first page), checked at each mapping
+    offset: int
+    nbytes: int  # the segment's data bytes
+    epoch: int = 0  # the segment's write count when announced: a member that reads another stops
+    # a copy=False version through two bucket slots of ``ring`` bytes: bucket i is at (i % 2) * ring,
+    # written once every same-host member said it copied bucket i - 2 (``Copied``)
+    ring: int = 0
+    # sealed against writes by anyone but the publisher's own mapping (F_SEAL_FUTURE_WRITE): only
+    # then may a member read it in place (no other process can change what it verified)
+    sealed: bool = False
+
+
+class ShmFields(msgspec.Struct, frozen=True):
+    """The ``"shm"`` plane's own fields of an Announce (``Announce.plane``): the segment to read."""
+
+    segment: ShmRef
+
+
+def announced(ref: ShmRef) -> bytes:
+    """``Announce.plane`` for a same-host member reading ``ref``."""
+    return msgspec.msgpack.encode(ShmFields(segment=ref))
+
+
+def segment_of(announce: Any) -> ShmRef:
+    """The segment ``announce`` names (``Announce.plane``); ProtocolError when it names none."""
+    try:
+        return msgspec.msgpack.decode(announce.plane, type=ShmFields).segment
+    except (msgspec.DecodeError, AttributeError) as err:
+        raise ProtocolError(f"version {announce.version} was announced without a segment to read: {err}") from None
+
+
 class SegmentPool:
     """The publisher's segments: the door, and one per staging buffer (``allocate``/``drop``)."""
 
@@ -159,7 +195,7 @@ class SegmentPool:
             self._segments[data.data_ptr()] = (fd, token, whole, sealed)
         return data
 
-    def ref(self, buf: torch.Tensor) -> _wire.ShmRef | None:
+    def ref(self, buf: torch.Tensor) -> ShmRef | None:
         """Where a member finds ``buf`` (a staging buffer, or its first bytes), or None if not ours."""
         with self._lock:
             found = self._segments.get(buf.data_ptr())
@@ -167,7 +203,7 @@ class SegmentPool:
             return None
         fd, token, whole, sealed = found
         epoch = int(whole[EPOCH_AT:EPOCH_AT + 8].view(torch.int64)[0])
-        return _wire.ShmRef(fd=fd, token=token, offset=0, nbytes=whole.numel() - HEADER, epoch=epoch, sealed=sealed)
+        return ShmRef(fd=fd, token=token, offset=0, nbytes=whole.numel() - HEADER, epoch=epoch, sealed=sealed)
 
     def reuse(self, buf: torch.Tensor) -> None:
         """Staging is about to write ``buf`` again: bump its epoch first, so a member still copying
@@ -282,7 +318,7 @@ class ShmPlane:
     def leave(self, reason: str, *, failed: bool = False) -> None:
         return None
 
-    def _segment(self, ref: _wire.ShmRef) -> tuple[int, int]:
+    def _segment(self, ref: ShmRef) -> tuple[int, int]:
         found = self._mapped.get(ref.token)
         if found is None:
             found = _map(self.pid, ref.fd, ref.token)
@@ -297,7 +333,15 @@ class ShmPlane:
         # object alive, not its pages); it is unmapped when the last reference goes
         self._mapped.pop(token)
 
-    def view(self, ref: _wire.ShmRef, nbytes: int) -> tuple[torch.Tensor, Callable[[], bool]]:
+    def view_of(self, announce: Any) -> tuple[torch.Tensor, Callable[[], bool]] | None:
+        """A sealed snapshot ``announce`` names, read where it lies (its view and guard); None for
+        what is copied out instead (a ``copy=False`` ring, an unsealed segment, an encoded version)."""
+        ref = segment_of(announce)
+        if ref.ring or not ref.sealed or announce.coding.name != "full":
+            return None
+        return self.view(ref, announce.manifest.total_bytes)
+
+    def view(self, ref: ShmRef, nbytes: int) -> tuple[torch.Tensor, Callable[[], bool]]:
         """The announced snapshot's ``nbytes`` as a read-only tensor on the segment, and a guard:
         True while the segment's epoch is still the announced one (nothing rewrote it)."""
         if ref.ring:
@@ -321,9 +365,7 @@ class ShmPlane:
 
     def move(self, transfer: Transfer) -> None:
         announce = transfer.announce
-        ref = getattr(announce, "segment", None)
-        if not isinstance(ref, _wire.ShmRef):
-            raise ProtocolError(f"version {transfer.version} was announced without a segment to read")
+        ref = segment_of(announce)
         base, size = self._segment(ref)
         total = sum(b.numel() for b in transfer.buckets)
         ring = ref.ring  # copy=False: bucket i in slot i % 2 of two (written once we said we copied i - 2)
@@ -364,7 +406,7 @@ class ShmPlane:
         # read after the copies: a publisher that started writing meanwhile bumped it first
         self._check_epoch(ref, transfer.version)
 
-    def _await_ready(self, ref: _wire.ShmRef, end: int, transfer: Transfer) -> None:
+    def _await_ready(self, ref: ShmRef, end: int, transfer: Transfer) -> None:
         """Until the publisher's snapshot has copied the first ``end`` bytes of the segment."""
         mapping = self._mapped[ref.token][0]
         deadline = None
@@ -386,7 +428,7 @@ class ShmPlane:
             time.sleep(pause)  # a snapshot copies about a bucket per few ms: a short poll is enough
             pause = min(pause * 2, POLL_MAX)
 
-    def _check_epoch(self, ref: _wire.ShmRef, version: int) -> None:
+    def _check_epoch(self, ref: ShmRef, version: int) -> None:
         mapping = self._mapped[ref.token][0]
         (epoch,) = _EPOCH.unpack_from(mapping, EPOCH_AT)
         if epoch != ref.epoch:

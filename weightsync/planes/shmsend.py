@@ -18,10 +18,9 @@ from typing import Any
 
 import msgspec
 
-from weightsync import _wire
 from weightsync._errors import LocalFailure, PeerFailure
-from weightsync.planes.dataplane import MemberContext, Outgoing, PlaneSpec, PublisherContext
-from weightsync.planes.shm import SegmentPool, ShmPlane
+from weightsync.planes.dataplane import MemberContext, Outgoing, PlaneSpec, Prepared, PublisherContext
+from weightsync.planes.shm import SegmentPool, ShmPlane, ShmRef, announced
 
 #: x86 keeps one thread's stores in order for every other reader (TSO): a member that sees the
 #: pipelined snapshot's ready count sees the bytes written before it
@@ -46,11 +45,11 @@ class ShmSend:
     def forget(self, member: str) -> None:
         """Nothing kept per member."""
 
-    def prepare(self, out: Outgoing, members: tuple[str, ...]) -> dict[str, Any]:
+    def prepare(self, out: Outgoing, members: tuple[str, ...]) -> Prepared:
         if out.snapshot is None and self._segments is not None:  # copy=False: through the ring
             ref = self._ring(min(out.bucket_bytes, out.manifest.total_bytes))
             out.wrap(lambda pack: self._turns(pack, members, out))
-            return {"segment": ref}
+            return Prepared(plane=announced(ref))
         ref = self._segment_for(out)
         # A sealed snapshot needs no digest on either side: no other process can write it (the
         # seal), the members read or copy the very pages the publisher staged, and its epoch says
@@ -59,7 +58,7 @@ class ShmSend:
         # the members as they copy), and a snapshot still being taken as it is announced where
         # the CPU may reorder stores (the digest catches a read that ran ahead of the data).
         proved = ref.sealed and (out.progress is None or STORES_IN_ORDER)
-        return {"segment": ref, "checksum": False} if proved else {"segment": ref}
+        return Prepared(plane=announced(ref), checked=not proved)
 
     def move(self, out: Outgoing, members: tuple[str, ...]) -> None:
         """Nothing to move: the members copy out of the segment themselves."""
@@ -70,7 +69,7 @@ class ShmSend:
     def close(self) -> None:
         """The segments belong to the publisher, which closes them after its sender thread."""
 
-    def _ring(self, size: int) -> _wire.ShmRef:
+    def _ring(self, size: int) -> ShmRef:
         """The two bucket buffers' segment, its epoch bumped (a member still reading the last version stops)."""
         assert self._segments is not None
         bufs = self._ctx.buckets.get(size)
@@ -99,7 +98,7 @@ class ShmSend:
 
         return turn
 
-    def _segment_for(self, out: Outgoing) -> _wire.ShmRef:
+    def _segment_for(self, out: Outgoing) -> ShmRef:
         """Where same-host members read the version's snapshot."""
         if self._segments is None or out.snapshot is None:
             raise LocalFailure("same-host members, but no shared memory to serve them")

@@ -103,13 +103,11 @@ class Targets:
         return landing
 
     def _in_place(self, announce: _wire.Announce, plane: Any) -> tuple[torch.Tensor, Callable[[], bool]] | None:
-        """A same-host snapshot this member reads where it lies (planes.shm): its view and guard."""
-        ref = getattr(announce, "segment", None)
-        view = getattr(plane, "view", None)
-        if (not isinstance(ref, _wire.ShmRef) or ref.ring or not ref.sealed or view is None
-                or announce.encoding != "full" or self.device.type != "cpu"):
+        """A version this member reads where it lies (its plane's ``view_of``: a sealed same-host
+        snapshot, planes.shm), its view and guard; None where it is received into the slot."""
+        if self.device.type != "cpu":
             return None
-        return view(ref, announce.manifest.total_bytes)
+        return plane.view_of(announce)
 
     def _sliced(self, announce: _wire.Announce, ranges: list[tuple[int, int]], readers: float) -> Landing:
         """A sliced member's slot for ``announce`` and where each bucket's share of it lands."""
@@ -132,7 +130,7 @@ class Targets:
             slot, epoch = self._slots.prepare_part(self.lane, mine, readers)
         try:
             placer = slicing.SlicePlacer(slot, plan)
-            if announce.encoding in (encoding.DELTA, encoding.AUTO):
+            if announce.coding.name in (encoding.DELTA, encoding.AUTO):
                 placer.segments = slicing.cached_share_segments(announce.manifest, pieces, full, self.want,
                                                                 tuple(ranges))
         except ValueError as err:

@@ -436,7 +436,7 @@ class Receiver:
         told = seals.told_sizes(self._client, announce, ranges, self.deadlines.bucket, self.aborting)
         base, placer = self._targets.base(self._held, landing.placer), landing.placer
         try:
-            decoder = registry.decoder(announce.encoding)
+            decoder = registry.decoder(announce.coding.name)
             if isinstance(placer, slicing.SlicePlacer) and placer.segments:
                 # a sliced member's share is cut into its own segments (only built-in deltas go to one)
                 wire = decoder.plan(announce, landing.buckets, base, told, segments=placer.segments.__getitem__)
@@ -444,10 +444,11 @@ class Receiver:
                 wire = (decoder.plan(announce, landing.buckets, base) if told is None
                         else decoder.plan(announce, landing.buckets, base, told))
         except KeyError:
-            raise ProtocolError(f"version {announce.version} is in encoding {announce.encoding[:32]!r}, "
+            raise ProtocolError(f"version {announce.version} is in encoding {announce.coding.name[:32]!r}, "
                                 "which this member does not have") from None
-        if announce.wire and tuple(b.numel() for b in wire.wire) != announce.wire:
-            raise ProtocolError(f"version {announce.version}: wire buckets of {list(announce.wire)[:4]} bytes, "
+        told_wire = announce.coding.wire
+        if told_wire and tuple(b.numel() for b in wire.wire) != told_wire:
+            raise ProtocolError(f"version {announce.version}: wire buckets of {list(told_wire)[:4]} bytes, "
                                 f"the decoder planned {[b.numel() for b in wire.wire][:4]}")
         return landing, ranges, wire
 
@@ -488,7 +489,7 @@ class Receiver:
             self._plane.move(Transfer(announce.version, wire.wire, self.deadlines.bucket, before=wire.before,
                                       after=after,
                                       cancelled=lambda: self.aborting.is_set() or not self._client.commands.empty(),
-                                      announce=announce, encoding=announce.encoding, base=announce.base))
+                                      announce=announce, encoding=announce.coding.name, base=announce.coding.base))
         finally:
             spent.in_move = time.monotonic() - spent.moving
         if wire.check is not None:
@@ -497,8 +498,8 @@ class Receiver:
             except ChecksumMismatch as err:
                 self._rec.record("checksum", generation=announce.generation, version=announce.version).fail(err)
                 log.warning("%s: version %d: its delta against version %d did not apply (%s); not made readable "
-                            "(the publisher re-sends it in full)", self.member_id, announce.version, announce.base,
-                            err)
+                            "(the publisher re-sends it in full)", self.member_id, announce.version,
+                            announce.coding.base, err)
                 raise
         return sums
 

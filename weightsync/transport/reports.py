@@ -14,7 +14,7 @@ from weightsync.transport.staging import Job
 FULL = "full"
 
 
-def forms(job: Job, by: Mapping[Any, tuple[str, ...]], fields: Mapping[Any, Mapping[str, Any]],
+def forms(job: Job, by: Mapping[Any, tuple[str, ...]], prepared: Mapping[Any, Any],
           encoded: int | None, own: Mapping[str, int]) -> dict[str, tuple[str, int]]:
     """Per member in an attempt: the encoding it was sent in, and the bytes that put on the wire
     (``encoded``: an encoded version's, once moved; ``own``: members sent their own bytes, a
@@ -22,12 +22,11 @@ def forms(job: Job, by: Mapping[Any, tuple[str, ...]], fields: Mapping[Any, Mapp
     out: dict[str, tuple[str, int]] = {}
     whole_snapshot = job.flat is not None and job.assembly is None
     for part, to in by.items():
-        got = fields[part]
-        each = got.get("each", {})
+        got = prepared[part]
         # a same-host member reading the snapshot in place: nothing moved for it
         in_place = whole_snapshot and getattr(part, "reads_in_place", False)
         for member in to:
-            name = each.get(member, got).get("encoding", FULL)
+            name = got.coding_of(member).name
             size = encoded if name != FULL and encoded is not None else job.manifest.total_bytes
             out[member] = (name, 0 if in_place else own.get(member, size))
     return out

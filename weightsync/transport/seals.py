@@ -29,7 +29,7 @@ def told_sizes(client: Any, announce: _wire.Announce, ranges: list[tuple[int, in
     """For an Announce with ``wire_later``: ``size(i)`` waits (``bound`` of the bucket's staged bytes)
     for wire bucket i's length, told in a WireSizes on ``client``'s connection before that bucket
     moves (the publisher encodes a bucket while the ones before it are on the wire); None otherwise."""
-    if not announce.wire_later:
+    if not announce.coding.later:
         return None
     told: dict[int, int] = {}
     key = (announce.generation, announce.seq)

@@ -46,7 +46,7 @@ from weightsync.membership.generations import Control, Generations, Rendezvous
 from weightsync.membership.membership import MemberInfo, Membership, StragglerPolicy
 from weightsync.membership.scoring import Scoring
 from weightsync.options import Deadlines
-from weightsync.planes.dataplane import DataPlane, Outgoing, PublisherContext, SendPart
+from weightsync.planes.dataplane import DataPlane, Outgoing, Prepared, PublisherContext, SendPart
 from weightsync.planes.delta import KeptBase, SendBases
 from weightsync.planes.sendside import SendSide
 from weightsync.planes.shmsend import InPlaceLeases
@@ -350,7 +350,7 @@ class Sender:
         gen, seq = self.membership.generation, gens.next_seq()
         t0 = time.monotonic()
         out, by, fields = self._prepare(gens, job, members, gen, seq, direct=direct, full=full, kept=kept)
-        unchecked = {part for part, f in fields.items() if f.get("checksum", out.checksum) is False}
+        unchecked = {part for part, got in fields.items() if not got.checked}
         if out.checksum and by and not set(by) - unchecked:
             out.checksum = False  # digests only where a part's members check them (a sealed snapshot is not checked)
         try:
@@ -368,7 +368,7 @@ class Sender:
 
     def _prepare(self, gens: Generations, job: Job, members: tuple[str, ...], gen: int, seq: int, *,
                  direct: bool, full: bool, kept: KeptBase | None
-                 ) -> tuple[Outgoing, dict[SendPart, tuple[str, ...]], dict[SendPart, dict[str, Any]]]:
+                 ) -> tuple[Outgoing, dict[SendPart, tuple[str, ...]], dict[SendPart, Prepared]]:
         """The attempt's Outgoing, its members split by part, and each part's Announce fields."""
         assert self.side is not None
         ranges = (layout.bucket_ranges(job.manifest.total_bytes, self.settings.bucket_bytes) if job.assembly is None
@@ -399,7 +399,7 @@ class Sender:
         return out, by, fields
 
     def _transfer(self, gens: Generations, job: Job, out: Outgoing, by: dict[SendPart, tuple[str, ...]],
-                  fields: dict[SendPart, dict[str, Any]], members: tuple[str, ...], gen: int, seq: int,
+                  fields: dict[SendPart, Prepared], members: tuple[str, ...], gen: int, seq: int,
                   unchecked: set[SendPart]) -> list[int]:
         """Announce (one per part: each names what its members read), move, Seal; returns the staged
         buckets' digests (the Seal's, and what names this version as a base)."""
@@ -436,7 +436,7 @@ class Sender:
         return sums
 
     def _acknowledged(self, gens: Generations, job: Job, out: Outgoing, by: dict[SendPart, tuple[str, ...]],
-                      fields: dict[SendPart, dict[str, Any]], members: tuple[str, ...],
+                      fields: dict[SendPart, Prepared], members: tuple[str, ...],
                       at: tuple[int, int, float], sums: list[int], acked: set[str],
                       failed: set[str]) -> set[str] | None:
         """What the acknowledgements say: who holds what, who was slow, the Commit; None on success."""
