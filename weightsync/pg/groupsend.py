@@ -5,8 +5,9 @@ Broadcast members and point-to-point members (sliced receive) are one part, not 
 the generation's one communicator, and while a sliced member is in a generation every member of
 it is sent its bytes point to point (docs/sharding.md says why not a broadcast then), so which
 of the two a version takes is decided per version by who is in it, not per member. Point to
-point, each sliced member's encoding is its own (a delta of its share where it holds its share
-of the base: ``planes.delta.share_coder``), named in an Announce of its own.
+point, each sliced member's encoding is its own (where the version's encoding codes shares, its
+encoder's ``share``: the built-in deltas send a delta of its share where it holds its share of the
+base), named in an Announce of its own.
 """
 
 from __future__ import annotations
@@ -23,10 +24,8 @@ from weightsync.format import slicing
 from weightsync.format.checksum import checksum
 from weightsync.options import MAX_STREAMS, valid_streams
 from weightsync.pg.group import GroupPlane
+from weightsync.planes import registry
 from weightsync.planes.dataplane import MemberContext, Outgoing, PlaneSpec, Prepared, PublisherContext, Transfer
-from weightsync.planes.encoding import AUTO, DELTA
-
-BUILT_IN_DELTAS = (DELTA, AUTO)  # the encodings a sliced member's share can take (planes.delta)
 
 
 class GroupSend:
@@ -60,24 +59,22 @@ class GroupSend:
             wire = out.encoded(members)
             self._wire, self._form = wire.wire, (wire.encoding, wire.base)
             return Prepared(coding=wire.coding(out.encoding))
-        # point to point: each member is sent its gathered share of the staged bytes ("full"), a
-        # sliced member that holds its share of the base a delta of it (planes.delta.share_coder)
+        # point to point: each member is sent its gathered share of the staged bytes ("full"), or
+        # coded by the encoding's own share coder (the deltas: a delta of its share of the base)
         self._wire, self._form = out.buckets, ("full", -1)
         device = out.buckets[0].device if out.buckets else self._ctx.buckets.device
         coders, each = {}, {}
-        if out.encoding in BUILT_IN_DELTAS:
-            from weightsync.planes import delta
-
-            for member, plan in plans.items():
-                made = None if plan is None else delta.share_coder(out, member, plan, self._segments(member, out))
-                if made is not None:
-                    coders[member], each[member] = made
+        share = registry.share_coder(out.encoding)
+        for member, plan in plans.items():
+            made = None if plan is None or share is None else share(out, member, plan, self.wants[member])
+            if made is not None:
+                coders[member], each[member] = made
         fanout = slicing.Fanout(members, plans, self._gathers.for_plans(plans, device),
                                 functools.partial(checksum, kind=out.digest), coders)
         self._fanout = fanout
         if coders:
-            assert out.base is not None
-            self._form = ("delta", out.base.version)
+            coding = next(iter(each.values()))
+            self._form = (coding.name, coding.base)
 
             def outer(inner: Callable[[int], None]) -> Callable[[int], None]:
                 def packed_then_encoded(i: int) -> None:
@@ -107,11 +104,6 @@ class GroupSend:
     def wire_of(self) -> Mapping[str, int]:
         """Per member sent its share point to point: the bytes that put on the wire for it."""
         return {} if self._fanout is None else self._fanout.wire
-
-    def _segments(self, member: str, out: Outgoing) -> tuple[tuple[Any, ...], ...]:
-        full = out.manifest if out.assembly is None else out.assembly.manifest
-        return slicing.cached_share_segments(out.manifest, None if out.assembly is None else out.assembly.pieces,
-                                             full, self.wants[member], tuple(out.ranges))
 
     def close(self) -> None:
         """The plane is closed by Generations, which formed its groups."""

@@ -286,6 +286,15 @@ class DeltaEncoder:
     def __init__(self, auto: bool) -> None:
         self.auto = auto
 
+    def share(self, out: Any, member: str, plan: Sequence[Sequence[Any]], want: Any
+              ) -> tuple[Callable[[int, torch.Tensor], torch.Tensor], _wire.Coding] | None:
+        """A sliced member's share of each bucket as a delta of its share of the base (``plan``: its
+        routes, ``want``: its boxes), or None where it goes full (:func:`share_coder`)."""
+        full = out.manifest if out.assembly is None else out.assembly.manifest
+        pieces = None if out.assembly is None else out.assembly.pieces
+        segments = slicing.cached_share_segments(out.manifest, pieces, full, want, tuple(out.ranges))
+        return share_coder(out, member, plan, segments)
+
     def plan(self, out: Any) -> WirePlan:
         base: Base | None = out.base
         out.full_reason = why_full(out, base, out.receivers)

@@ -119,6 +119,12 @@ def base_digest(version: int, checksums: Sequence[int]) -> bytes:
 
 
 class Encoder(Protocol):
+    """The publisher's end of an encoding. Optional, with a default of none: ``share(out, member,
+    plan, want)``, a sliced member's share of each bucket in this encoding (``plan``: its routes of
+    each bucket, ``want``: its boxes): ``(code(i, share) -> wire, the Coding its Announce names)``,
+    or None where that member goes ``"full"``; an encoder without it sends sliced members their
+    shares as staged (:func:`weightsync.planes.registry.share_coder`)."""
+
     def plan(self, out: Any) -> WirePlan: ...
 
 

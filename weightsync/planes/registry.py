@@ -10,6 +10,8 @@ no import circle.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
+from typing import Any
 
 from weightsync.planes.encoding import AUTO, DELTA, FULL, FULL_SPEC, Decoder, Encoder, EncodingSpec
 
@@ -61,3 +63,10 @@ def decoder(name: str) -> Decoder:
     """KeyError for an encoding this process does not have (the member refuses the version)."""
     with _lock:
         return _lookup(name).decoder
+
+
+def share_coder(name: str) -> Callable[..., Any] | None:
+    """Encoding ``name``'s coder of a sliced member's share (its encoder's optional ``share``), or
+    None: such members are sent their shares as staged (``"full"``)."""
+    share: Callable[..., Any] | None = getattr(encoder(name), "share", None)
+    return share
