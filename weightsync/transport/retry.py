@@ -66,7 +66,9 @@ def verdict(attempt: Attempt, job: Any, failed: set[str] | None, gens: Any, *, b
         attempt.tree, attempt.direct, attempt.blamed = (group, corrupt), True, corrupt
         return "direct"
     attempt.blamed = failed | relays
-    if leavers(attempt.blamed):
+    left = leavers(attempt.blamed)
+    if left:
+        attempt.blamed = left  # the step names only those that left: the others were their victims
         attempt.budget += 1
         return "left"
     return "rebuild"
