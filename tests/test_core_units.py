@@ -726,8 +726,17 @@ def test_a_probe_is_timed_by_when_its_bytes_arrived_not_by_when_the_reader_read_
         half, gap = len(body) // 2, 0.3
         # a reader waiting for the frame: the second half comes ``gap`` after the first
         got: list[tuple[bytes, float | None]] = []
-        waiting = threading.Thread(target=lambda: got.append(client_mod._read_stamped_frame(reader, MAX_FRAME)))
+        entered = threading.Event()
+
+        def read() -> None:
+            entered.set()
+            got.append(client_mod._read_stamped_frame(reader, MAX_FRAME))
+
+        waiting = threading.Thread(target=read)
         waiting.start()
+        # the reader is running before the first half is sent (on 2 loaded cores its thread once
+        # started after both halves had come, read them in one go and had no gap to measure)
+        assert entered.wait(10)
         writer.sendall(HEADER.pack(len(body)) + body[:half])
         time.sleep(gap)
         writer.sendall(body[half:])

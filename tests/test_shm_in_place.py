@@ -337,3 +337,45 @@ async def test_a_reader_holding_a_version_too_long_is_evicted_and_its_block_refu
                         await (await pub.put(sds[v], version=v)).delivered(timeout=30)
                     dict(w)  # what the views hold now is not version 0: the block's exit says so
             assert pub.peak_snapshots() <= 2 + 2
+
+
+@pytest.mark.asyncio
+async def test_a_read_in_place_torn_by_the_members_eviction_ends_in_evicted_and_rejoin_reads_on() -> None:
+    """``get_into`` copies a version out of the publisher's shared memory while its member is dropped
+    (as a generator frozen with SIGSTOP mid-copy is) and the publisher writes that buffer again: the
+    copy is torn. It raised Superseded, which the README's loop does not expect, and the generator
+    died (tests/test_faults.py, 2 runs in 3 on a loaded machine); and where the stopping receiver
+    had swapped the slot's bytes for a private copy meanwhile, the read was checked against that
+    copy (nothing to check) instead of the segment it read. Now the read is checked against what it
+    began on, and the call waits for what the publisher did: Evicted, on which the loop rejoins and
+    reads on, bit-exact."""
+    sds = [model(v, mib=2) for v in range(5)]
+    async with ws.Publisher("torn", timeout=4, bucket_bytes=2 * MIB, encoding="full") as pub:
+        sub = ws.Subscriber("torn", address=pub.address, member_id="m", timeout=4, transport="shm")
+        async with sub:
+            await pub.wait_subscribers(1, timeout=20)
+            await (await pub.put(sds[0], version=0)).delivered(timeout=30)
+            inside, go_on = threading.Event(), threading.Event()
+            copy = sub._copy_into  # noqa: SLF001 - the copy held half-way, as a frozen process holds it
+
+            def held(slot, flat, dest) -> None:  # noqa: ANN001 - the read began on the segment's view
+                inside.set()
+                go_on.wait(30)
+                copy(slot, flat, dest)  # ...and reads it after the publisher wrote it again
+
+            sub._copy_into = held  # type: ignore[method-assign]  # noqa: SLF001
+            dest = {name: torch.zeros_like(t) for name, t in sds[0].items()}
+            reading = asyncio.ensure_future(sub.get_into(dest, min_version=0, timeout=30))
+            assert await asyncio.to_thread(inside.wait, 10)
+            await pub.evict("m")
+            for v in (1, 2):  # to nobody: version 0's buffer is written again (nobody reads it in place now)
+                assert (await (await pub.put(sds[v], version=v)).delivered(timeout=30)).members == ()
+            go_on.set()
+            with pytest.raises(ws.Evicted):
+                await reading
+            sub._copy_into = copy  # type: ignore[method-assign]  # noqa: SLF001
+            await sub.rejoin()
+            await pub.wait_subscribers(1, timeout=20)
+            assert (await (await pub.put(sds[3], version=3)).delivered(timeout=30)).members == ("m",)
+            assert await sub.get_into(dest, min_version=3, timeout=10) == 3
+            assert digests(dest) == digests(sds[3])

@@ -130,7 +130,7 @@ class Targets:
             slot, epoch = self._slots.prepare_part(self.lane, mine, readers)
         try:
             placer = slicing.SlicePlacer(slot, plan)
-            if announce.coding.name in (encoding.DELTA, encoding.AUTO):
+            if announce.coding.name != encoding.FULL:  # a coded share: its decoder is given its segments
                 placer.segments = slicing.cached_share_segments(announce.manifest, pieces, full, self.want,
                                                                 tuple(ranges))
         except ValueError as err:

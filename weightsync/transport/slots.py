@@ -35,10 +35,6 @@ class Slot:
         self.readers = 0
         self.guard: Callable[[], bool] | None = None  # in place: the segment still holds this version
 
-    def intact(self) -> bool:
-        """After a read: its bytes were this version's all along (always, unless in place)."""
-        return self.guard is None or self.guard()
-
 
 class SlotPair:
     def __init__(self, device: torch.device) -> None:
@@ -131,6 +127,17 @@ class SlotPair:
             slot = self.readable
             slot.readers += 1
             return slot
+
+    def pin_read(self) -> tuple[Slot, torch.Tensor | None, Callable[[], bool] | None]:
+        """The readable slot, pinned, with the bytes a read takes and the guard that says after the
+        read whether they were its version all along, taken together: ``keep_own`` swaps an
+        in-place slot's bytes for a private copy when the receiver stops, while a read that began
+        on the segment goes on reading it, and only that segment's guard tells whether the
+        publisher wrote it meanwhile."""
+        with self.cond:
+            slot = self.readable
+            slot.readers += 1
+            return slot, slot.flat, slot.guard
 
     def pin_previous(self, version: int) -> Slot | None:
         """The receiving slot, pinned, while it still holds ``version`` untouched (the version that was

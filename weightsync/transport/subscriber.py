@@ -51,6 +51,11 @@ from weightsync.transport.slots import Slot, SlotPair
 TRANSPORTS = ("auto", "group", "shm", "cuda_ipc")
 JOIN_GRACE = 1.0  # seconds past the join deadline the receiver has to say why it was not admitted
 
+def _left(deadline: float | None) -> float | None:
+    """What is left of a call's ``timeout`` (None: unbounded) by ``deadline``."""
+    return None if deadline is None else max(deadline - time.monotonic(), 0.0)
+
+
 class Subscriber:
     """Receives every version of channel ``name`` in the background; reads never tear.
 
@@ -300,19 +305,25 @@ class Subscriber:
                 raise ValueError("get() takes min_version or exact, not both")
             lifecycle.check_version("exact", exact)
             min_version = exact
-        await self._wait_version(min_version, timeout)
-        assert self._loop is not None
-        slot = self._slots.pin()
-        try:
-            if exact is not None and slot.version != exact:
-                raise Superseded(f"version {exact} was superseded here by version {slot.version} before it was read",
-                                 channel=self.name, member=self.member_id, version=exact)
-            flat, manifest, version = await self._loop.run_in_executor(None, self._copy_out, slot)
-            self._check_intact(slot, version)
-        finally:
-            self._slots.unpin(slot)
-        self._tally.count("reads")
-        return Weights(version, layout.views(flat, manifest), manifest.total_bytes)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            await self._wait_version(min_version, _left(deadline))
+            assert self._loop is not None
+            slot, src, guard = self._slots.pin_read()
+            try:
+                if exact is not None and slot.version != exact:
+                    raise Superseded(f"version {exact} was superseded here by version {slot.version} before it was "
+                                     "read", channel=self.name, member=self.member_id, version=exact)
+                flat, manifest, version = await self._loop.run_in_executor(None, self._copy_out, slot, src)
+                intact = guard is None or guard()
+            finally:
+                self._slots.unpin(slot)
+            if intact:
+                self._tally.count("reads")
+                return Weights(version, layout.views(flat, manifest), manifest.total_bytes)
+            if exact is not None:
+                self._check_intact(guard, version)  # raises: version ``exact`` is gone here
+            min_version = await self._after_torn(version, _left(deadline))
 
     async def get_into(self, dest: Mapping[str, torch.Tensor], *, min_version: int | None = None,
                        timeout: float | None = None, only_newer: bool = False, as_received: bool = False) -> int:
@@ -341,27 +352,41 @@ class Subscriber:
         bad = next((name for name, t in dest.items() if not isinstance(t, torch.Tensor)), None)
         if bad is not None:
             raise TypeError(f"dest[{bad!r}] must be a torch.Tensor, got {type(dest[bad]).__name__}")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            version, intact = await self._read_into(dest, min_version, _left(deadline), only_newer, as_received)
+            if intact:
+                return version
+            min_version = await self._after_torn(version, _left(deadline))
+
+    async def _read_into(self, dest: Mapping[str, torch.Tensor], min_version: int | None, timeout: float | None,
+                         only_newer: bool, as_received: bool) -> tuple[int, bool]:
+        """One ``get_into``: the version written into ``dest``, and False when it was read in place
+        and the publisher wrote it again meanwhile (``dest`` then holds no version; ``_after_torn``
+        decides what that means)."""
         into = await self._wait_into(dest, min_version, timeout, as_received)
         assert self._loop is not None
-        slot = self._slots.pin()
+        slot, src, guard = self._slots.pin_read()
         try:
-            assert slot.manifest is not None and slot.flat is not None and slot.version is not None
+            assert slot.manifest is not None and src is not None and slot.version is not None
             if into is not None and into.done == slot.version:  # written as it arrived, then verified
                 self._remember(dest, slot.version)
                 self._tally.count("reads")
                 self._tally.count("reads_as_received")
-                return slot.version
+                return slot.version, True
             if only_newer and self._holds(dest, slot.version):
                 self._tally.count("reads_skipped")
-                return slot.version
+                return slot.version, True
             if self._want is not None:  # the slot holds our boxes: write each DTensor's local tensor
                 dest = {name: sharding.local_box(t)[0] if sharding.is_dtensor(t) else t for name, t in dest.items()}
             layout.check_destination(slot.manifest, dest)
-            await self._loop.run_in_executor(None, self._copy_into, slot, dest)
-            self._check_intact(slot, slot.version)
+            await self._loop.run_in_executor(None, self._copy_into, slot, src, dest)
+            if guard is not None and not guard():
+                self._written = None  # dest holds part of two versions, whatever only_newer thought
+                return slot.version, False
             self._remember(dest, slot.version)
             self._tally.count("reads")
-            return slot.version
+            return slot.version, True
         finally:
             self._slots.unpin(slot)
 
@@ -424,11 +449,11 @@ class Subscriber:
         views must not be used after it.
         """
         await self._wait_version(min_version, timeout)
-        slot = self._slots.pin()
+        slot, flat, guard = self._slots.pin_read()
         try:
-            assert slot.flat is not None and slot.manifest is not None and slot.version is not None
-            if slot.flat.is_cuda:
-                torch.cuda.current_stream(slot.flat.device).synchronize()
+            assert flat is not None and slot.manifest is not None and slot.version is not None
+            if flat.is_cuda:
+                torch.cuda.current_stream(flat.device).synchronize()
             previous = None
             if since is not None and since != slot.version:
                 previous = self._slots.pin_previous(since)
@@ -438,12 +463,12 @@ class Subscriber:
             held = None
             if previous is not None and since is not None and previous.flat is not None:
                 held = (since, previous.flat)
-            weights = WeightStream(slot.version, slot.flat, slot.manifest, previous=held,
+            weights = WeightStream(slot.version, flat, slot.manifest, previous=held,
                                    previous_intact=None if previous is None else previous.guard)
             self._tally.count("reads")
             try:
                 yield weights
-                self._check_intact(slot, weights.version)  # what was read in place was that version all along
+                self._check_intact(guard, weights.version)  # what was read in place was that version all along
             finally:
                 weights.close()
                 if previous is not None:
@@ -520,25 +545,41 @@ class Subscriber:
             last = weights.version
             yield weights
 
-    def _check_intact(self, slot: Slot, version: int) -> None:
-        """After reading ``slot``: Superseded if it was read in place and the publisher wrote its
-        segment meanwhile (this member was evicted for holding it too long)."""
-        if not slot.intact():
+    async def _after_torn(self, version: int, timeout: float | None) -> int:
+        """After a read in place of ``version`` that the publisher wrote again meanwhile: this member
+        held it past the publisher's bound, and the publisher dropped it for that (or is about to).
+        What comes next decides, within this member's own timeout: the receiver's end (Evicted, as
+        the README's loop expects, or PublisherGone) is raised; a newer version is readable instead:
+        its number, to read it; neither: Superseded (the caller's ``timeout`` bounds it too)."""
+        bound = self.timeout if timeout is None else min(timeout, self.timeout)
+        try:
+            await self._wait_version(version + 1, bound)
+        except SyncTimeout:
+            raise Superseded(f"version {version}'s shared memory was written again by the publisher while it was "
+                             "read here (this member held it past the publisher's bound)", channel=self.name,
+                             member=self.member_id, version=version) from None
+        return version + 1
+
+    def _check_intact(self, guard: Callable[[], bool] | None, version: int) -> None:
+        """After a read (``guard``: what it read in place, taken when it began; None: its own memory):
+        Superseded if the publisher wrote that segment meanwhile (this member held it too long)."""
+        if guard is not None and not guard():
             raise Superseded(f"version {version}'s shared memory was written again by the publisher while it "
                              "was read here (this member held it past the publisher's bound and was evicted)",
                              channel=self.name, member=self.member_id, version=version)
 
-    def _copy_out(self, slot: Slot) -> tuple[torch.Tensor, _wire.Manifest, int]:
-        assert slot.flat is not None and slot.manifest is not None and slot.version is not None
-        src = slot.flat[: slot.manifest.total_bytes]
+    def _copy_out(self, slot: Slot, flat: torch.Tensor | None) -> tuple[torch.Tensor, _wire.Manifest, int]:
+        assert flat is not None and slot.manifest is not None and slot.version is not None
+        src = flat[: slot.manifest.total_bytes]
         out = torch.empty_like(src, device=self.device)
         out.copy_(src)
         if out.is_cuda:
             torch.cuda.current_stream(out.device).synchronize()
         return out, slot.manifest, slot.version
 
-    def _copy_into(self, slot: Slot, dest: Mapping[str, torch.Tensor]) -> None:
-        assert slot.flat is not None and slot.manifest is not None
+    def _copy_into(self, slot: Slot, flat: torch.Tensor, dest: Mapping[str, torch.Tensor]) -> None:
+        """``slot``'s version, whose bytes are ``flat`` (as the read was pinned), into ``dest``."""
+        assert slot.manifest is not None
         # parameters that require grad are written as data: an in-place copy into a leaf that
         # requires grad is refused by autograd (it would leave ``dest`` half written)
         with torch.no_grad():
@@ -549,10 +590,10 @@ class Subscriber:
                 if sharding.is_dtensor(target):  # a tensor-parallel engine's shard: its own box only
                     local, box = sharding.local_box(target)
                     if box:
-                        local.copy_(layout.tensor_view(slot.flat, spec)[box])
+                        local.copy_(layout.tensor_view(flat, spec)[box])
                 else:
-                    target.copy_(layout.tensor_view(slot.flat, spec))
-            layout.write_ties(slot.flat, slot.manifest, dest)
+                    target.copy_(layout.tensor_view(flat, spec))
+            layout.write_ties(flat, slot.manifest, dest)
         if any(t.is_cuda for t in dest.values()):
             torch.cuda.synchronize()
 
