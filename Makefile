@@ -80,9 +80,15 @@ lint: $(STAMP)
 AUTO_TESTS := tests/test_inprocess.py tests/test_multiprocess.py tests/test_guarantees.py tests/test_lifecycle.py \
 	tests/test_sharding.py
 
+# two pytest workers (pytest-xdist), each a module at a time: most of a multi-process test is
+# waiting on its processes, and two at once took 477 s where one after the other took 800-850 here
+# (2 cores; docs/testing.md). JOBS=0 runs in one process.
+JOBS ?= 2
+XDIST := $(if $(filter 0,$(JOBS)),,-n $(JOBS) --dist loadfile)
+
 pytest: $(STAMP)
-	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
-	if [ "$(AUTO_PASS)" = 1 ]; then $(VENV)/bin/python -m pytest --transport auto --pipeline on $(AUTO_TESTS) $(PYTEST_ARGS); fi
+	$(VENV)/bin/python -m pytest $(XDIST) $(PYTEST_ARGS)
+	if [ "$(AUTO_PASS)" = 1 ]; then $(VENV)/bin/python -m pytest $(XDIST) --transport auto --pipeline on $(AUTO_TESTS) $(PYTEST_ARGS); fi
 
 test: lint pytest
 
