@@ -2,6 +2,7 @@
 
     python -m benchmarks.revisions --base 0497e99 same_host --sizes 256 --subscribers 2
     python -m benchmarks.revisions --base 0497e99 push_vs_broadcast --sizes 256 --subscribers 2
+    .venv-vllm/bin/python -m benchmarks.revisions --base 0497e99 delta --layers 2 --lrs 1e-6 --steps 2 --planes group
 
 The base revision is checked out in a temporary git worktree; the benchmark runs there and in
 this checkout in turns (base, this, base, this: ``--rounds``), each in its own process with its
@@ -62,12 +63,23 @@ def ratios(name: str, report: dict[str, Any]) -> dict[str, float]:
                 base = naive.get((r["mib"], r["subscribers"]))
                 if r["mode"] != "naive" and base and base["to_all_ms"] > 0:  # the other baseline, same run
                     out[f"to-all/naive {where}"] = r["to_all_ms"] / base["to_all_ms"]
+    elif name == "delta":
+        pushes = report["pushes"]
+        for p in pushes:
+            if p["encoding"] != "auto":
+                continue
+            full = next((q for q in pushes if q["encoding"] == "full" and q["transport"] == p["transport"]
+                         and q["lr"] == p["lr"] and q["step"] == p["step"]), None)
+            if full and full["to_both_ms"] > 0 and p["nbytes"] > 0:
+                where = f"{p['transport']}, lr {p['lr']:g}, step {p['step']}"
+                out[f"auto/full to both, {where}"] = p["to_both_ms"] / full["to_both_ms"]
+                out[f"wire/full bytes, {where}"] = p["wire_bytes"] / (2 * p["nbytes"])
     else:
         raise SystemExit(f"no ratios known for benchmark {name!r}")
     return out
 
 
-JSON = {"same_host": "same_host.json", "push_vs_broadcast": "bench.json"}
+JSON = {"same_host": "same_host.json", "push_vs_broadcast": "bench.json", "delta": "delta.json"}
 
 
 def run(tree: Path, name: str, args: list[str], out: Path) -> dict[str, float]:
@@ -89,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--base", required=True, help="the revision to compare this checkout with")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", default="benchmarks/results")
-    parser.add_argument("benchmark", choices=("same_host", "push_vs_broadcast"))
+    parser.add_argument("benchmark", choices=("same_host", "push_vs_broadcast", "delta"))
     parser.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's own options")
     args = parser.parse_args(argv)
     if args.rounds < 1:
