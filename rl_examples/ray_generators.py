@@ -140,6 +140,7 @@ class GeneratorActor:
         self.sub: ws.Subscriber | None = None
         self.task: asyncio.Task[None] | None = None
         self.error = ""
+        self.read = asyncio.Event()  # set after each version read (report waits for the newest on it)
 
     async def ready(self) -> str:
         """Join the channel (returns once admitted) and start following it."""
@@ -154,10 +155,21 @@ class GeneratorActor:
         try:
             async for weights in self.sub.updates(timeout=600):
                 self.received[weights.version] = digest(weights)
+                self.read.set()
         except (ws.PublisherGone, ws.Evicted, ws.SyncTimeout) as err:
             self.error = type(err).__name__
+        self.read.set()
 
-    async def report(self) -> dict[str, Any]:
+    async def report(self, newest: int = -1, timeout: float = 30.0) -> dict[str, Any]:
+        """What it read, once it read ``newest`` (delivered to it: the publisher's report says it is
+        readable here, and this actor's loop reads it next) or stopped, or after ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while newest not in self.received and not self.error and self.task is not None and not self.task.done():
+            self.read.clear()
+            try:
+                await asyncio.wait_for(self.read.wait(), max(deadline - time.monotonic(), 0.0))
+            except asyncio.TimeoutError:
+                break
         return {"member": self.member_id, "received": self.received, "error": self.error}
 
     async def close(self) -> None:
@@ -204,7 +216,7 @@ def run(generators: int = 2, steps: int = 3, width: int = 1024, deadline: float 
         f"version {joined_at} delivered to {', '.join(sorted(members))}")
     gens["repl-1"] = ray.get_actor("repl-1")
     trainer_report = ray.get(trainer.report.remote(), timeout=60)
-    reports = ray.get([g.report.remote() for g in gens.values()], timeout=60)
+    reports = ray.get([g.report.remote(joined_at if name in members else -1) for name, g in gens.items()], timeout=60)
     ray.get([g.close.remote() for g in gens.values()], timeout=60)
     ray.get(trainer.close.remote(), timeout=60)
     for handle in [trainer, *gens.values()]:

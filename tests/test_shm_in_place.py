@@ -340,7 +340,8 @@ async def test_a_reader_holding_a_version_too_long_is_evicted_and_its_block_refu
 
 
 @pytest.mark.asyncio
-async def test_a_read_in_place_torn_by_the_members_eviction_ends_in_evicted_and_rejoin_reads_on() -> None:
+async def test_a_read_in_place_torn_by_the_members_eviction_ends_in_evicted_and_rejoin_reads_on(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """``get_into`` copies a version out of the publisher's shared memory while its member is dropped
     (as a generator frozen with SIGSTOP mid-copy is) and the publisher writes that buffer again: the
     copy is torn. It raised Superseded, which the README's loop does not expect, and the generator
@@ -356,14 +357,15 @@ async def test_a_read_in_place_torn_by_the_members_eviction_ends_in_evicted_and_
             await pub.wait_subscribers(1, timeout=20)
             await (await pub.put(sds[0], version=0)).delivered(timeout=30)
             inside, go_on = threading.Event(), threading.Event()
-            copy = sub._copy_into  # noqa: SLF001 - the copy held half-way, as a frozen process holds it
+            from weightsync.transport import subscriber as subscriber_mod
+            copy = subscriber_mod.copy_into  # held half-way, as a frozen process holds it
 
             def held(slot, flat, dest) -> None:  # noqa: ANN001 - the read began on the segment's view
                 inside.set()
                 go_on.wait(30)
                 copy(slot, flat, dest)  # ...and reads it after the publisher wrote it again
 
-            sub._copy_into = held  # type: ignore[method-assign]  # noqa: SLF001
+            monkeypatch.setattr(subscriber_mod, "copy_into", held)
             dest = {name: torch.zeros_like(t) for name, t in sds[0].items()}
             reading = asyncio.ensure_future(sub.get_into(dest, min_version=0, timeout=30))
             assert await asyncio.to_thread(inside.wait, 10)
@@ -373,7 +375,7 @@ async def test_a_read_in_place_torn_by_the_members_eviction_ends_in_evicted_and_
             go_on.set()
             with pytest.raises(ws.Evicted):
                 await reading
-            sub._copy_into = copy  # type: ignore[method-assign]  # noqa: SLF001
+            monkeypatch.setattr(subscriber_mod, "copy_into", copy)
             await sub.rejoin()
             await pub.wait_subscribers(1, timeout=20)
             assert (await (await pub.put(sds[3], version=3)).delivered(timeout=30)).members == ("m",)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import math
 import threading
+import time
 from collections.abc import Callable, Generator, Iterator, Mapping
 from typing import Any, NamedTuple, TypeVar
 
@@ -78,6 +79,11 @@ def check_timeout(what: str, value: object, *, allow_none: bool = True) -> float
     if not math.isfinite(value) or value < 0:
         raise ValueError(f"{what} must be a finite number of seconds >= 0, got {value!r}")
     return float(value)
+
+
+def time_left(deadline: float | None) -> float | None:
+    """What is left of a call's timeout by ``deadline`` (monotonic; None: unbounded)."""
+    return None if deadline is None else max(deadline - time.monotonic(), 0.0)
 
 
 def _settle(fut: asyncio.Future[Any], result: Any = None, error: BaseException | None = None) -> None:

@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 
 from weightsync._errors import LocalFailure
 from weightsync._wire import Manifest
+from weightsync.format import layout, sharding
 from weightsync.transport.into import IntoDest
 
 
@@ -179,3 +180,35 @@ class SlotPair:
             if other.guard is not None and not other.readers:
                 other.flat = other.manifest = other.version = other.guard = None
             self.cond.notify_all()
+
+
+def copy_out(slot: Slot, flat: torch.Tensor | None, device: torch.device) -> tuple[torch.Tensor, Manifest, int]:
+    """A copy of ``slot``'s version, whose bytes are ``flat`` (as the read was pinned), on ``device``."""
+    assert flat is not None and slot.manifest is not None and slot.version is not None
+    src = flat[: slot.manifest.total_bytes]
+    out = torch.empty_like(src, device=device)
+    out.copy_(src)
+    if out.is_cuda:
+        torch.cuda.current_stream(out.device).synchronize()
+    return out, slot.manifest, slot.version
+
+
+def copy_into(slot: Slot, flat: torch.Tensor, dest: Mapping[str, torch.Tensor]) -> None:
+    """``slot``'s version, whose bytes are ``flat`` (as the read was pinned), into ``dest``'s tensors."""
+    assert slot.manifest is not None
+    # parameters that require grad are written as data: an in-place copy into a leaf that
+    # requires grad is refused by autograd (it would leave ``dest`` half written)
+    with torch.no_grad():
+        for spec in slot.manifest.tensors:
+            if not spec.nbytes:
+                continue
+            target = dest[spec.name]
+            if sharding.is_dtensor(target):  # a tensor-parallel engine's shard: its own box only
+                local, box = sharding.local_box(target)
+                if box:
+                    local.copy_(layout.tensor_view(flat, spec)[box])
+            else:
+                target.copy_(layout.tensor_view(flat, spec))
+        layout.write_ties(flat, slot.manifest, dest)
+    if any(t.is_cuda for t in dest.values()):
+        torch.cuda.synchronize()

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from weightsync import _wire, testing
+from weightsync import testing
 from weightsync._errors import ProtocolError, StoreUnreachable
 from weightsync.control import auth
 from weightsync.errors import Closed, PublisherGone, Superseded, SyncTimeout, TransportUnavailable, WeightSyncError
@@ -42,19 +42,14 @@ from weightsync.recorder.recorder import FlightRecorder, process_recorder
 from weightsync.statistics import SubscriberStatistics, SubscriberTally
 from weightsync.testing import Hooks
 from weightsync.transport import lifecycle
-from weightsync.transport.handles import Weights, WeightStream, check_timeout
+from weightsync.transport.handles import Weights, WeightStream, check_timeout, time_left
 from weightsync.transport.into import IntoDest
 from weightsync.transport.lifecycle import EndState, call_soon
 from weightsync.transport.receiver import Receiver, ReceiverState
-from weightsync.transport.slots import Slot, SlotPair
+from weightsync.transport.slots import SlotPair, copy_into, copy_out
 
 TRANSPORTS = ("auto", "group", "shm", "cuda_ipc")
 JOIN_GRACE = 1.0  # seconds past the join deadline the receiver has to say why it was not admitted
-
-def _left(deadline: float | None) -> float | None:
-    """What is left of a call's ``timeout`` (None: unbounded) by ``deadline``."""
-    return None if deadline is None else max(deadline - time.monotonic(), 0.0)
-
 
 class Subscriber:
     """Receives every version of channel ``name`` in the background; reads never tear.
@@ -307,14 +302,14 @@ class Subscriber:
             min_version = exact
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            await self._wait_version(min_version, _left(deadline))
+            await self._wait_version(min_version, time_left(deadline))
             assert self._loop is not None
             slot, src, guard = self._slots.pin_read()
             try:
                 if exact is not None and slot.version != exact:
                     raise Superseded(f"version {exact} was superseded here by version {slot.version} before it was "
                                      "read", channel=self.name, member=self.member_id, version=exact)
-                flat, manifest, version = await self._loop.run_in_executor(None, self._copy_out, slot, src)
+                flat, manifest, version = await self._loop.run_in_executor(None, copy_out, slot, src, self.device)
                 intact = guard is None or guard()
             finally:
                 self._slots.unpin(slot)
@@ -323,7 +318,7 @@ class Subscriber:
                 return Weights(version, layout.views(flat, manifest), manifest.total_bytes)
             if exact is not None:
                 self._check_intact(guard, version)  # raises: version ``exact`` is gone here
-            min_version = await self._after_torn(version, _left(deadline))
+            min_version = await self._after_torn(version, time_left(deadline))
 
     async def get_into(self, dest: Mapping[str, torch.Tensor], *, min_version: int | None = None,
                        timeout: float | None = None, only_newer: bool = False, as_received: bool = False) -> int:
@@ -354,10 +349,10 @@ class Subscriber:
             raise TypeError(f"dest[{bad!r}] must be a torch.Tensor, got {type(dest[bad]).__name__}")
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            version, intact = await self._read_into(dest, min_version, _left(deadline), only_newer, as_received)
+            version, intact = await self._read_into(dest, min_version, time_left(deadline), only_newer, as_received)
             if intact:
                 return version
-            min_version = await self._after_torn(version, _left(deadline))
+            min_version = await self._after_torn(version, time_left(deadline))
 
     async def _read_into(self, dest: Mapping[str, torch.Tensor], min_version: int | None, timeout: float | None,
                          only_newer: bool, as_received: bool) -> tuple[int, bool]:
@@ -380,7 +375,7 @@ class Subscriber:
             if self._want is not None:  # the slot holds our boxes: write each DTensor's local tensor
                 dest = {name: sharding.local_box(t)[0] if sharding.is_dtensor(t) else t for name, t in dest.items()}
             layout.check_destination(slot.manifest, dest)
-            await self._loop.run_in_executor(None, self._copy_into, slot, src, dest)
+            await self._loop.run_in_executor(None, copy_into, slot, src, dest)
             if guard is not None and not guard():
                 self._written = None  # dest holds part of two versions, whatever only_newer thought
                 return slot.version, False
@@ -568,34 +563,6 @@ class Subscriber:
                              "was read here (this member held it past the publisher's bound and was evicted)",
                              channel=self.name, member=self.member_id, version=version)
 
-    def _copy_out(self, slot: Slot, flat: torch.Tensor | None) -> tuple[torch.Tensor, _wire.Manifest, int]:
-        assert flat is not None and slot.manifest is not None and slot.version is not None
-        src = flat[: slot.manifest.total_bytes]
-        out = torch.empty_like(src, device=self.device)
-        out.copy_(src)
-        if out.is_cuda:
-            torch.cuda.current_stream(out.device).synchronize()
-        return out, slot.manifest, slot.version
-
-    def _copy_into(self, slot: Slot, flat: torch.Tensor, dest: Mapping[str, torch.Tensor]) -> None:
-        """``slot``'s version, whose bytes are ``flat`` (as the read was pinned), into ``dest``."""
-        assert slot.manifest is not None
-        # parameters that require grad are written as data: an in-place copy into a leaf that
-        # requires grad is refused by autograd (it would leave ``dest`` half written)
-        with torch.no_grad():
-            for spec in slot.manifest.tensors:
-                if not spec.nbytes:
-                    continue
-                target = dest[spec.name]
-                if sharding.is_dtensor(target):  # a tensor-parallel engine's shard: its own box only
-                    local, box = sharding.local_box(target)
-                    if box:
-                        local.copy_(layout.tensor_view(flat, spec)[box])
-                else:
-                    target.copy_(layout.tensor_view(flat, spec))
-            layout.write_ties(flat, slot.manifest, dest)
-        if any(t.is_cuda for t in dest.values()):
-            torch.cuda.synchronize()
 
     async def _wait_version(self, min_version: int | None, timeout: float | None) -> None:
         check_timeout("timeout", timeout)
