@@ -82,12 +82,15 @@ AUTO_TESTS := tests/test_inprocess.py tests/test_multiprocess.py tests/test_guar
 
 # two pytest workers (pytest-xdist), each a module at a time: most of a multi-process test is
 # waiting on its processes, and two at once took 477 s where one after the other took 800-850 here
-# (2 cores; docs/testing.md). JOBS=0 runs in one process.
+# (2 cores; docs/testing.md). JOBS=0 runs in one process. The tests behind shaped links (marker
+# netns) judge links by probes the kernel stamps, and run alone after them: beside another test
+# the slow link's member was not found within 12 versions (CI, once), its probes unstamped
 JOBS ?= 2
 XDIST := $(if $(filter 0,$(JOBS)),,-n $(JOBS) --dist loadfile)
 
 pytest: $(STAMP)
-	$(VENV)/bin/python -m pytest $(XDIST) $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest $(XDIST) -m "not netns" $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -m netns $(PYTEST_ARGS)
 	if [ "$(AUTO_PASS)" = 1 ]; then $(VENV)/bin/python -m pytest $(XDIST) --transport auto --pipeline on $(AUTO_TESTS) $(PYTEST_ARGS); fi
 
 test: lint pytest

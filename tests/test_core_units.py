@@ -724,25 +724,34 @@ def test_a_probe_is_timed_by_when_its_bytes_arrived_not_by_when_the_reader_read_
         writer.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         body = bytes(range(256)) * 64
         half, gap = len(body) // 2, 0.3
-        # a reader waiting for the frame: the second half comes ``gap`` after the first
-        got: list[tuple[bytes, float | None]] = []
-        entered = threading.Event()
 
-        def read() -> None:
-            entered.set()
-            got.append(client_mod._read_stamped_frame(reader, MAX_FRAME))
+        def waited() -> tuple[bytes, float | None]:
+            """A reader waiting for the frame: the second half comes ``gap`` after the first."""
+            got: list[tuple[bytes, float | None]] = []
+            entered = threading.Event()
 
-        waiting = threading.Thread(target=read)
-        waiting.start()
-        # the reader is running before the first half is sent (on 2 loaded cores its thread once
-        # started after both halves had come, read them in one go and had no gap to measure)
-        assert entered.wait(10)
-        writer.sendall(HEADER.pack(len(body)) + body[:half])
-        time.sleep(gap)
-        writer.sendall(body[half:])
-        waiting.join(10)
-        assert got and got[0][0] == body and got[0][1] is not None
-        assert gap * 0.8 <= got[0][1] <= gap + 0.2, got[0][1]
+            def read() -> None:
+                entered.set()
+                got.append(client_mod._read_stamped_frame(reader, MAX_FRAME))
+
+            waiting = threading.Thread(target=read)
+            waiting.start()
+            assert entered.wait(10)
+            writer.sendall(HEADER.pack(len(body)) + body[:half])
+            time.sleep(gap)
+            writer.sendall(body[half:])
+            waiting.join(10)
+            assert got and got[0][0] == body
+            return got[0]
+
+        # the kernel may hand a read no stamp: it turns arrival stamps on for the whole host when
+        # the first socket asks, from a work item that a loaded machine runs late (this test failed
+        # so under two pytest workers). A probe then has no measure, never a wrong one. One of
+        # three frames must come stamped, and measure the gap
+        measures = [seconds for _data, seconds in (waited() for _ in range(3))]
+        stamped = [s for s in measures if s is not None]
+        assert stamped, measures
+        assert all(gap * 0.8 <= s <= gap + 0.2 for s in stamped), measures
         # the same arrivals, and the reader is held up after the header (the GIL, the scheduler):
         # the hold-up is not counted
         writer.sendall(HEADER.pack(len(body)) + body[:half])
