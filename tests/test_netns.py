@@ -135,32 +135,36 @@ async def test_a_generator_behind_a_10x_slower_link_is_evicted_as_slow_the_rest_
     one is evicted as slow, nobody else, no version is held past its deadline, and then the
     rest go at their links' pace. With a busy loop beside it: one healthy member's late probe
     once broke the slow one's streak for 12 versions (1 run in 3); links are judged on their
-    best of the last three probes now (a loaded machine only ever delays a probe)."""
-    cluster, hosts = cluster_of(400, 400, 40)
+    best of the last three probes now (a loaded machine only ever delays a probe). Three healthy
+    members, not two: a link is judged against the upper median of the others' links, which of
+    two is the worse one, and one healthy member's jittery probes (128 KiB, scaled 32 times) then
+    hid the slow link for 12 versions, 1 run in 5, before and after issue 53's changes; the
+    median of three is what the rule is for."""
+    cluster, hosts = cluster_of(400, 400, 400, 40)
     timeout = 20.0
     body = torch.zeros(1 << 20)  # 4 MiB: 0.08 s at 400 Mbit/s, 0.8 s at 40
     async with ws.Publisher("slowlink", address=f"{cluster.trainer_ip}:0", timeout=timeout,
                             policy=ws.StragglerPolicy(on_slow="evict")) as pub:
-        for h in range(3):
+        for h in range(4):
             hosts.spawn(h, channel="slowlink", address=pub.address, member=f"gen{h}", until_version=10_000,
                         deadline=150, mode="follow", timeout=timeout)
-        await pub.wait_subscribers(3, timeout=90)
+        await pub.wait_subscribers(4, timeout=90)
         slow, version = [], 0
         while not pub.evicted:
             assert version < 12, "the member behind the slow link was never evicted"
             report = await (await pub.put({"w": body + version}, version=version)).delivered(timeout=90)
-            if "gen2" in report.members:
+            if "gen3" in report.members:
                 slow.append(report.seconds)
             version += 1
-        assert [(m.member_id, m.reason) for m in pub.evicted] == [("gen2", "slow")]
+        assert [(m.member_id, m.reason) for m in pub.evicted] == [("gen3", "slow")]
         assert all(s < timeout + 4 for s in slow)  # held up by the slow link, never past the deadline
         fast = []
         for _ in range(4):
             report = await (await pub.put({"w": body + version}, version=version)).delivered(timeout=90)
-            assert sorted(report.members) == ["gen0", "gen1"]
+            assert sorted(report.members) == ["gen0", "gen1", "gen2"]
             fast.append(report.seconds)
             version += 1
-        assert [m.member_id for m in pub.evicted] == ["gen2"]
+        assert [m.member_id for m in pub.evicted] == ["gen3"]
     # 40 Mbit/s against 400: with the slow link gone a version goes several times faster
     assert max(fast) * 3 < min(slow), (fast, slow)
 
