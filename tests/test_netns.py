@@ -128,8 +128,8 @@ def test_a_hosts_acknowledgements_leave_in_their_own_class_ahead_of_its_bulk(clu
 
 @pytest.mark.asyncio
 @pytest.mark.usefixtures("cpu_hog")
-async def test_a_generator_behind_a_10x_slower_link_is_evicted_as_slow_the_rest_keep_pace(cluster_of) -> None:
-    """One link at a tenth of the others' rate. gloo's broadcast is a binomial tree: a relay
+async def test_a_generator_behind_a_20x_slower_link_is_evicted_as_slow_the_rest_keep_pace(cluster_of) -> None:
+    """One link at a twentieth of the others' rate. gloo's broadcast is a binomial tree: a relay
     waits as long as its slow child, so per-member receive times cannot say whose link it is.
     The publisher's probes (a padded message straight to each member, timed) can: the slow
     one is evicted as slow, nobody else, no version is held past its deadline, and then the
@@ -139,10 +139,13 @@ async def test_a_generator_behind_a_10x_slower_link_is_evicted_as_slow_the_rest_
     members, not two: a link is judged against the upper median of the others' links, which of
     two is the worse one, and one healthy member's jittery probes (128 KiB, scaled 32 times) then
     hid the slow link for 12 versions, 1 run in 5, before and after issue 53's changes; the
-    median of three is what the rule is for."""
-    cluster, hosts = cluster_of(400, 400, 400, 40)
+    median of three is what the rule is for. And 20x, not 10x: a probe's least time for the slow
+    link came out near 0.4 s (the shaper's burst), against healthy ones' most near 0.09-0.18 s
+    under load (their round trips scaled 32 times), at the rule's 3x plus 0.05 s: 10x failed the
+    CI run after the xdist pass (3 of 3) while passing here alone (9 of 9)."""
+    cluster, hosts = cluster_of(400, 400, 400, 20)
     timeout = 20.0
-    body = torch.zeros(1 << 20)  # 4 MiB: 0.08 s at 400 Mbit/s, 0.8 s at 40
+    body = torch.zeros(1 << 20)  # 4 MiB: 0.08 s at 400 Mbit/s, 1.7 s at 20
     async with ws.Publisher("slowlink", address=f"{cluster.trainer_ip}:0", timeout=timeout,
                             policy=ws.StragglerPolicy(on_slow="evict")) as pub:
         for h in range(4):
@@ -165,7 +168,7 @@ async def test_a_generator_behind_a_10x_slower_link_is_evicted_as_slow_the_rest_
             fast.append(report.seconds)
             version += 1
         assert [m.member_id for m in pub.evicted] == ["gen3"]
-    # 40 Mbit/s against 400: with the slow link gone a version goes several times faster
+    # 20 Mbit/s against 400: with the slow link gone a version goes several times faster
     assert max(fast) * 3 < min(slow), (fast, slow)
 
 
