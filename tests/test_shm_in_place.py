@@ -360,10 +360,10 @@ async def test_a_read_in_place_torn_by_the_members_eviction_ends_in_evicted_and_
             from weightsync.transport import subscriber as subscriber_mod
             copy = subscriber_mod.copy_into  # held half-way, as a frozen process holds it
 
-            def held(slot, flat, dest) -> None:  # noqa: ANN001 - the read began on the segment's view
+            def held(read, dest) -> None:  # noqa: ANN001 - the read began on the segment's view
                 inside.set()
                 go_on.wait(30)
-                copy(slot, flat, dest)  # ...and reads it after the publisher wrote it again
+                copy(read, dest)  # ...and reads it after the publisher wrote it again
 
             monkeypatch.setattr(subscriber_mod, "copy_into", held)
             dest = {name: torch.zeros_like(t) for name, t in sds[0].items()}

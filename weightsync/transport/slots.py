@@ -19,6 +19,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Mapping
+from typing import NamedTuple
 
 import torch
 
@@ -35,6 +36,17 @@ class Slot:
         self.version: int | None = None
         self.readers = 0
         self.guard: Callable[[], bool] | None = None  # in place: the segment still holds this version
+
+
+class Reading(NamedTuple):
+    """A pinned slot and what a read of it takes, as it was when pinned: the stopping receiver
+    may drop or swap the slot's own fields while the read goes on (``SlotPair.keep_own``)."""
+
+    slot: Slot
+    flat: torch.Tensor | None
+    manifest: Manifest | None
+    version: int | None
+    guard: Callable[[], bool] | None
 
 
 class SlotPair:
@@ -129,7 +141,7 @@ class SlotPair:
             slot.readers += 1
             return slot
 
-    def pin_read(self) -> tuple[Slot, torch.Tensor | None, Callable[[], bool] | None]:
+    def pin_read(self) -> Reading:
         """The readable slot, pinned, with the bytes a read takes and the guard that says after the
         read whether they were its version all along, taken together: ``keep_own`` swaps an
         in-place slot's bytes for a private copy when the receiver stops, while a read that began
@@ -138,7 +150,7 @@ class SlotPair:
         with self.cond:
             slot = self.readable
             slot.readers += 1
-            return slot, slot.flat, slot.guard
+            return Reading(slot, slot.flat, slot.manifest, slot.version, slot.guard)
 
     def pin_previous(self, version: int) -> Slot | None:
         """The receiving slot, pinned, while it still holds ``version`` untouched (the version that was
@@ -182,24 +194,26 @@ class SlotPair:
             self.cond.notify_all()
 
 
-def copy_out(slot: Slot, flat: torch.Tensor | None, device: torch.device) -> tuple[torch.Tensor, Manifest, int]:
-    """A copy of ``slot``'s version, whose bytes are ``flat`` (as the read was pinned), on ``device``."""
-    assert flat is not None and slot.manifest is not None and slot.version is not None
-    src = flat[: slot.manifest.total_bytes]
+def copy_out(read: Reading, device: torch.device) -> tuple[torch.Tensor, Manifest, int]:
+    """A copy of the pinned version, on ``device``."""
+    flat, manifest, version = read.flat, read.manifest, read.version
+    assert flat is not None and manifest is not None and version is not None
+    src = flat[: manifest.total_bytes]
     out = torch.empty_like(src, device=device)
     out.copy_(src)
     if out.is_cuda:
         torch.cuda.current_stream(out.device).synchronize()
-    return out, slot.manifest, slot.version
+    return out, manifest, version
 
 
-def copy_into(slot: Slot, flat: torch.Tensor, dest: Mapping[str, torch.Tensor]) -> None:
-    """``slot``'s version, whose bytes are ``flat`` (as the read was pinned), into ``dest``'s tensors."""
-    assert slot.manifest is not None
+def copy_into(read: Reading, dest: Mapping[str, torch.Tensor]) -> None:
+    """The pinned version into ``dest``'s tensors."""
+    flat, manifest = read.flat, read.manifest
+    assert flat is not None and manifest is not None
     # parameters that require grad are written as data: an in-place copy into a leaf that
     # requires grad is refused by autograd (it would leave ``dest`` half written)
     with torch.no_grad():
-        for spec in slot.manifest.tensors:
+        for spec in manifest.tensors:
             if not spec.nbytes:
                 continue
             target = dest[spec.name]
@@ -209,6 +223,6 @@ def copy_into(slot: Slot, flat: torch.Tensor, dest: Mapping[str, torch.Tensor]) 
                     local.copy_(layout.tensor_view(flat, spec)[box])
             else:
                 target.copy_(layout.tensor_view(flat, spec))
-        layout.write_ties(flat, slot.manifest, dest)
+        layout.write_ties(flat, manifest, dest)
     if any(t.is_cuda for t in dest.values()):
         torch.cuda.synchronize()

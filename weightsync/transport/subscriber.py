@@ -304,12 +304,13 @@ class Subscriber:
         while True:
             await self._wait_version(min_version, time_left(deadline))
             assert self._loop is not None
-            slot, src, guard = self._slots.pin_read()
+            read = self._slots.pin_read()
+            slot, guard = read.slot, read.guard
             try:
-                if exact is not None and slot.version != exact:
-                    raise Superseded(f"version {exact} was superseded here by version {slot.version} before it was "
+                if exact is not None and read.version != exact:
+                    raise Superseded(f"version {exact} was superseded here by version {read.version} before it was "
                                      "read", channel=self.name, member=self.member_id, version=exact)
-                flat, manifest, version = await self._loop.run_in_executor(None, copy_out, slot, src, self.device)
+                flat, manifest, version = await self._loop.run_in_executor(None, copy_out, read, self.device)
                 intact = guard is None or guard()
             finally:
                 self._slots.unpin(slot)
@@ -361,27 +362,28 @@ class Subscriber:
         decides what that means)."""
         into = await self._wait_into(dest, min_version, timeout, as_received)
         assert self._loop is not None
-        slot, src, guard = self._slots.pin_read()
+        read = self._slots.pin_read()
+        slot, guard, version, manifest = read.slot, read.guard, read.version, read.manifest
         try:
-            assert slot.manifest is not None and src is not None and slot.version is not None
-            if into is not None and into.done == slot.version:  # written as it arrived, then verified
-                self._remember(dest, slot.version)
+            assert manifest is not None and read.flat is not None and version is not None
+            if into is not None and into.done == version:  # written as it arrived, then verified
+                self._remember(dest, version)
                 self._tally.count("reads")
                 self._tally.count("reads_as_received")
-                return slot.version, True
-            if only_newer and self._holds(dest, slot.version):
+                return version, True
+            if only_newer and self._holds(dest, version):
                 self._tally.count("reads_skipped")
-                return slot.version, True
+                return version, True
             if self._want is not None:  # the slot holds our boxes: write each DTensor's local tensor
                 dest = {name: sharding.local_box(t)[0] if sharding.is_dtensor(t) else t for name, t in dest.items()}
-            layout.check_destination(slot.manifest, dest)
-            await self._loop.run_in_executor(None, copy_into, slot, src, dest)
+            layout.check_destination(manifest, dest)
+            await self._loop.run_in_executor(None, copy_into, read, dest)
             if guard is not None and not guard():
                 self._written = None  # dest holds part of two versions, whatever only_newer thought
-                return slot.version, False
-            self._remember(dest, slot.version)
+                return version, False
+            self._remember(dest, version)
             self._tally.count("reads")
-            return slot.version, True
+            return version, True
         finally:
             self._slots.unpin(slot)
 
@@ -444,21 +446,22 @@ class Subscriber:
         views must not be used after it.
         """
         await self._wait_version(min_version, timeout)
-        slot, flat, guard = self._slots.pin_read()
+        read = self._slots.pin_read()
+        slot, flat, guard = read.slot, read.flat, read.guard
         try:
-            assert flat is not None and slot.manifest is not None and slot.version is not None
+            assert flat is not None and read.manifest is not None and read.version is not None
             if flat.is_cuda:
                 torch.cuda.current_stream(flat.device).synchronize()
             previous = None
-            if since is not None and since != slot.version:
+            if since is not None and since != read.version:
                 previous = self._slots.pin_previous(since)
-                if previous is not None and previous.manifest != slot.manifest:
+                if previous is not None and previous.manifest != read.manifest:
                     self._slots.unpin(previous)
                     previous = None
             held = None
             if previous is not None and since is not None and previous.flat is not None:
                 held = (since, previous.flat)
-            weights = WeightStream(slot.version, flat, slot.manifest, previous=held,
+            weights = WeightStream(read.version, flat, read.manifest, previous=held,
                                    previous_intact=None if previous is None else previous.guard)
             self._tally.count("reads")
             try:
