@@ -508,7 +508,8 @@ class Receiver:
         version or a sliced share is exposed, or staged for the Commit (``activation="all"``)."""
         assert self.deadlines is not None
         manifest, assembly, verify = announce.manifest, announce.assembly, announce.checksum
-        digest = encoding.base_digest(announce.version, sums)  # what a delta against this version must name
+        # what a delta against this version must name: only what was verified is a base
+        digest = encoding.base_digest(announce.version, sums) if verify else b""
         if assembly is not None:
             # this lane's part, verified: a base for the next one once the whole version is readable
             self._held = Held(announce.version, digest, manifest, assembly, sliced=self.want is not None) \
