@@ -358,13 +358,15 @@ async def test_event_loop_stays_responsive_during_256_mib_push() -> None:
     pub, subs = await channel(1, bucket_bytes=32 << 20)
     try:
         lags: list[float] = []
+        busy: list[float] = []
         stop = asyncio.Event()
 
         async def ticker() -> None:
             while not stop.is_set():
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.thread_time()
                 await asyncio.sleep(0.005)
                 lags.append(time.perf_counter() - t0 - 0.005)
+                busy.append(time.thread_time() - c0)
 
         task = asyncio.create_task(ticker())
         sd = {f"w{i}": torch.randn(8 << 20) for i in range(8)}  # 8 x 32 MiB
@@ -373,10 +375,18 @@ async def test_event_loop_stays_responsive_during_256_mib_push() -> None:
         await subs[0].get(timeout=10)
         stop.set()
         await task
-        # the worst tick, not a percentile: one long stall is what an RL loop would feel. A
-        # liveness bound, generous for a loaded 2-core CI machine; figures live in benchmarks/
-        worst = max(lags)
-        assert worst < 0.25, f"worst loop lag {worst * 1e3:.1f} ms (median {statistics.median(lags) * 1e3:.2f} ms)"
+        # The worst tick, not a percentile: one long stall is what an RL loop would feel. Two
+        # bounds. The CPU time the loop's own thread spent between two ticks does not grow with
+        # the machine's load (the most seen here is about 10 ms), and work moved onto the loop
+        # (a bucket's pack or checksum) shows there. The wall-clock lag also counts the loop
+        # waiting for a core or for the GIL: on a loaded 2-core CI machine it reached 321 ms in
+        # one run of many (pip installing beside two test workers), so its bound is for
+        # liveness only.
+        worst, worst_busy = max(lags), max(busy)
+        summary = (f"worst loop lag {worst * 1e3:.1f} ms (median {statistics.median(lags) * 1e3:.2f} ms), "
+                   f"the loop thread's most CPU between ticks {worst_busy * 1e3:.1f} ms")
+        assert worst_busy < 0.05, summary
+        assert worst < 1.0, summary
     finally:
         await close(pub, subs)
 
