@@ -43,10 +43,10 @@ import torch
 import xxhash
 
 from benchmarks import report
+from weightsync.engine.into import IntoDest
 from weightsync.format import layout
 from weightsync.format.checksum import choose
 from weightsync.testing import digest as checksum
-from weightsync.transport.into import IntoDest
 
 
 def striped_crc32(buf: torch.Tensor) -> int:

@@ -349,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.lrs = [float(x) for x in args.lrs.split(",")]
     if args.no_overlap:
-        from weightsync.planes import delta as delta_plane
+        from weightsync.encodings import delta as delta_plane
 
         delta_plane.OVERLAP = False
     try:

@@ -48,8 +48,8 @@ from benchmarks import report
 from benchmarks.gloo_wire import DEADLINE, DEPTH
 from weightsync import _torch_compat as compat
 from weightsync.bench.model import make_state_dict, nbytes
+from weightsync.engine.snapshots import Copier, _copy_threads
 from weightsync.format import checksum
-from weightsync.transport.snapshots import Copier, _copy_threads
 
 MODES = ("naive", "wire", "wire+digest", "snapshot+wire", "snapshot+wire+digest")
 

@@ -5,7 +5,7 @@
 
 A bf16 version of ``--mib`` MiB in 64 MiB buckets (the default bucket size), ``--changed`` of its
 elements differing from the base in their lowest mantissa bit (what an RL step leaves in bf16).
-Each bucket is encoded and decoded by :mod:`weightsync.format.delta` twice: with the buckets on
+Each bucket is encoded and decoded by :mod:`weightsync.encodings.codec` twice: with the buckets on
 the GPU (what a CUDA publisher's NCCL buckets take: torch's ops on the device, zstd on the host
 for the few bytes that changed) and with the same bytes in host memory, on this machine's CPU
 threads. Prints both, their ratio and the wire's share of the version; writes JSON, and a figure
@@ -23,7 +23,8 @@ import msgspec
 import torch
 
 from benchmarks.report import cpu_name, pyplot, replot, save, write_json
-from weightsync.format import delta, layout
+from weightsync.encodings import codec
+from weightsync.format import layout
 
 BUCKET = 64 << 20
 
@@ -73,18 +74,18 @@ def _sync(device: str) -> None:
 def side(manifest: layout.Manifest, base: torch.Tensor, cur: torch.Tensor, reps: int) -> Side:
     device = base.device.type
     ranges = layout.bucket_ranges(manifest.total_bytes, BUCKET)
-    segs = [delta.segments(manifest, lo, hi) for lo, hi in ranges]
+    segs = [layout.segments(manifest, lo, hi) for lo, hi in ranges]
     out = torch.empty_like(cur)
     enc_ms, dec_ms, wire = [], [], 0
     for rep in range(reps + 1):  # the first warms up (allocator, zstd contexts, kernels)
         _sync(device)
         t0 = time.perf_counter()
-        made = [delta.encode(cur[lo:hi], base[lo:hi], s, auto=True).wire for (lo, hi), s in zip(ranges, segs,
+        made = [codec.encode(cur[lo:hi], base[lo:hi], s, auto=True).wire for (lo, hi), s in zip(ranges, segs,
                                                                                                  strict=True)]
         _sync(device)
         t1 = time.perf_counter()
         for (lo, hi), s, w in zip(ranges, segs, made, strict=True):
-            delta.decode(w, base[lo:hi], out[lo:hi], s)
+            codec.decode(w, base[lo:hi], out[lo:hi], s)
         _sync(device)
         t2 = time.perf_counter()
         if rep:

@@ -23,7 +23,7 @@ import weightsync as ws
 from tests.conftest import Procs
 from tests.statedicts import digests
 from weightsync.fr import Entry, load_dump
-from weightsync.planes import shm
+from weightsync.planes.shm import plane as shm
 from weightsync.testing import Faults, inject
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(180)]

@@ -17,14 +17,14 @@ from weightsync import _wire
 from weightsync._errors import LocalFailure, PeerFailure
 from weightsync.control import client as client_mod
 from weightsync.control.framing import HEADER, MAX_FRAME
+from weightsync.engine.handles import PutHandle
+from weightsync.engine.staging import Job, Spills
 from weightsync.format import layout
 from weightsync.membership.generations import Generations, lane_order
 from weightsync.membership.membership import Membership
 from weightsync.options import ChannelOptions, Deadlines
 from weightsync.recorder.analyze import analyze, render
 from weightsync.recorder.recorder import Dump, Entry, FlightRecorder
-from weightsync.transport.handles import PutHandle
-from weightsync.transport.staging import Job, Spills
 
 pytestmark = pytest.mark.timeout(60)
 SETTINGS = ChannelOptions(timeout=2.0, heartbeat_interval=1.0).settings(checksum=True, in_place=False)

@@ -23,8 +23,9 @@ import torch
 import weightsync as ws
 from tests.statedicts import digest
 from weightsync._errors import ProtocolError
-from weightsync.format import delta, layout
-from weightsync.planes import shm
+from weightsync.encodings import codec
+from weightsync.format import layout
+from weightsync.planes.shm import plane as shm
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -112,11 +113,11 @@ def test_the_codec_rebuilds_every_bit(auto: bool, bucket: int) -> None:
     manifest, base, cur = _codec_case()
     sent = 0
     for lo, hi in layout.bucket_ranges(manifest.total_bytes, bucket):
-        segs = delta.segments(manifest, lo, hi)
+        segs = layout.segments(manifest, lo, hi)
         assert segs[0].lo == 0 and segs[-1].hi == hi - lo  # the segments cover the bucket, gaps included
-        enc = delta.encode(cur[lo:hi], base[lo:hi], segs, auto=auto)
+        enc = codec.encode(cur[lo:hi], base[lo:hi], segs, auto=auto)
         out = torch.full((hi - lo,), 0xAB, dtype=torch.uint8)
-        delta.decode(enc.wire, base[lo:hi], out, segs)
+        codec.decode(enc.wire, base[lo:hi], out, segs)
         assert torch.equal(out, cur[lo:hi])
         sent += enc.wire.numel()
     assert sent < manifest.total_bytes  # and it was smaller
@@ -129,14 +130,14 @@ def test_the_codec_needs_no_numpy() -> None:
         "import sys; sys.modules['numpy'] = None\n"  # import numpy fails, as where it is not installed
         "import torch\n"
         "from tests.test_delta import _codec_case\n"
-        "from weightsync.format import delta, layout\n"
+        "from weightsync.encodings import codec\nfrom weightsync.format import layout\n"
         "manifest, base, cur = _codec_case()\n"
         "for lo, hi in layout.bucket_ranges(manifest.total_bytes, 1 << 16):\n"
-        "    segs = delta.segments(manifest, lo, hi)\n"
+        "    segs = layout.segments(manifest, lo, hi)\n"
         "    for auto in (True, False):\n"
-        "        enc = delta.encode(cur[lo:hi], base[lo:hi], segs, auto=auto)\n"
+        "        enc = codec.encode(cur[lo:hi], base[lo:hi], segs, auto=auto)\n"
         "        out = torch.zeros(hi - lo, dtype=torch.uint8)\n"
-        "        delta.decode(enc.wire, base[lo:hi], out, segs)\n"
+        "        codec.decode(enc.wire, base[lo:hi], out, segs)\n"
         "        assert torch.equal(out, cur[lo:hi])\n"
         "print('ok')\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
@@ -146,8 +147,8 @@ def test_the_codec_needs_no_numpy() -> None:
 def test_the_codec_refuses_what_is_not_a_delta_of_this_bucket() -> None:
     manifest, base, cur = _codec_case()
     lo, hi = 0, manifest.total_bytes
-    segs = delta.segments(manifest, lo, hi)
-    wire = delta.encode(cur, base, segs, auto=False).wire
+    segs = layout.segments(manifest, lo, hi)
+    wire = codec.encode(cur, base, segs, auto=False).wire
     out = torch.empty_like(cur)
     forged = {
         "truncated": wire[:-3].clone(),
@@ -162,13 +163,13 @@ def test_the_codec_refuses_what_is_not_a_delta_of_this_bucket() -> None:
         bad[edit[0]] = edit[1]
         forged[name] = torch.cat([bad.view(torch.uint8), wire[bad.numel() * 8:]])
     for name, bad_wire in forged.items():
-        with pytest.raises(delta.DeltaError):
-            delta.decode(bad_wire, base, out, segs)
+        with pytest.raises(codec.DeltaError):
+            codec.decode(bad_wire, base, out, segs)
         assert name  # every forgery is refused, none writes past the bucket
     # a delta for another layout does not fit this one
-    other = delta.segments(manifest, 0, manifest.total_bytes // 2)
-    with pytest.raises(delta.DeltaError):
-        delta.decode(wire, base[: manifest.total_bytes // 2], out[: manifest.total_bytes // 2], other)
+    other = layout.segments(manifest, 0, manifest.total_bytes // 2)
+    with pytest.raises(codec.DeltaError):
+        codec.decode(wire, base[: manifest.total_bytes // 2], out[: manifest.total_bytes // 2], other)
 
 
 def test_a_sparse_payload_that_points_past_its_segment_is_refused() -> None:
@@ -177,17 +178,17 @@ def test_a_sparse_payload_that_points_past_its_segment_is_refused() -> None:
     base = _flat(items, manifest)
     cur = base.clone()
     cur.view(torch.int16)[4000] = 1
-    segs = delta.segments(manifest, 0, manifest.total_bytes)
-    enc = delta.encode(cur, base, segs, auto=False)
-    assert enc.modes[0] == delta.SPARSE and enc.changed == 1
+    segs = layout.segments(manifest, 0, manifest.total_bytes)
+    enc = codec.encode(cur, base, segs, auto=False)
+    assert enc.modes[0] == codec.SPARSE and enc.changed == 1
     # the same segment with a gap that lands past its end
-    gaps = delta._bytes(delta._planes(torch.tensor([5000], dtype=torch.int32)))
-    values = delta._bytes(delta._planes(torch.tensor([1], dtype=torch.int16)))
-    table = [delta.MAGIC, len(segs), delta.SPARSE, 1, gaps.numel(), values.numel()]
-    table += [v for s in segs[1:] for v in (delta.SAME, 0, 0, 0)]
+    gaps = codec._bytes(codec._planes(torch.tensor([5000], dtype=torch.int32)))
+    values = codec._bytes(codec._planes(torch.tensor([1], dtype=torch.int16)))
+    table = [codec.MAGIC, len(segs), codec.SPARSE, 1, gaps.numel(), values.numel()]
+    table += [v for s in segs[1:] for v in (codec.SAME, 0, 0, 0)]
     wire = torch.cat([torch.tensor(table, dtype=torch.int64).view(torch.uint8), gaps, values])
-    with pytest.raises(delta.DeltaError, match="past"):
-        delta.decode(wire, base, torch.empty_like(cur), segs)
+    with pytest.raises(codec.DeltaError, match="past"):
+        codec.decode(wire, base, torch.empty_like(cur), segs)
 
 
 # the channel --------------------------------------------------------------------------------
@@ -326,7 +327,7 @@ async def test_a_delta_moves_its_first_buckets_while_the_later_ones_are_encoded(
     version encoded before its Announce (it told every wire bucket's length), nothing would move
     and the encodes would give up waiting."""
     decoded, waited, at = threading.Event(), [], threading.local()
-    encode, decode, segments = delta.encode, delta.decode, delta.segments
+    encode, decode, segments = codec.encode, codec.decode, layout.segments
 
     def noting_segments(manifest: Any, lo: int, hi: int) -> Any:  # what the encoder asks right before a bucket
         at.lo = lo
@@ -346,9 +347,9 @@ async def test_a_delta_moves_its_first_buckets_while_the_later_ones_are_encoded(
         async with one_member(pub) as sub:
             await (await pub.put(trainer.master, version=0, dtype=torch.bfloat16))
             trainer.step()
-            monkeypatch.setattr(delta, "encode", gated_encode)
-            monkeypatch.setattr(delta, "decode", noting_decode)
-            monkeypatch.setattr(delta, "segments", noting_segments)
+            monkeypatch.setattr(codec, "encode", gated_encode)
+            monkeypatch.setattr(codec, "decode", noting_decode)
+            monkeypatch.setattr(layout, "segments", noting_segments)
             report = await (await pub.put(trainer.master, version=1, dtype=torch.bfloat16))
             assert report.encodings == {"m0": "delta"}
             assert same(await sub.get(min_version=1, timeout=10), trainer.bf16())
@@ -360,7 +361,7 @@ async def test_a_delta_moves_its_first_buckets_while_the_later_ones_are_encoded(
 async def test_an_encoder_that_fails_mid_version_fails_the_put_and_nobody_else(monkeypatch: Any) -> None:
     """Bucket 2's encode raises (a bug in the encoder, memory): the put fails with it, the members
     waiting for bucket 2's length hear the version was given up on, and the next version arrives."""
-    encode, segments, calls, at = delta.encode, delta.segments, [], threading.local()
+    encode, segments, calls, at = codec.encode, layout.segments, [], threading.local()
 
     def noting_segments(manifest: Any, lo: int, hi: int) -> Any:  # what the encoder asks right before a bucket
         at.lo = lo
@@ -379,12 +380,12 @@ async def test_an_encoder_that_fails_mid_version_fails_the_put_and_nobody_else(m
             await pub.wait_subscribers(2, timeout=20)
             await (await pub.put(trainer.master, version=0, dtype=torch.bfloat16))
             trainer.step()
-            monkeypatch.setattr(delta, "encode", failing_encode)
-            monkeypatch.setattr(delta, "segments", noting_segments)
+            monkeypatch.setattr(codec, "encode", failing_encode)
+            monkeypatch.setattr(layout, "segments", noting_segments)
             with pytest.raises(ws.WeightSyncError, match="the encoder ran out"):
                 await (await pub.put(trainer.master, version=1, dtype=torch.bfloat16))
             assert 2 * SMALL_BUCKETS in calls
-            monkeypatch.setattr(delta, "encode", encode)
+            monkeypatch.setattr(codec, "encode", encode)
             trainer.step()
             report = await (await pub.put(trainer.master, version=2, dtype=torch.bfloat16))
             assert set(report.members) == {"m0", "m1"} and set(pub.members) == {"m0", "m1"}
@@ -397,14 +398,14 @@ async def test_an_encoder_that_fails_mid_version_fails_the_put_and_nobody_else(m
 
 def test_a_member_refuses_a_wire_bucket_told_longer_than_any_delta_of_it() -> None:
     from weightsync import _wire
-    from weightsync.planes.delta import DeltaDecoder
+    from weightsync.encodings.delta import DeltaDecoder
 
     items = [("w", torch.zeros(1000, dtype=torch.bfloat16))]
     manifest = layout.build_manifest(items)
     flat = _flat(items, manifest)
     announce = _wire.Announce(generation=1, seq=1, version=1, manifest=manifest, bucket_bytes=1 << 20, num_buckets=1,
                               coding=_wire.Coding(name="delta", later=True, base=0, base_digest=b"x"))
-    most = delta.longest(delta.segments(manifest, 0, manifest.total_bytes))
+    most = codec.longest(layout.segments(manifest, 0, manifest.total_bytes))
     for told, fits in ((most, True), (most + 1, False), (-1, False), (1 << 40, False)):
         plan = DeltaDecoder().plan(announce, [flat], None, lambda _i, n=told: n)
         assert plan.before is not None
@@ -531,7 +532,7 @@ async def test_copy_false_deltas_go_against_a_kept_copy_that_also_serves_a_full_
 
 
 def test_auto_takes_whichever_reached_the_group_faster_and_looks_again() -> None:
-    from weightsync.planes.delta import COSTED_FROM, EXPLORE, Chooser
+    from weightsync.encodings.delta import COSTED_FROM, EXPLORE, Chooser
 
     chooser = Chooser()
     assert not chooser.prefer_full()  # nothing measured: a delta is tried

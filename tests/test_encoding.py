@@ -16,7 +16,7 @@ import weightsync as ws
 from tests import xor_encoding
 from tests.statedicts import digest, mixed_state_dict
 from weightsync.extend import register_encoding, unregister_encoding
-from weightsync.planes import shm
+from weightsync.planes.shm import plane as shm
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(120)]
 

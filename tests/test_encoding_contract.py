@@ -29,7 +29,7 @@ import weightsync as ws
 from tests import xor_encoding
 from tests.statedicts import digests
 from weightsync.extend import register_encoding, unregister_encoding
-from weightsync.planes import shm
+from weightsync.planes.shm import plane as shm
 from weightsync.testing import Faults, inject
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(180)]

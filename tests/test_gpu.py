@@ -17,7 +17,8 @@ from tests.conftest import Procs
 from tests.statedicts import digests, mixed_state_dict
 from tests.test_delta import _codec_case
 from weightsync import _torch_compat as compat
-from weightsync.format import delta, layout
+from weightsync.encodings import codec
+from weightsync.format import layout
 from weightsync.recorder.recorder import process_recorder
 
 pytestmark = [pytest.mark.gpu, pytest.mark.asyncio, pytest.mark.timeout(60),
@@ -127,13 +128,13 @@ async def test_the_delta_codec_on_the_device_rebuilds_every_bit_on_either_side(a
     dev_base, dev_cur = base.cuda(), cur.cuda()
     sent = 0
     for lo, hi in layout.bucket_ranges(manifest.total_bytes, 1 << 16):
-        segs = delta.segments(manifest, lo, hi)
-        made = delta.encode(dev_cur[lo:hi], dev_base[lo:hi], segs, auto=auto)
+        segs = layout.segments(manifest, lo, hi)
+        made = codec.encode(dev_cur[lo:hi], dev_base[lo:hi], segs, auto=auto)
         on_host = torch.full((hi - lo,), 0xAB, dtype=torch.uint8)
-        delta.decode(made.wire, base[lo:hi], on_host, segs)
+        codec.decode(made.wire, base[lo:hi], on_host, segs)
         assert torch.equal(on_host, cur[lo:hi])
         on_device = torch.full((hi - lo,), 0xAB, dtype=torch.uint8, device="cuda")
-        delta.decode(delta.encode(cur[lo:hi], base[lo:hi], segs, auto=auto).wire.cuda(), dev_base[lo:hi],
+        codec.decode(codec.encode(cur[lo:hi], base[lo:hi], segs, auto=auto).wire.cuda(), dev_base[lo:hi],
                      on_device, segs)
         assert torch.equal(on_device.cpu(), cur[lo:hi])
         sent += made.wire.numel()

@@ -91,7 +91,7 @@ async def test_a_one_thread_snapshot_copies_plain_tensors_with_memmove(monkeypat
     """torchrun gives each rank one torch thread: its snapshot's plain copies still go to memmove,
     the copy glibc's non-temporal threshold applies to (docs/api.md), pipelined or not, and
     arrive intact. (A first version covered the whole snapshot only: CI's pipelined pass failed it.)"""
-    from weightsync.transport import snapshots
+    from weightsync.engine import snapshots
 
     moved: list[int] = []
     real = snapshots._memmove_all  # noqa: SLF001
@@ -598,7 +598,7 @@ async def test_a_member_refuses_more_gloo_connections_than_it_may_build() -> Non
 
     from weightsync._errors import ProtocolError
     from weightsync.options import MAX_STREAMS, ChannelOptions
-    from weightsync.pg.groupsend import member_plane
+    from weightsync.planes.group.send import member_plane
 
     for bad in (0, MAX_STREAMS + 1, True):
         ctx = SimpleNamespace(admit=SimpleNamespace(settings=SimpleNamespace(streams=bad)))

@@ -25,7 +25,7 @@ from tests.conftest import Procs
 from tests.statedicts import digests
 from weightsync import _wire
 from weightsync.control import rendezvous
-from weightsync.pg.group import reconfigure_enabled
+from weightsync.planes.group.plane import reconfigure_enabled
 from weightsync.testing import Faults, inject
 
 # a busy-loop process beside every test: who is slow, dead or to blame is decided on a loaded machine

@@ -31,7 +31,7 @@ from tests import mailbox_plane
 from tests.conftest import Procs
 from tests.statedicts import digest, mixed_state_dict
 from weightsync.extend import register_plane, unregister_plane
-from weightsync.planes import shm
+from weightsync.planes.shm import plane as shm
 from weightsync.testing import Faults, inject
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(180)]

@@ -24,16 +24,16 @@ import torch
 from tests import xor_encoding
 from tests.fakes import GrouplessPlane
 from weightsync import _wire
+from weightsync.engine.receiver import Receiver
+from weightsync.engine.slots import SlotPair
 from weightsync.extend import register_encoding, unregister_encoding
 from weightsync.format import layout, sharding, slicing
 from weightsync.format.checksum import checksum
 from weightsync.options import ChannelOptions
-from weightsync.planes import shm
 from weightsync.planes.dataplane import PlaneSpec, Transfer, register_plane, unregister_plane
+from weightsync.planes.shm import plane as shm
 from weightsync.recorder.recorder import FlightRecorder
 from weightsync.testing import Hooks
-from weightsync.transport.receiver import Receiver
-from weightsync.transport.slots import SlotPair
 
 BUCKET = 1 << 12
 SETTINGS = ChannelOptions(timeout=5.0, bucket_bytes=BUCKET, heartbeat_interval=0.2).settings(checksum=True,

@@ -24,17 +24,17 @@ import torch
 
 from tests.fakes import FakeControl, FakePlane, FakeTable
 from weightsync import _wire
+from weightsync.engine.events import Abort, Join, Leave, PutCommitted
+from weightsync.engine.handles import DeliveryReport, PutHandle
+from weightsync.engine.sender import Sender
+from weightsync.engine.staging import BucketBuffers, Job, Staging
 from weightsync.format import layout, sharding
 from weightsync.format.checksum import KINDS, checksum
 from weightsync.membership.membership import Membership, StragglerPolicy
 from weightsync.options import ChannelOptions
-from weightsync.planes import shm
 from weightsync.planes.dataplane import Transfer
+from weightsync.planes.shm import plane as shm
 from weightsync.recorder.recorder import FlightRecorder
-from weightsync.transport.events import Abort, Join, Leave, PutCommitted
-from weightsync.transport.handles import DeliveryReport, PutHandle
-from weightsync.transport.sender import Sender
-from weightsync.transport.staging import BucketBuffers, Job, Staging
 
 SETTINGS = ChannelOptions(timeout=5.0, bucket_bytes=1 << 12, heartbeat_interval=0.2).settings(checksum=True,
                                                                                               in_place=False)

@@ -22,7 +22,7 @@ import weightsync as ws
 from tests.conftest import REPO, Procs
 from weightsync import _wire
 from weightsync.format import layout, sharding, slicing
-from weightsync.planes import shm
+from weightsync.planes.shm import plane as shm
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 

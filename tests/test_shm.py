@@ -25,7 +25,7 @@ from tests.conftest import Procs
 from tests.statedicts import digests, mixed_state_dict
 from weightsync import _wire
 from weightsync.control.framing import HEADER
-from weightsync.planes import shm
+from weightsync.planes.shm import plane as shm
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.skipif(not shm.available(), reason="needs Linux memfds and /proc")]
 
@@ -299,7 +299,7 @@ async def test_pipelined_snapshot_is_bit_exact_and_a_cancelled_one_is_never_read
     about 7 ms, and on a loaded 2-core CI machine the sender thread was once not scheduled that
     soon, so "announced while the snapshot was taken" failed by 1.7 ms. The gate proves the same
     thing without the race: the announce does not wait for the snapshot."""
-    from weightsync.transport import snapshots
+    from weightsync.engine import snapshots
 
     rec = ws.FlightRecorder(capacity=4000)
     packing = snapshots.pack_progressively

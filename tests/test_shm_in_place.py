@@ -20,9 +20,9 @@ import torch
 import weightsync as ws
 from tests.statedicts import digests
 from weightsync import _wire
-from weightsync.planes import shm
+from weightsync.engine.staging import Job, Staging
+from weightsync.planes.shm import plane as shm
 from weightsync.testing import Hooks, inject
-from weightsync.transport.staging import Job, Staging
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.skipif(not shm.available(), reason="needs Linux memfds and /proc")]
 

@@ -26,7 +26,7 @@ import torch
 import weightsync as ws
 from tests.conftest import REPO, Procs
 from tests.statedicts import digests
-from weightsync.pg.reaper import drain_retired, left_behind
+from weightsync.planes.group.reaper import drain_retired, left_behind
 from weightsync.recorder.recorder import FlightRecorder
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(240)]

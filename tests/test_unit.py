@@ -18,11 +18,11 @@ import torch.distributed as dist
 import weightsync as ws
 from tests.statedicts import digests, mixed_state_dict
 from weightsync import _wire
+from weightsync.engine.staging import Job, Staging
 from weightsync.format import checksum as checksums
 from weightsync.format import layout
 from weightsync.format.checksum import KINDS, STRIPES
 from weightsync.options import ChannelOptions, parse_address
-from weightsync.transport.staging import Job, Staging
 
 
 def test_public_names_are_pinned() -> None:
@@ -321,7 +321,7 @@ def test_a_running_digest_over_pieces_is_the_bucket_digest(kind: str) -> None:
 
 
 def test_get_into_as_received_digests_and_writes_each_piece_in_one_read(monkeypatch: pytest.MonkeyPatch) -> None:
-    from weightsync.transport import into
+    from weightsync.engine import into
 
     monkeypatch.setattr(into, "PIECE", 1000)  # pieces smaller than a bucket, buckets smaller than a tensor
     src = {"a": torch.arange(3000, dtype=torch.float32), "b": torch.arange(600, dtype=torch.bfloat16).view(20, 30),
@@ -433,7 +433,7 @@ def test_a_teardown_that_never_ends_is_left_behind_and_the_teardowns_after_it_go
     never finishes its destructor (seen in tests/test_inprocess.py's packing-error test: its close
     took 30 s, the drains' bounds, one run in three). One such teardown must not hold back the
     next, a close's drain, or a fork (``TEARDOWN``)."""
-    from weightsync.pg.reaper import TEARDOWN, Reaper
+    from weightsync.planes.group.reaper import TEARDOWN, Reaper
 
     release = threading.Event()
     torn: list[str] = []
@@ -472,7 +472,7 @@ def test_a_teardown_is_done_only_once_the_hung_works_it_was_handed_are_gone() ->
     its frozen peer. A close's drain must wait for it: an interpreter that exits while it runs
     ends the process ("terminate called without an active exception", seen in CI on 2.13 when
     the teardown's loop variable held the works past its ``done``)."""
-    from weightsync.pg.reaper import Reaper
+    from weightsync.planes.group.reaper import Reaper
 
     release, gone = threading.Event(), threading.Event()
 
@@ -499,7 +499,7 @@ def test_a_teardown_is_done_only_once_the_hung_works_it_was_handed_are_gone() ->
 def test_a_snapshot_on_several_threads_writes_the_bytes_torch_writes() -> None:
     """The publisher's host snapshot hands plain copies to threads that memmove byte-equal runs
     (a tensor may be cut between two); strided, cast and empty sources stay with torch."""
-    from weightsync.transport.snapshots import Copier
+    from weightsync.engine.snapshots import Copier
 
     gen = torch.Generator().manual_seed(7)
     items = [("a", torch.randn(300, 257, generator=gen)),                       # plain, cut between runs
@@ -550,7 +550,7 @@ def test_a_snapshot_still_refuses_a_tensor_freed_since_put_before_copying_anythi
 def test_a_pipelined_snapshot_of_nothing_is_complete_at_once() -> None:
     """A sharded rank with nothing of its own to send (an HSDP replica) puts an empty version; the
     pipelined snapshot (the default on 4 CPUs or more) failed it ("zip() argument 3 is longer")."""
-    from weightsync.transport.staging import Progress, pack_progressively
+    from weightsync.engine.staging import Progress, pack_progressively
 
     marks: list[int] = []
     manifest = layout.build_manifest([])

@@ -29,12 +29,12 @@ from weightsync.errors import (
 
 if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers
     from weightsync.blocking import BlockingPublisher, BlockingSubscriber
+    from weightsync.engine.handles import DeliveryReport, PutHandle, Weights, WeightStream
     from weightsync.membership.membership import MemberInfo, StragglerPolicy
     from weightsync.options import connect_store
     from weightsync.orchestrator import LocalProcessOrchestrator, Orchestrator
     from weightsync.recorder.recorder import FlightRecorder
     from weightsync.statistics import MemberStatistics, PublisherStatistics, SubscriberStatistics
-    from weightsync.transport.handles import DeliveryReport, PutHandle, Weights, WeightStream
     from weightsync.transport.publisher import Publisher
     from weightsync.transport.subscriber import Subscriber
 
@@ -44,7 +44,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "BlockingPublisher": "weightsync.blocking",
     "BlockingSubscriber": "weightsync.blocking",
-    "DeliveryReport": "weightsync.transport.handles",
+    "DeliveryReport": "weightsync.engine.handles",
     "FlightRecorder": "weightsync.recorder.recorder",
     "LocalProcessOrchestrator": "weightsync.orchestrator",
     "MemberInfo": "weightsync.membership.membership",
@@ -52,12 +52,12 @@ _LAZY = {
     "Orchestrator": "weightsync.orchestrator",
     "Publisher": "weightsync.transport.publisher",
     "PublisherStatistics": "weightsync.statistics",
-    "PutHandle": "weightsync.transport.handles",
+    "PutHandle": "weightsync.engine.handles",
     "StragglerPolicy": "weightsync.membership.membership",
     "Subscriber": "weightsync.transport.subscriber",
     "SubscriberStatistics": "weightsync.statistics",
-    "WeightStream": "weightsync.transport.handles",
-    "Weights": "weightsync.transport.handles",
+    "WeightStream": "weightsync.engine.handles",
+    "Weights": "weightsync.engine.handles",
     "connect_store": "weightsync.options",
 }
 

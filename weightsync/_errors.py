@@ -22,7 +22,7 @@ cost a peer a strike or an eviction::
                └── KeyTimeout    a rendezvous key was not set within its wait
 
 Torch backend errors (``RuntimeError``, ``DistError``) are translated into these in one place,
-:mod:`weightsync.pg.group` (data plane); the control plane (:mod:`weightsync.control`) raises
+:mod:`weightsync.planes.group.plane` (data plane); the control plane (:mod:`weightsync.control`) raises
 ControlFailure itself.
 Anything else that escapes a thread is a bug in weightsync: it stops that thread and surfaces
 to the caller as a :class:`~weightsync.errors.WeightSyncError`, never as a peer's fault.

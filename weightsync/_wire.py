@@ -206,7 +206,7 @@ class Go(msgspec.Struct, frozen=True, tag="go"):
 
 
 class Coding(msgspec.Struct, frozen=True):
-    """How an announced version's buckets are encoded on the wire (``weightsync.planes.encoding``)."""
+    """How an announced version's buckets are encoded on the wire (``weightsync.encodings.seam``)."""
 
     name: str = "full"  # the encoding ("full": the staged bytes as they are)
     wire: tuple[int, ...] = ()  # each bucket's bytes on the wire; empty: the layout's (as staged)...

@@ -37,12 +37,12 @@ from typing import Any, TypeVar
 
 import torch
 
+from weightsync.engine.handles import DeliveryReport, PutHandle, Weights, WeightStream, check_timeout
 from weightsync.errors import Closed, SyncTimeout
 from weightsync.format import layout
 from weightsync.membership.membership import MemberInfo
 from weightsync.options import Deadlines
 from weightsync.statistics import PublisherStatistics, SubscriberStatistics
-from weightsync.transport.handles import DeliveryReport, PutHandle, Weights, WeightStream, check_timeout
 from weightsync.transport.loopthread import LoopThread
 from weightsync.transport.publisher import Publisher
 from weightsync.transport.subscriber import Subscriber

@@ -28,7 +28,7 @@ def _doctor() -> int:
     import torch
 
     from weightsync import _torch_compat as compat
-    from weightsync.planes import shm
+    from weightsync.planes.shm import plane as shm
 
     rows = [
         ("torch", torch.__version__),

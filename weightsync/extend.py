@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from weightsync._errors import Cancelled, ChecksumMismatch, LocalFailure, PeerFailure, ProtocolError
 from weightsync._wire import Coding
+from weightsync.encodings.registry import register_encoding, unregister_encoding
+from weightsync.encodings.seam import Base, EncodingSpec, WirePlan, base_digest
 from weightsync.planes.dataplane import (
     DataPlane,
     GenerationSpec,
@@ -36,8 +38,6 @@ from weightsync.planes.dataplane import (
     registered_planes,
     unregister_plane,
 )
-from weightsync.planes.encoding import Base, EncodingSpec, WirePlan, base_digest
-from weightsync.planes.registry import register_encoding, unregister_encoding
 
 __all__ = [
     "Base",

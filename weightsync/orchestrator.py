@@ -29,7 +29,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from weightsync.membership.membership import MemberInfo, StragglerPolicy
-from weightsync.pg.reaper import TEARDOWN
+from weightsync.planes.group.reaper import TEARDOWN
 from weightsync.recorder.recorder import FlightRecorder
 
 log = logging.getLogger("weightsync.orchestrator")

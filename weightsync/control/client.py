@@ -45,7 +45,7 @@ from weightsync.control.framing import (
     open_refusal,
 )
 from weightsync.errors import AdmissionDenied, HandshakeMismatch, TransportUnavailable
-from weightsync.planes import shm
+from weightsync.planes.shm import plane as shm
 from weightsync.recorder.recorder import RecorderScope
 
 READ_SLICE = 0.5  # the reader wakes this often to show it is alive (``tick``)

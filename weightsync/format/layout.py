@@ -12,7 +12,9 @@ for an LLM) and cannot be pipelined; packing per bucket (vLLM style) costs a sec
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Union
 
 import torch
@@ -360,3 +362,43 @@ def check_encoded_size(manifest: Manifest, assembly: object, limit: int) -> None
     if len(_wire.encode(manifest)) + len(_wire.encode(assembly)) > limit:
         raise ValueError(f"the manifest of {len(manifest.tensors)} tensors is over {limit} bytes encoded: "
                          "shorter names, or fewer tensors per channel")
+
+
+#: element size -> the dtype its bits compare as (a delta compares bits, never floats)
+BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+@dataclass(frozen=True)
+class Segment:
+    lo: int  # byte offsets within the bucket
+    hi: int
+    size: int  # element size in bytes: the unit compared
+
+
+@functools.lru_cache(maxsize=64)
+def _tensor_ranges(manifest: Manifest) -> tuple[tuple[int, int, int], ...]:
+    out = []
+    for spec in manifest.tensors:
+        if spec.nbytes:
+            size = dtype_from_name(spec.dtype).itemsize
+            out.append((spec.offset, spec.offset + spec.nbytes, size if size in BITS else 1))
+    return tuple(sorted(out))
+
+
+@functools.lru_cache(maxsize=4096)
+def segments(manifest: Manifest, lo: int, hi: int) -> tuple[Segment, ...]:
+    """Bucket ``[lo, hi)`` of ``manifest``'s layout cut at tensor boundaries (offsets within it)."""
+    out: list[Segment] = []
+    at = lo
+    for start, end, size in _tensor_ranges(manifest):
+        if end <= lo or start >= hi:
+            continue
+        a, b = max(start, lo), min(end, hi)
+        if a > at:
+            out.append(Segment(at - lo, a - lo, 1))
+        whole = (a - start) % size == 0 and (b - a) % size == 0
+        out.append(Segment(a - lo, b - lo, size if whole else 1))
+        at = b
+    if at < hi:
+        out.append(Segment(at - lo, hi - lo, 1))
+    return tuple(out)

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from weightsync import _wire
-from weightsync.format import delta, layout
+from weightsync.format import layout
 from weightsync.format.sharding import blocks_of, global_manifest, is_dtensor
 
 Run = tuple[int, int, int]  # (offset in the bucket, offset in the member's slot, bytes)
@@ -140,22 +140,22 @@ def cached_routes(source: _wire.Manifest, pieces: tuple[_wire.Piece, ...] | None
     return routes(source, pieces, full, wants, ranges)
 
 
-def share_segments(mine: _wire.Manifest, runs: Sequence[Run]) -> tuple[delta.Segment, ...]:
+def share_segments(mine: _wire.Manifest, runs: Sequence[Run]) -> tuple[layout.Segment, ...]:
     """A sliced member's share of one bucket (its ``runs`` back to back, as :func:`gather` makes
     it) cut into the delta codec's segments: where the member's slot layout ``mine`` cuts it, each
     compared in its tensor's element size (single bytes where a piece does not lie on whole
     elements of the share), neighbours of one size merged. Both ends compute the same."""
-    out: list[delta.Segment] = []
+    out: list[layout.Segment] = []
     at = 0
     for _src, dst, n in runs:
-        for seg in delta.segments.__wrapped__(mine, dst, dst + n):
+        for seg in layout.segments.__wrapped__(mine, dst, dst + n):
             lo, hi, size = at + seg.lo, at + seg.hi, seg.size
             if lo % size or (hi - lo) % size:
                 size = 1
             if out and out[-1].size == size and out[-1].hi == lo:
-                out[-1] = delta.Segment(out[-1].lo, hi, size)
+                out[-1] = layout.Segment(out[-1].lo, hi, size)
             else:
-                out.append(delta.Segment(lo, hi, size))
+                out.append(layout.Segment(lo, hi, size))
         at += n
     return tuple(out)
 
@@ -163,7 +163,7 @@ def share_segments(mine: _wire.Manifest, runs: Sequence[Run]) -> tuple[delta.Seg
 @functools.lru_cache(maxsize=64)
 def cached_share_segments(source: _wire.Manifest, pieces: tuple[_wire.Piece, ...] | None, full: _wire.Manifest,
                           wants: tuple[_wire.Want, ...],
-                          ranges: tuple[tuple[int, int], ...]) -> tuple[tuple[delta.Segment, ...], ...]:
+                          ranges: tuple[tuple[int, int], ...]) -> tuple[tuple[layout.Segment, ...], ...]:
     """Per bucket, :func:`share_segments` of a sliced member's routes (once per layout)."""
     mine = sliced_manifest(full, wants)
     return tuple(share_segments(mine, runs) for runs in cached_routes(source, pieces, full, wants, ranges))
@@ -207,7 +207,7 @@ class SlicePlacer:
         self._slot, self._plan = slot, plan
         self.targets: list[torch.Tensor] = []
         #: a delta version: per bucket, the share's segments (:func:`cached_share_segments`)
-        self.segments: Sequence[tuple[delta.Segment, ...]] = ()
+        self.segments: Sequence[tuple[layout.Segment, ...]] = ()
         total = slot.numel()
         for runs in plan:
             for _src, dst, n in runs:

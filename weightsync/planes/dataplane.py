@@ -39,10 +39,10 @@ Failures are :mod:`weightsync._errors`: ``PeerFailure`` when a peer broke the st
 
 The planes (docs/architecture.md has the picture and how new ones plug in):
 
-- ``"group"`` (:mod:`weightsync.pg.group`, :mod:`weightsync.pg.groupsend`): gloo/NCCL broadcast
+- ``"group"`` (:mod:`weightsync.planes.group.plane`, :mod:`weightsync.planes.group.send`): gloo/NCCL broadcast
   of each bucket from rank 0, or, in a generation with sliced members, rank 0 sending each
   member its own share point to point over the same communicator;
-- ``"shm"`` (:mod:`weightsync.planes.shm`, :mod:`weightsync.planes.shmsend`): the
+- ``"shm"`` (:mod:`weightsync.planes.shm.plane`, :mod:`weightsync.planes.shm.send`): the
   publisher's snapshot lives in shared memory; a same-host member's ``move`` copies each
   bucket out of the segment its Announce names and joins no group;
 - sharded trainers ("lanes"): a member holds one receiver (and one plane) per trainer rank,
@@ -64,8 +64,8 @@ from typing import Any, Protocol
 import torch
 
 from weightsync import _wire
-from weightsync.planes import registry
-from weightsync.planes.encoding import Base, WirePlan
+from weightsync.encodings import registry
+from weightsync.encodings.seam import Base, WirePlan
 
 
 @dataclass(frozen=True)
@@ -327,7 +327,7 @@ class PlaneSpec:
 
 
 #: the built-in planes, imported when first used (nothing is imported or registered at import)
-_BUILTIN = {"group": "weightsync.pg.groupsend", "shm": "weightsync.planes.shmsend"}
+_BUILTIN = {"group": "weightsync.planes.group.send", "shm": "weightsync.planes.shm.send"}
 _registered: dict[str, PlaneSpec] = {}
 _lock = threading.Lock()
 

@@ -1,3 +1,3 @@
-"""The asyncio API users call (Publisher, Subscriber, handles) and the two ends' threads behind it
-(Sender, Receiver, snapshots, trainer ranks, staging, slots). Private: public names are
-re-exported by :mod:`weightsync`."""
+"""The asyncio API users call: ``Publisher`` and ``Subscriber`` and what composes them (the door,
+the plane set, the trainer ranks, the loop thread). Private: public names are re-exported by
+:mod:`weightsync`."""

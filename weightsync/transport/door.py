@@ -12,8 +12,8 @@ from collections.abc import Callable
 from typing import Any
 
 from weightsync.control.server import Link
-from weightsync.transport.events import Join, Leave, MemberDied
-from weightsync.transport.sender import Sender
+from weightsync.engine.events import Join, Leave, MemberDied
+from weightsync.engine.sender import Sender
 
 
 class Door:

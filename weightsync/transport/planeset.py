@@ -13,12 +13,12 @@ import torch
 
 from weightsync import _wire
 from weightsync.control.rendezvous import KeyValue, LocalStore
+from weightsync.engine.staging import BucketBuffers, Staging
 from weightsync.options import Deadlines
-from weightsync.pg.group import GroupPlane
-from weightsync.planes import shm
 from weightsync.planes.dataplane import registered_planes
+from weightsync.planes.group.plane import GroupPlane
+from weightsync.planes.shm import plane as shm
 from weightsync.recorder.recorder import FlightRecorder
-from weightsync.transport.staging import BucketBuffers, Staging
 
 
 class PlaneSet:

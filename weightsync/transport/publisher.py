@@ -5,7 +5,7 @@ Who calls what, in order:
 1. the trainer enters ``async with Publisher(name, address=...)``: two components start their
    threads: the :class:`~weightsync.control.server.ControlServer` (every member's authenticated
    connection: admission, beats, replies, the data plane's rendezvous) and the
-   :class:`~weightsync.transport.sender.Sender` (generations, announce, data plane,
+   :class:`~weightsync.engine.sender.Sender` (generations, announce, data plane,
    acknowledgements, straggler scoring); the Publisher only holds them together and talks to
    the event loop;
 2. subscribers join; the sender ends the current generation and builds the next one with
@@ -35,6 +35,17 @@ from weightsync.control import auth
 from weightsync.control.framing import MAX_FRAME
 from weightsync.control.rendezvous import KeyValue
 from weightsync.control.server import ControlServer
+from weightsync.encodings.registry import known
+from weightsync.encodings.seam import AUTO, FULL
+from weightsync.engine import lifecycle
+from weightsync.engine.events import Abort, Drain, Evict, PutCommitted
+from weightsync.engine.handles import PutHandle, check_timeout
+from weightsync.engine.lifecycle import EndState, call_soon
+from weightsync.engine.sender import Sender, SenderState
+from weightsync.engine.snapshots import Snapshots, default_pipeline
+from weightsync.engine.staging import (
+    Job,
+)
 from weightsync.errors import Closed, SyncTimeout, WeightSyncError
 from weightsync.format import checksum as checksums
 from weightsync.format import layout
@@ -52,22 +63,11 @@ from weightsync.options import (
     warn_open_channel,
 )
 from weightsync.orchestrator import Orchestrator, Replacements
-from weightsync.pg.group import reconfigure_enabled, resolve_backend
-from weightsync.planes.encoding import AUTO, FULL
-from weightsync.planes.registry import known
+from weightsync.planes.group.plane import reconfigure_enabled, resolve_backend
 from weightsync.recorder.recorder import FlightRecorder, process_recorder
 from weightsync.statistics import PublisherStatistics, PublisherTally
-from weightsync.transport import lifecycle
 from weightsync.transport.door import Door
-from weightsync.transport.events import Abort, Drain, Evict, PutCommitted
-from weightsync.transport.handles import PutHandle, check_timeout
-from weightsync.transport.lifecycle import EndState, call_soon
 from weightsync.transport.planeset import PlaneSet
-from weightsync.transport.sender import Sender, SenderState
-from weightsync.transport.snapshots import Snapshots, default_pipeline
-from weightsync.transport.staging import (
-    Job,
-)
 from weightsync.transport.trainers import TrainerRanks
 
 
@@ -127,7 +127,7 @@ class Publisher:
             default) is the single-process publisher.
         group: instead of rank and world_size: a ProcessGroup of the trainer ranks; rank 0's
             address travels to the others over it (a tensor broadcast, no pickle).
-        encoding: how versions go on the group's wire (``weightsync.planes.encoding``):
+        encoding: how versions go on the group's wire (``weightsync.encodings.seam``):
             ``"auto"`` (the default: each version as a delta against the last one its members all
             hold, where that is smaller, tensor by tensor; docs/deltas.md), ``"delta"`` (always a
             delta where one can be made), ``"full"`` (the staged bytes), or one registered on both

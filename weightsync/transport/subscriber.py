@@ -3,7 +3,7 @@
 Who calls what, in order:
 
 1. ``async with Subscriber(name, address=...)`` starts its
-   :class:`~weightsync.transport.receiver.Receiver`'s two threads: *heartbeat* (liveness beats;
+   :class:`~weightsync.engine.receiver.Receiver`'s two threads: *heartbeat* (liveness beats;
    watches the publisher's) and *receiver*, which sends a Join (fingerprint, token) and waits
    for Admit (with the channel's settings) or Deny within ``timeout``;
 2. the receiver builds the dedicated group of its generation and follows the publisher's
@@ -33,20 +33,20 @@ import torch
 from weightsync import testing
 from weightsync._errors import ProtocolError, StoreUnreachable
 from weightsync.control import auth
+from weightsync.engine import lifecycle
+from weightsync.engine.handles import Weights, WeightStream, check_timeout, time_left
+from weightsync.engine.into import IntoDest
+from weightsync.engine.lifecycle import EndState, call_soon
+from weightsync.engine.receiver import Receiver, ReceiverState
+from weightsync.engine.slots import SlotPair, copy_into, copy_out
 from weightsync.errors import Closed, PublisherGone, Superseded, SyncTimeout, TransportUnavailable, WeightSyncError
 from weightsync.format import layout, sharding, slicing
 from weightsync.options import Deadlines, check_number, parse_address, resolve_device
-from weightsync.pg.group import resolve_backend
 from weightsync.planes.dataplane import registered_planes
+from weightsync.planes.group.plane import resolve_backend
 from weightsync.recorder.recorder import FlightRecorder, process_recorder
 from weightsync.statistics import SubscriberStatistics, SubscriberTally
 from weightsync.testing import Hooks
-from weightsync.transport import lifecycle
-from weightsync.transport.handles import Weights, WeightStream, check_timeout, time_left
-from weightsync.transport.into import IntoDest
-from weightsync.transport.lifecycle import EndState, call_soon
-from weightsync.transport.receiver import Receiver, ReceiverState
-from weightsync.transport.slots import SlotPair, copy_into, copy_out
 
 TRANSPORTS = ("auto", "group", "shm", "cuda_ipc")
 JOIN_GRACE = 1.0  # seconds past the join deadline the receiver has to say why it was not admitted

@@ -28,12 +28,12 @@ from weightsync._wire import ChannelSettings
 from weightsync.control import auth
 from weightsync.control.rendezvous import KeyValue
 from weightsync.control.server import ControlServer, Link
+from weightsync.engine.handles import DeliveryReport, PutHandle
 from weightsync.errors import Closed, WeightSyncError
 from weightsync.format import sharding
 from weightsync.membership import ranks
 from weightsync.options import ChannelOptions, Deadlines, parse_address
 from weightsync.recorder.recorder import FlightRecorder, RecorderScope
-from weightsync.transport.handles import DeliveryReport, PutHandle
 
 
 class TrainerRanks:

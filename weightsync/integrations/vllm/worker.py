@@ -50,7 +50,7 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.config.weight_transfer import WeightTransferConfig
 
-    from weightsync.transport.handles import WeightStream
+    from weightsync.engine.handles import WeightStream
 
 # extra seconds a host-side call may take beyond the weightsync deadline it carries
 GRACE = 5.0

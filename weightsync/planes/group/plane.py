@@ -33,8 +33,8 @@ import torch
 
 from weightsync import _torch_compat as compat
 from weightsync._errors import Cancelled, InternalError, LocalFailure, PeerFailure, own_hook
-from weightsync.pg.reaper import PUBLISHER_GRACE, retire
 from weightsync.planes.dataplane import GenerationSpec, Transfer
+from weightsync.planes.group.reaper import PUBLISHER_GRACE, retire
 from weightsync.recorder.recorder import FlightRecorder
 
 log = logging.getLogger("weightsync.planes")

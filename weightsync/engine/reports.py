@@ -1,5 +1,5 @@
 """What a version's attempts add up to: per member, the encoding it got and the bytes that moved
-for it (``forms``), and the :class:`~weightsync.transport.handles.DeliveryReport` its put resolves
+for it (``forms``), and the :class:`~weightsync.engine.handles.DeliveryReport` its put resolves
 with (``delivered``). The Sender calls both; neither touches the wire."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from weightsync.transport.handles import DeliveryReport
-from weightsync.transport.staging import Job
+from weightsync.engine.handles import DeliveryReport
+from weightsync.engine.staging import Job
 
 FULL = "full"
 

@@ -2,7 +2,7 @@
 
 A version is staged as the bytes a member will hold (its manifest's layout). On its way it may
 be *encoded* (built in: ``"full"``, the identity, here; ``"delta"`` and ``"auto"``, against a base
-version, in :mod:`weightsync.planes.delta`; quantized forms plug in the same way), and a member
+version, in :mod:`weightsync.encodings.delta`; quantized forms plug in the same way), and a member
 *decodes* each bucket between the plane and its slot. The digests in the Seal are the staged
 bytes' and each member checks its decoded bytes against them: the checksum proves what the
 member holds after decoding (a wrong base, a corrupted wire, a bug in either end), never only
@@ -11,7 +11,7 @@ the wire's bytes.
 Publisher side, per version and per part that carries the encoding (the group's broadcast; the
 same-host segment holds the staged bytes and its members read them as they are, and members sent
 point to point are sent gathered staged bytes, or, with the built-in deltas, a sliced member a
-delta of its share: :func:`weightsync.planes.delta.share_coder`), the Sender asks
+delta of its share: :func:`weightsync.encodings.delta.share_coder`), the Sender asks
 ``encoder(name).plan(out)``:
 
 - ``wire``: the tensors the plane moves, one per bucket (the staged buckets for ``"full"``);
@@ -37,7 +37,7 @@ What an encoding may assume: the manifest (names, dtypes, offsets; every dtype's
 is whole bytes), the staged bytes of this version on the publisher's device, and, on the member,
 the slot's buckets on the member's device, and a base version where the Sender's bases name one
 (``out.base``; the member's copy of it is the decoder's ``base``). Encodings are looked up by
-name in :mod:`weightsync.planes.registry`; one registered from outside
+name in :mod:`weightsync.encodings.registry`; one registered from outside
 (``weightsync.extend.register_encoding``) must be registered on both ends.
 """
 
@@ -123,7 +123,7 @@ class Encoder(Protocol):
     plan, want)``, a sliced member's share of each bucket in this encoding (``plan``: its routes of
     each bucket, ``want``: its boxes): ``(code(i, share) -> wire, the Coding its Announce names)``,
     or None where that member goes ``"full"``; an encoder without it sends sliced members their
-    shares as staged (:func:`weightsync.planes.registry.share_coder`)."""
+    shares as staged (:func:`weightsync.encodings.registry.share_coder`)."""
 
     def plan(self, out: Any) -> WirePlan: ...
 

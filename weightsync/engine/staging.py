@@ -45,8 +45,8 @@ import torch
 
 from weightsync._errors import LocalFailure
 from weightsync._wire import Manifest
+from weightsync.engine.handles import DeliveryReport, PutHandle
 from weightsync.format import layout
-from weightsync.transport.handles import DeliveryReport, PutHandle
 
 
 class Progress:

@@ -18,9 +18,9 @@ import msgspec
 import torch
 
 from weightsync._wire import Manifest
+from weightsync.engine.lifecycle import call_soon
 from weightsync.errors import NotDelivered, Superseded, SyncTimeout
-from weightsync.format import delta, layout
-from weightsync.transport.lifecycle import call_soon
+from weightsync.format import layout
 
 T = TypeVar("T")
 
@@ -283,7 +283,7 @@ class WeightStream:
             if self._flat is None:
                 raise RuntimeError("this WeightStream ended with its 'async with sub.stream()' block")
             cur, old = layout.tensor_view(self._flat, spec), layout.tensor_view(self._previous[1], spec)
-            bits = delta.BITS.get(cur.element_size())
+            bits = layout.BITS.get(cur.element_size())
             if bits is None or cur.numel() == 0:
                 if not torch.equal(cur.reshape(-1).view(torch.uint8), old.reshape(-1).view(torch.uint8)):
                     out.append(TensorChange(spec.name, cur.dtype, tuple(cur.shape), cur.reshape(-1), None))

@@ -58,6 +58,11 @@ from weightsync._errors import (
 from weightsync.control import auth
 from weightsync.control.client import ControlClient
 from weightsync.control.rendezvous import RemoteStore
+from weightsync.encodings import registry, seam
+from weightsync.engine import activation, heartbeat, joining, seals
+from weightsync.engine.landing import Held, Landing, Staged, Targets
+from weightsync.engine.lifecycle import Latch
+from weightsync.engine.slots import SlotPair
 from weightsync.errors import (
     Closed,
     Evicted,
@@ -68,15 +73,10 @@ from weightsync.errors import (
 from weightsync.format import layout, sharding, slicing
 from weightsync.format.checksum import KINDS, checksum
 from weightsync.options import UNBOUNDED, Deadlines
-from weightsync.planes import encoding, registry
 from weightsync.planes.dataplane import DataPlane, GenerationSpec, MemberContext, Transfer, plane_spec
 from weightsync.recorder.recorder import FlightRecorder
 from weightsync.statistics import SubscriberTally
 from weightsync.testing import Hooks
-from weightsync.transport import activation, heartbeat, joining, seals
-from weightsync.transport.landing import Held, Landing, Staged, Targets
-from weightsync.transport.lifecycle import Latch
-from weightsync.transport.slots import SlotPair
 
 #: what a receive may fail with and still be acknowledged (as failed): the wire, not a bug
 RECEIVE_FAILURES = (PeerFailure, Cancelled, ProtocolError, ControlFailure, LocalFailure)
@@ -417,7 +417,7 @@ class Receiver:
             own = max(seconds - spent.sealing, 0.0)
         self._acknowledge(announce, ok=ok, error=error, seconds=seconds, own=own, corrupt=corrupt)
 
-    def _land(self, announce: _wire.Announce) -> tuple[Landing, list[tuple[int, int]], encoding.WirePlan]:
+    def _land(self, announce: _wire.Announce) -> tuple[Landing, list[tuple[int, int]], seam.WirePlan]:
         """Where ``announce``'s buckets land, their staged ranges, and the wire form the plane
         receives (decoded into the landing's buckets before each digest)."""
         assert self._plane is not None and self.deadlines is not None
@@ -453,7 +453,7 @@ class Receiver:
         return landing, ranges, wire
 
     def _move(self, announce: _wire.Announce, landing: Landing, ranges: list[tuple[int, int]],
-              wire: encoding.WirePlan, spent: _Spent) -> list[int]:
+              wire: seam.WirePlan, spent: _Spent) -> list[int]:
         """Move the version's buckets through the plane, each decoded, digested and placed as it
         comes; returns their digests (none unchecked). A version the decoder could not rebuild is
         refused as corrupt."""
@@ -509,7 +509,7 @@ class Receiver:
         assert self.deadlines is not None
         manifest, assembly, verify = announce.manifest, announce.assembly, announce.checksum
         # what a delta against this version must name: only what was verified is a base
-        digest = encoding.base_digest(announce.version, sums) if verify else b""
+        digest = seam.base_digest(announce.version, sums) if verify else b""
         if assembly is not None:
             # this lane's part, verified: a base for the next one once the whole version is readable
             self._held = Held(announce.version, digest, manifest, assembly, sliced=self.want is not None) \

@@ -1,9 +1,9 @@
 """The delta codec: one bucket of a version against the same bucket of a base version, bitwise.
 
 A bucket is cut into *segments* where the manifest's tensors begin and end (the gaps between
-tensors are segments of single bytes), so each segment is compared in its own dtype's bits
-(``int16`` for bf16, ``int32`` for fp32: never float arithmetic, so ``-0.0``, NaNs and every
-rounding survive). Each segment is sent in one of four modes:
+tensors are segments of single bytes; :func:`weightsync.format.layout.segments`), so each segment
+is compared in its own dtype's bits (``int16`` for bf16, ``int32`` for fp32: never float
+arithmetic, so ``-0.0``, NaNs and every rounding survive). Each segment is sent in one of four modes:
 
 - ``SAME``: no element changed; nothing on the wire.
 - ``SPARSE``: the changed elements' positions, as gaps between them (``int32``), and their
@@ -26,7 +26,6 @@ by the member's digest over it, never by the wire's.
 
 from __future__ import annotations
 
-import functools
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -34,13 +33,11 @@ from typing import Any
 
 import torch
 
-from weightsync._wire import Manifest
-from weightsync.format import layout
 from weightsync.format.checksum import _host_view
+from weightsync.format.layout import BITS, Segment
 
 SAME, SPARSE, XOR, RAW = 0, 1, 2, 3
 MAGIC = 0x5753_4454_0001  # "WSDT", format 1
-BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # element size -> the dtype its bits compare as
 SAMPLES = 4096  # elements sampled per segment to guess how much of it changed
 DENSE = 0.25  # sampled share above which a segment is dense: auto sends it as it is, delta XORs it
 SMALL = 1 << 14  # segments under this many bytes are compared outright, never sampled
@@ -49,42 +46,6 @@ LEVEL = 1  # zstd level: measured in benchmarks.delta_formats (higher levels gai
 
 class DeltaError(ValueError):
     """A delta that cannot be applied to this bucket (corrupted, forged, or for another layout)."""
-
-
-@dataclass(frozen=True)
-class Segment:
-    lo: int  # byte offsets within the bucket
-    hi: int
-    size: int  # element size in bytes: the unit compared
-
-
-@functools.lru_cache(maxsize=64)
-def _tensor_ranges(manifest: Manifest) -> tuple[tuple[int, int, int], ...]:
-    out = []
-    for spec in manifest.tensors:
-        if spec.nbytes:
-            size = layout.dtype_from_name(spec.dtype).itemsize
-            out.append((spec.offset, spec.offset + spec.nbytes, size if size in BITS else 1))
-    return tuple(sorted(out))
-
-
-@functools.lru_cache(maxsize=4096)
-def segments(manifest: Manifest, lo: int, hi: int) -> tuple[Segment, ...]:
-    """Bucket ``[lo, hi)`` of ``manifest``'s layout cut at tensor boundaries (offsets within it)."""
-    out: list[Segment] = []
-    at = lo
-    for start, end, size in _tensor_ranges(manifest):
-        if end <= lo or start >= hi:
-            continue
-        a, b = max(start, lo), min(end, hi)
-        if a > at:
-            out.append(Segment(at - lo, a - lo, 1))
-        whole = (a - start) % size == 0 and (b - a) % size == 0
-        out.append(Segment(a - lo, b - lo, size if whole else 1))
-        at = b
-    if at < hi:
-        out.append(Segment(at - lo, hi - lo, 1))
-    return tuple(out)
 
 
 def _zstd() -> Any:

@@ -6,7 +6,7 @@ says (:meth:`Targets.land`):
 - **whole**: into the receiving slot, bucket by bucket (a waiting ``get_into(as_received=True)``
   is written as the buckets come: ``Landing.ahead``);
 - **in place**: a same-host member reads the publisher's sealed snapshot where it lies
-  (:mod:`weightsync.planes.shm`); nothing is copied;
+  (:mod:`weightsync.planes.shm.plane`); nothing is copied;
 - **a lane's part**: a sharded publisher's rank sends its part, placed straight into its places
   in the full slot (``sharding.Placer``);
 - **a sliced share**: a ``want=`` member gets only its boxes, point to point, packed in its own
@@ -26,11 +26,11 @@ import torch
 
 from weightsync import _wire
 from weightsync._errors import ProtocolError
+from weightsync.encodings import seam
+from weightsync.engine.into import DestWriter
+from weightsync.engine.slots import SlotPair
 from weightsync.errors import ManifestMismatch
 from weightsync.format import sharding, slicing
-from weightsync.planes import encoding
-from weightsync.transport.into import DestWriter
-from weightsync.transport.slots import SlotPair
 
 
 class Held(NamedTuple):
@@ -130,14 +130,14 @@ class Targets:
             slot, epoch = self._slots.prepare_part(self.lane, mine, readers)
         try:
             placer = slicing.SlicePlacer(slot, plan)
-            if announce.coding.name != encoding.FULL:  # a coded share: its decoder is given its segments
+            if announce.coding.name != seam.FULL:  # a coded share: its decoder is given its segments
                 placer.segments = slicing.cached_share_segments(announce.manifest, pieces, full, self.want,
                                                                 tuple(ranges))
         except ValueError as err:
             raise ProtocolError(f"version {announce.version}: {err}") from err
         return Landing(placer.targets, placer, epoch)
 
-    def base(self, held: Held | None, placer: sharding.Placer | slicing.SlicePlacer | None) -> encoding.Base | None:
+    def base(self, held: Held | None, placer: sharding.Placer | slicing.SlicePlacer | None) -> seam.Base | None:
         """The readable slot as a delta's base, when this member holds a whole version it verified
         (``held``; a lane, ``placer``: when it verified its own part of the readable version; its
         bytes are gathered from where they lie in the slot; a sliced member: its share of each
@@ -152,14 +152,14 @@ class Targets:
             if not held.sliced:
                 return None
             share = placer
-            return encoding.Base(slot.version, whole, held.manifest, held.digest, assembly=held.assembly,
+            return seam.Base(slot.version, whole, held.manifest, held.digest, assembly=held.assembly,
                                  part=lambda i: share.held(i, whole))
         if held.sliced:
             return None
         if held.assembly is None:
-            return None if placer is not None else encoding.Base(slot.version, whole, slot.manifest, held.digest)
+            return None if placer is not None else seam.Base(slot.version, whole, slot.manifest, held.digest)
         if placer is None or slot.manifest != held.assembly.manifest:
             return None
         lane = placer
-        return encoding.Base(slot.version, whole, held.manifest, held.digest, assembly=held.assembly,
+        return seam.Base(slot.version, whole, held.manifest, held.digest, assembly=held.assembly,
                              part=lambda i: lane.gather(i, whole))

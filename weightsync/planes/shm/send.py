@@ -1,5 +1,5 @@
 """The ``"shm"`` plane's ends: the publisher's part (same-host members read its shared memory) and
-how a member builds its :class:`~weightsync.planes.shm.ShmPlane`.
+how a member builds its :class:`~weightsync.planes.shm.plane.ShmPlane`.
 
 The publisher's part moves nothing itself (``drives`` is False): a same-host member reads the
 version where it lies in the segment its Announce names (or copies it out) while the group is
@@ -20,7 +20,7 @@ import msgspec
 
 from weightsync._errors import LocalFailure, PeerFailure
 from weightsync.planes.dataplane import MemberContext, Outgoing, PlaneSpec, Prepared, PublisherContext
-from weightsync.planes.shm import SegmentPool, ShmPlane, ShmRef, announced
+from weightsync.planes.shm.plane import SegmentPool, ShmPlane, ShmRef, announced
 
 #: x86 keeps one thread's stores in order for every other reader (TSO): a member that sees the
 #: pipelined snapshot's ready count sees the bytes written before it

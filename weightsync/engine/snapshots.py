@@ -27,11 +27,11 @@ from typing import Any
 import torch
 
 from weightsync import _wire, testing
+from weightsync.engine.staging import Job, Progress, Staging, cuda_snapshot, pack_progressively, superseded_report
 from weightsync.errors import WeightSyncError
 from weightsync.format import layout
-from weightsync.planes import shm
+from weightsync.planes.shm import plane as shm
 from weightsync.statistics import PublisherTally
-from weightsync.transport.staging import Job, Progress, Staging, cuda_snapshot, pack_progressively, superseded_report
 
 PIPELINE_CPUS = 4  # usable CPUs from which a host snapshot is sent while it is taken
 SPILL_CHUNK = 4 << 20  # a spill ahead copies this much at a time: what a caller or the sender may wait for

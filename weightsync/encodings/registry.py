@@ -1,9 +1,9 @@
 """The encodings this process can send and receive, by name.
 
-Built in: ``"full"`` (:mod:`weightsync.planes.encoding`) and ``"delta"`` and ``"auto"``
-(:mod:`weightsync.planes.delta`, imported when first named). Others are registered from outside
+Built in: ``"full"`` (:mod:`weightsync.encodings.seam`) and ``"delta"`` and ``"auto"``
+(:mod:`weightsync.encodings.delta`, imported when first named). Others are registered from outside
 (``weightsync.extend.register_encoding``), on both ends. The seam's types live in
-:mod:`~weightsync.planes.encoding`, which imports neither this registry nor the delta encodings:
+:mod:`~weightsync.encodings.seam`, which imports neither this registry nor the delta encodings:
 no import circle.
 """
 
@@ -13,9 +13,9 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from weightsync.planes.encoding import AUTO, DELTA, FULL, FULL_SPEC, Decoder, Encoder, EncodingSpec
+from weightsync.encodings.seam import AUTO, DELTA, FULL, FULL_SPEC, Decoder, Encoder, EncodingSpec
 
-_BUILT_IN_LATER = (DELTA, AUTO)  # weightsync.planes.delta, imported when first named
+_BUILT_IN_LATER = (DELTA, AUTO)  # weightsync.encodings.delta, imported when first named
 _registered: dict[str, EncodingSpec] = {FULL: FULL_SPEC}
 _lock = threading.Lock()
 
@@ -24,7 +24,7 @@ def _lookup(name: str) -> EncodingSpec:
     """Under ``_lock``: the spec of ``name`` (KeyError when unknown); the delta encodings are built
     in, loaded on first use."""
     if name in _BUILT_IN_LATER and name not in _registered:
-        from weightsync.planes import delta
+        from weightsync.encodings import delta
 
         for spec in delta.SPECS:
             _registered[spec.name] = spec

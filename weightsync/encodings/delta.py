@@ -2,9 +2,9 @@
 
 A version goes as a delta against a *base*: the publisher's retained version (the newest one
 sent), which every member it goes to acknowledged whole. The Announce names the base's number
-and digest (:func:`weightsync.planes.encoding.base_digest`: over its per-bucket checksums), and a
+and digest (:func:`weightsync.encodings.seam.base_digest`: over its per-bucket checksums), and a
 member decodes only on exactly that base, its readable slot; the digests it checks are the
-reconstructed bytes'. Each bucket is encoded by :mod:`weightsync.format.delta`.
+reconstructed bytes'. Each bucket is encoded by :mod:`weightsync.encodings.codec`.
 
 - ``"delta"``: every segment as its smallest delta form (sparse, XOR, or as it is);
 - ``"auto"``: sparse where it is small, as it is where a segment's sampled change is dense, and
@@ -31,7 +31,7 @@ base (:func:`share_coder`), rebuilt against its own slot (``slicing.SlicePlacer.
 
 A member that cannot decode (no such base, a corrupted or forged delta) still takes part in the
 whole transfer, then refuses the version as corrupt; the publisher re-sends it ``"full"`` in the
-same generation (see :class:`weightsync.transport.sender.Sender`).
+same generation (see :class:`weightsync.engine.sender.Sender`).
 """
 
 from __future__ import annotations
@@ -47,9 +47,10 @@ import torch
 
 from weightsync import _wire
 from weightsync._errors import ChecksumMismatch, ProtocolError
-from weightsync.format import delta, layout, sharding, slicing
+from weightsync.encodings import codec
+from weightsync.encodings.seam import AUTO, DELTA, FULL, Base, EncodingSpec, WirePlan, base_digest
+from weightsync.format import layout, sharding, slicing
 from weightsync.format.checksum import checksum
-from weightsync.planes.encoding import AUTO, DELTA, FULL, Base, EncodingSpec, WirePlan, base_digest
 
 _POOL: ThreadPoolExecutor | None = None
 _POOL_LOCK = threading.Lock()
@@ -366,7 +367,7 @@ def sampled_full(out: Any, base: Base) -> str:
     if out.progress is not None:
         out.progress.wait(total, out.deadline(total))
     began = time.monotonic()
-    guess = sum(delta.estimate(out.buckets[i], base.flat[lo:hi], delta.segments(out.manifest, lo, hi))
+    guess = sum(codec.estimate(out.buckets[i], base.flat[lo:hi], layout.segments(out.manifest, lo, hi))
                 for i, (lo, hi) in enumerate(out.ranges))
     out.encode_seconds += time.monotonic() - began
     return f"sampled, the delta would be about {guess / max(total, 1):.0%} of the version" \
@@ -378,14 +379,14 @@ def _encoded(out: Any, base: Base, i: int, auto: bool) -> tuple[torch.Tensor, in
     staged bucket's digest (0 with checksums off or an empty bucket)."""
     lo, hi = out.ranges[i]
     bucket = out.buckets[i]
-    enc = delta.encode(bucket, base.flat[lo:hi], delta.segments(out.manifest, lo, hi), auto=auto)
+    enc = codec.encode(bucket, base.flat[lo:hi], layout.segments(out.manifest, lo, hi), auto=auto)
     return enc.wire.to(bucket.device), checksum(bucket, out.digest) if out.checksum and bucket.numel() else 0
 
 
 def _as_packed(out: Any, base: Base, auto: bool) -> WirePlan:
     """``copy=False`` against the publisher's kept copy (:class:`KeptBase`): bucket i is packed into
     one of two buffers just before it goes, so it is encoded then, on the sender thread, each
-    segment as :func:`weightsync.format.delta.encode` chooses (``auto``: dense ones as they are).
+    segment as :func:`weightsync.encodings.codec.encode` chooses (``auto``: dense ones as they are).
     Nothing is sampled ahead (there is nothing to sample yet): a version that changed through and
     through goes as a delta of segments as they are, a table's bytes more than full."""
     n = len(out.ranges)
@@ -406,10 +407,10 @@ def _as_packed(out: Any, base: Base, auto: bool) -> WirePlan:
     return plan
 
 
-def share_coder(out: Any, member: str, plan: Sequence[Sequence[Any]], segments: Sequence[Sequence[delta.Segment]]
+def share_coder(out: Any, member: str, plan: Sequence[Sequence[Any]], segments: Sequence[Sequence[layout.Segment]]
                 ) -> tuple[Callable[[int, torch.Tensor], torch.Tensor], _wire.Coding] | None:
     """A sliced member's deltas: ``code(i, share)``, its share of bucket i (``plan``: its routes)
-    encoded against its share of the base, each segment as :func:`weightsync.format.delta.encode`
+    encoded against its share of the base, each segment as :func:`weightsync.encodings.codec.encode`
     chooses (``"auto"``: dense ones as they are), its length told to it alone; and the Announce
     fields it gets. None where it goes full: it does not hold its share of the base, or the version
     goes full for everyone (:func:`why_full`; ``"auto"`` with a snapshot: a sample of the whole
@@ -432,7 +433,7 @@ def share_coder(out: Any, member: str, plan: Sequence[Sequence[Any]], segments: 
         began = time.monotonic()
         lo, hi = out.ranges[i]
         held = slicing.gather(base.flat[lo:hi], plan[i])
-        wire = delta.encode(share, held, segments[i], auto=auto).wire.to(share.device)
+        wire = codec.encode(share, held, segments[i], auto=auto).wire.to(share.device)
         out.encode_seconds += time.monotonic() - began
         out.tell_sizes(i, (wire.numel(),), (member,))
         return wire
@@ -464,12 +465,12 @@ class DeltaDecoder:
         wire: list[torch.Tensor] = [_NOTHING] * len(buckets)
         problems: list[str] = []
 
-        def segs(i: int) -> Sequence[delta.Segment]:
+        def segs(i: int) -> Sequence[layout.Segment]:
             lo, hi = ranges[i]
-            return delta.segments(manifest, lo, hi) if segments is None else segments(i)
+            return layout.segments(manifest, lo, hi) if segments is None else segments(i)
 
         def size(i: int) -> None:  # bucket i's told length, bounded by what a delta of it can take
-            told, most = sizes(i), delta.longest(segs(i))
+            told, most = sizes(i), codec.longest(segs(i))
             if not 0 <= told <= most:  # the publisher's word, on our own connection: not a relay's
                 raise ProtocolError(f"version {announce.version}: wire bucket {i} told as {told} bytes, "
                                     f"a delta of it takes at most {most}")
@@ -482,8 +483,8 @@ class DeltaDecoder:
             lo, hi = ranges[i]
             try:
                 held = base.flat[lo:hi] if base.part is None else base.part(i)
-                delta.decode(wire[i], held, buckets[i], segs(i))
-            except delta.DeltaError as err:
+                codec.decode(wire[i], held, buckets[i], segs(i))
+            except codec.DeltaError as err:
                 problems.append(f"bucket {i}: {err}")
             wire[i] = _NOTHING  # decoded: its bytes are not held to the end of the version
 

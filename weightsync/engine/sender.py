@@ -2,18 +2,18 @@
 
 It keeps a version's order and nothing else: take a version, ask the bases what each member can
 decode, announce, move, seal, collect, report. Everything that reaches it arrives as an event
-on its one queue (:mod:`~weightsync.transport.events`); only this thread applies membership
+on its one queue (:mod:`~weightsync.engine.events`); only this thread applies membership
 requests, so one place decides who is in. While it waits for replies (Ready, Ack) it keeps
 applying events (``_pump``), and producers push a ``Wake`` into the replies queue so such a wait
 notices at once. What each version's outcome costs whom lives elsewhere:
 
 - the send side (:mod:`~weightsync.planes.sendside`): one part per plane, each member served by its own;
-- the delta bases (:class:`~weightsync.planes.delta.SendBases`): who holds which version, ``"auto"``'s
+- the delta bases (:class:`~weightsync.encodings.delta.SendBases`): who holds which version, ``"auto"``'s
   measures, ``copy=False``'s kept copy;
-- same-host readers' leases (:class:`~weightsync.planes.shmsend.InPlaceLeases`);
+- same-host readers' leases (:class:`~weightsync.planes.shm.send.InPlaceLeases`);
 - slow members and corrupting relays (:class:`~weightsync.membership.scoring.Scoring`);
-- the Commit of ``activation="all"`` (:mod:`~weightsync.transport.activation`);
-- the retry policy, what failed and what next (:mod:`~weightsync.transport.retry`).
+- the Commit of ``activation="all"`` (:mod:`~weightsync.engine.activation`);
+- the retry policy, what failed and what next (:mod:`~weightsync.engine.retry`).
 
 States (``Sender.state``), and who moves them::
 
@@ -39,6 +39,11 @@ import torch
 
 from weightsync import _wire
 from weightsync._errors import Cancelled, ControlFailure, LocalFailure, PeerFailure
+from weightsync.encodings.delta import KeptBase, SendBases
+from weightsync.engine import activation, reports, retry
+from weightsync.engine.events import Abort, Drain, Event, Evict, Join, Leave, PutCommitted
+from weightsync.engine.lifecycle import Latch
+from weightsync.engine.staging import BucketBuffers, Job, Staging, bucket_slices
 from weightsync.errors import WeightSyncError
 from weightsync.format import layout, sharding
 from weightsync.format.checksum import checksum
@@ -47,15 +52,10 @@ from weightsync.membership.membership import MemberInfo, Membership, StragglerPo
 from weightsync.membership.scoring import Scoring
 from weightsync.options import Deadlines
 from weightsync.planes.dataplane import DataPlane, Outgoing, Prepared, PublisherContext, SendPart
-from weightsync.planes.delta import KeptBase, SendBases
 from weightsync.planes.sendside import SendSide
-from weightsync.planes.shmsend import InPlaceLeases
+from weightsync.planes.shm.send import InPlaceLeases
 from weightsync.recorder.recorder import FlightRecorder
 from weightsync.statistics import PublisherTally
-from weightsync.transport import activation, reports, retry
-from weightsync.transport.events import Abort, Drain, Event, Evict, Join, Leave, PutCommitted
-from weightsync.transport.lifecycle import Latch
-from weightsync.transport.staging import BucketBuffers, Job, Staging, bucket_slices
 
 #: before a version moves, the last probes may take this long to be answered: a probe that shares
 #: a link with a version's buckets times the buckets (a relay receiving first was scored 8x slow)

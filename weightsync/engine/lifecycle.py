@@ -22,7 +22,7 @@ from typing import Any
 
 from weightsync._wire import name_problem
 from weightsync.errors import WeightSyncError
-from weightsync.pg.reaper import drain_retired
+from weightsync.planes.group.reaper import drain_retired
 from weightsync.recorder.recorder import FlightRecorder
 
 

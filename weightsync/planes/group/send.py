@@ -1,5 +1,5 @@
 """The ``"group"`` plane's ends: the publisher's part (broadcast, or point to point for sliced members)
-and how a member builds its :class:`~weightsync.pg.group.GroupPlane`.
+and how a member builds its :class:`~weightsync.planes.group.plane.GroupPlane`.
 
 Broadcast members and point-to-point members (sliced receive) are one part, not two: they share
 the generation's one communicator, and while a sliced member is in a generation every member of
@@ -20,12 +20,12 @@ import torch
 
 from weightsync import _wire
 from weightsync._errors import ProtocolError
+from weightsync.encodings import registry
 from weightsync.format import slicing
 from weightsync.format.checksum import checksum
 from weightsync.options import MAX_STREAMS, valid_streams
-from weightsync.pg.group import GroupPlane
-from weightsync.planes import registry
 from weightsync.planes.dataplane import MemberContext, Outgoing, PlaneSpec, Prepared, PublisherContext, Transfer
+from weightsync.planes.group.plane import GroupPlane
 
 
 class GroupSend:

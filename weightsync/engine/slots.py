@@ -25,8 +25,8 @@ import torch
 
 from weightsync._errors import LocalFailure
 from weightsync._wire import Manifest
+from weightsync.engine.into import IntoDest
 from weightsync.format import layout, sharding
-from weightsync.transport.into import IntoDest
 
 
 class Slot:

@@ -1,0 +1,2 @@
+"""The same-host shared-memory plane, both ends: the publisher's memfd segments and its part, a
+member's ``ShmPlane`` (private)."""
