@@ -28,6 +28,7 @@ from weightsync.extend import (
     PlaneSpec,
     Prepared,
     PublisherContext,
+    SendPart,
     Transfer,
 )
 
@@ -48,7 +49,7 @@ class Mailbox:
 BOX = Mailbox()
 
 
-class MailboxSend:
+class MailboxSend(SendPart):
     name = NAME
     in_group, moves_alone, drives = False, True, False
     plane = None

@@ -138,3 +138,23 @@ def test_the_module_table_in_architecture_md_names_every_module_and_only_modules
     on_disk.add("integrations/vllm/")
     assert sorted(on_disk - named) == [], "modules missing from docs/architecture.md's module table"
     assert sorted(named - on_disk) == [], "rows naming modules that do not exist"
+
+
+def test_the_thread_table_in_architecture_md_names_every_thread_the_library_starts() -> None:
+    """Every thread the library names (``ws-...``: a Thread's name, a pool's prefix, a launched
+    role) has its row in "## Components and their threads", so a stack dump's thread names can
+    be looked up there."""
+    text = (REPO / "docs" / "architecture.md").read_text()
+    table = text.split("\n## Components and their threads\n", 1)[1].split("\n## ", 1)[0]
+    rows = "\n".join(r for r in table.splitlines() if r.startswith("| "))
+    names: set[str] = set()
+    for path in sorted((REPO / "weightsync").rglob("*.py")):
+        source = path.read_text()
+        for literal in re.findall(r'(?:name|thread_name_prefix)=f?"(ws-[^"]+)"', source):
+            names.add(re.sub(r"\{[^}]*\}", "<channel>", literal))
+        for line in (line for line in source.splitlines() if "lifecycle.launch(" in line):
+            names |= {f"ws-<channel>-{role}" for role in re.findall(r'\(\w+(?:\.\w+)*, "(\w+)"\)', line)}
+    assert len(names) >= 10, names  # the search above still finds what it looks for
+    missing = sorted(n for n in names if f"`{n}`" not in rows and n.removeprefix("ws-<channel>-") not in
+                     re.findall(r"^\| [^|]+ \| (\w[\w-]*) \(", rows, re.M))
+    assert missing == [], f"threads without a row in docs/architecture.md's thread table: {missing}"

@@ -15,7 +15,15 @@ import pytest
 import weightsync as ws
 from tests import xor_encoding
 from tests.statedicts import digest, mixed_state_dict
-from weightsync.extend import register_encoding, unregister_encoding
+from weightsync.extend import (
+    EncodingSpec,
+    PlaneSpec,
+    register_encoding,
+    register_plane,
+    unregister_encoding,
+    unregister_plane,
+)
+from weightsync.planes.sendside import SendSide
 from weightsync.planes.shm import plane as shm
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(120)]
@@ -35,6 +43,38 @@ def xor() -> Iterator[None]:
 async def test_an_unknown_encoding_is_refused_at_once() -> None:
     with pytest.raises(ValueError, match="neither built in nor registered"):
         ws.Publisher("enc", encoding="zstd-someday")
+
+
+async def test_an_encoder_or_a_send_part_without_a_member_of_its_seam_is_refused_naming_it() -> None:
+    """The seams' optional members are declared with defaults a plug-in inherits by subclassing
+    (``Encoder``, ``SendPart``); one written without them is refused where it is plugged in,
+    naming what it lacks, not found out mid-version."""
+
+    class NoShare:  # an encoder written against the seam's old shape: plan only, not a subclass
+        def plan(self, out: object) -> object:
+            raise AssertionError("never asked")
+
+    with pytest.raises(TypeError, match=r"encoder NoShare has no \['share'\].*weightsync\.extend\.Encoder"):
+        register_encoding(EncodingSpec("no-share", NoShare(), xor_encoding.XorDecoder()))
+    with pytest.raises(ValueError, match="neither built in nor registered"):
+        ws.Publisher("enc", encoding="no-share")
+
+    class Bare:  # a send part without the optional members (reads_in_place, wire_of)
+        name, in_group, moves_alone, drives, plane = "bare", False, True, False, None
+
+        def admit(self, member: str, want: object) -> None: ...
+        def forget(self, member: str) -> None: ...
+        def prepare(self, out: object, members: object) -> object: ...
+        def move(self, out: object, members: object) -> None: ...
+        def digests(self) -> dict[str, list[int]]: return {}
+        def close(self) -> None: ...
+
+    register_plane(PlaneSpec("bare", send_part=lambda _context: Bare(), member_plane=lambda _context: None))
+    try:
+        with pytest.raises(TypeError, match=r"send part Bare has no \['reads_in_place', 'wire_of'\]"):
+            SendSide(("bare",), None)
+    finally:
+        unregister_plane("bare")
 
 
 async def test_an_encoded_version_is_decoded_bit_exact_on_every_plane(xor: None) -> None:

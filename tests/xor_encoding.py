@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from weightsync.extend import EncodingSpec, WirePlan
+from weightsync.extend import Decoder, Encoder, EncodingSpec, WirePlan
 
 KEY = 0x5A
 
@@ -24,7 +24,7 @@ class Counts:
     decoded = 0
 
 
-class XorEncoder:
+class XorEncoder(Encoder):
     def plan(self, out: Any) -> WirePlan:
         wire = [torch.empty_like(b) for b in out.buckets]
 
@@ -35,7 +35,7 @@ class XorEncoder:
         return WirePlan(wire, hook=encode)
 
 
-class XorDecoder:
+class XorDecoder(Decoder):
     def __init__(self, broken: bool = False) -> None:
         self.broken = broken
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 from weightsync._errors import Cancelled, ChecksumMismatch, LocalFailure, PeerFailure, ProtocolError
 from weightsync._wire import Coding
 from weightsync.encodings.registry import register_encoding, unregister_encoding
-from weightsync.encodings.seam import Base, EncodingSpec, WirePlan, base_digest
+from weightsync.encodings.seam import Base, Decoder, Encoder, EncodingSpec, WirePlan, base_digest
 from weightsync.planes.dataplane import (
     DataPlane,
     GenerationSpec,
@@ -45,6 +45,8 @@ __all__ = [
     "ChecksumMismatch",
     "Coding",
     "DataPlane",
+    "Decoder",
+    "Encoder",
     "EncodingSpec",
     "GenerationSpec",
     "LocalFailure",

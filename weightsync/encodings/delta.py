@@ -36,11 +36,9 @@ same generation (see :class:`weightsync.engine.sender.Sender`).
 
 from __future__ import annotations
 
-import os
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import wait
 from typing import Any
 
 import torch
@@ -48,27 +46,9 @@ import torch
 from weightsync import _wire
 from weightsync._errors import ChecksumMismatch, ProtocolError
 from weightsync.encodings import codec
-from weightsync.encodings.seam import AUTO, DELTA, FULL, Base, EncodingSpec, WirePlan, base_digest
+from weightsync.encodings.seam import AUTO, DELTA, FULL, Base, Decoder, Encoder, EncodingSpec, WirePlan, base_digest
 from weightsync.format import layout, sharding, slicing
 from weightsync.format.checksum import checksum
-
-_POOL: ThreadPoolExecutor | None = None
-_POOL_LOCK = threading.Lock()
-
-
-def _cpus() -> int:
-    affinity = getattr(os, "sched_getaffinity", None)
-    return len(affinity(0)) if affinity is not None else os.cpu_count() or 1
-
-
-def _pool() -> ThreadPoolExecutor:
-    """The encoders' threads, one per CPU this process may use (at most 8), made on first use."""
-    global _POOL
-    with _POOL_LOCK:
-        if _POOL is None:
-            _POOL = ThreadPoolExecutor(max(1, min(8, _cpus())), thread_name_prefix="ws-delta")
-        return _POOL
-
 
 WORTH = 0.5  # auto: a version whose delta is more than this share of its bytes goes full
 #: buckets go as they are made (False: the whole version is made before its first bucket goes, as
@@ -283,7 +263,7 @@ class SendBases:
         self._staged = ({}, {})
 
 
-class DeltaEncoder:
+class DeltaEncoder(Encoder):
     def __init__(self, auto: bool) -> None:
         self.auto = auto
 
@@ -325,7 +305,7 @@ class DeltaEncoder:
         # every bucket is encoded on the pool at once, in order; bucket i goes once it is made, while
         # the ones after it are still being made and the members decode the ones before it
         n = len(out.ranges)
-        jobs = [_pool().submit(one, i) for i in range(n)]
+        jobs = [out.workers.submit(one, i) for i in range(n)]
         if not OVERLAP:
             wait(jobs, timeout=out.deadline(total))
         wire: list[torch.Tensor] = [_NOTHING] * n
@@ -441,7 +421,7 @@ def share_coder(out: Any, member: str, plan: Sequence[Sequence[Any]], segments: 
     return code, _wire.Coding(name=DELTA, base=base.version, base_digest=digest, later=True)
 
 
-class DeltaDecoder:
+class DeltaDecoder(Decoder):
     def plan(self, announce: Any, buckets: Sequence[torch.Tensor], base: Base | None = None,
              sizes: Callable[[int], int] | None = None,
              segments: Callable[[int], Sequence[Any]] | None = None) -> WirePlan:

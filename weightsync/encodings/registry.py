@@ -10,8 +10,6 @@ no import circle.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
-from typing import Any
 
 from weightsync.encodings.seam import AUTO, DELTA, FULL, FULL_SPEC, Decoder, Encoder, EncodingSpec
 
@@ -35,6 +33,11 @@ def register_encoding(spec: EncodingSpec) -> None:
     """Make ``spec.name`` an encoding this process can send and receive (``Publisher(encoding=)``)."""
     if spec.name in (FULL, *_BUILT_IN_LATER):
         raise ValueError(f"encoding {spec.name!r} is built in")
+    for end, role, members in ((spec.encoder, "Encoder", ("plan", "share")), (spec.decoder, "Decoder", ("plan",))):
+        missing = [m for m in members if not callable(getattr(end, m, None))]
+        if missing:
+            raise TypeError(f"encoding {spec.name!r}: its {role.lower()} {type(end).__name__} has no {missing} "
+                            f"(subclass weightsync.extend.{role} for the optional ones' defaults)")
     with _lock:
         _registered[spec.name] = spec
 
@@ -65,8 +68,3 @@ def decoder(name: str) -> Decoder:
         return _lookup(name).decoder
 
 
-def share_coder(name: str) -> Callable[..., Any] | None:
-    """Encoding ``name``'s coder of a sliced member's share (its encoder's optional ``share``), or
-    None: such members are sent their shares as staged (``"full"``)."""
-    share: Callable[..., Any] | None = getattr(encoder(name), "share", None)
-    return share

@@ -119,13 +119,17 @@ def base_digest(version: int, checksums: Sequence[int]) -> bytes:
 
 
 class Encoder(Protocol):
-    """The publisher's end of an encoding. Optional, with a default of none: ``share(out, member,
-    plan, want)``, a sliced member's share of each bucket in this encoding (``plan``: its routes of
-    each bucket, ``want``: its boxes): ``(code(i, share) -> wire, the Coding its Announce names)``,
-    or None where that member goes ``"full"``; an encoder without it sends sliced members their
-    shares as staged (:func:`weightsync.encodings.registry.share_coder`)."""
+    """The publisher's end of an encoding. An encoder subclasses it to inherit the default of its
+    optional member, ``share``; registering one checks every member is there."""
 
     def plan(self, out: Any) -> WirePlan: ...
+
+    def share(self, out: Any, member: str, plan: Sequence[Sequence[Any]], want: Any
+              ) -> tuple[Callable[[int, torch.Tensor], torch.Tensor], Any] | None:
+        """Optional: a sliced member's share of each bucket in this encoding (``plan``: its routes of
+        each bucket, ``want``: its boxes), as ``(code(i, share) -> wire, the Coding its Announce
+        names)``, or None where that member is sent its share as staged (``"full"``): the default."""
+        return None
 
 
 class Decoder(Protocol):
@@ -141,14 +145,14 @@ class EncodingSpec:
     decoder: Decoder
 
 
-class _FullEncoder:
+class _FullEncoder(Encoder):
     """The identity: the wire carries the staged bytes..."""
 
     def plan(self, out: Any) -> WirePlan:
         return WirePlan(out.buckets)
 
 
-class _FullDecoder:
+class _FullDecoder(Decoder):
     """...straight into the member's slot."""
 
     def plan(self, announce: Any, buckets: Sequence[torch.Tensor], base: Base | None = None,

@@ -24,7 +24,7 @@ def forms(job: Job, by: Mapping[Any, tuple[str, ...]], prepared: Mapping[Any, An
     for part, to in by.items():
         got = prepared[part]
         # a same-host member reading the snapshot in place: nothing moved for it
-        in_place = whole_snapshot and getattr(part, "reads_in_place", False)
+        in_place = whole_snapshot and part.reads_in_place
         for member in to:
             name = got.coding_of(member).name
             size = encoded if name != FULL and encoded is not None else job.manifest.total_bytes

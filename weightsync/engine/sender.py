@@ -29,10 +29,12 @@ from __future__ import annotations
 
 import enum
 import logging
+import os
 import queue
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -138,6 +140,9 @@ class Sender:
         self.tally = tally or PublisherTally(channel)
         self._nobody_streak = False  # the last version reached nobody (its warning was logged)
         self.bases = SendBases(self._buckets.device)  # who holds what a delta can go against
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        #: the encoders' threads (Outgoing.workers), made as work comes, stopped with this sender
+        self.workers = ThreadPoolExecutor(max(1, min(8, cpus)), thread_name_prefix=f"ws-{channel}-encode")
         self.leases = InPlaceLeases()  # the versions same-host members read in place
         self.scoring = Scoring(channel, membership, policy, control, self._rec, sharded=lane[1] != 1)
 
@@ -189,6 +194,7 @@ class Sender:
         finally:
             self._gens.shutdown()
             side.close()
+            self.workers.shutdown(wait=False, cancel_futures=True)
 
     def _run(self, gens: Generations) -> None:
         st = self.staging
@@ -279,7 +285,7 @@ class Sender:
 
     def _reads_in_place(self, member: str) -> bool:
         assert self.side is not None
-        return bool(getattr(self.side.part_of(member), "reads_in_place", False))
+        return self.side.part_of(member).reads_in_place
 
     # one version --------------------------------------------------------------------------
     def _send(self, gens: Generations, job: Job) -> None:
@@ -379,7 +385,8 @@ class Sender:
                        self.settings.bucket_bytes, self.checksum, self.deadlines.bucket, self._generation_broken,
                        before=before, point_to_point=direct, encoding="full" if full else job.encoding or self.encoding,
                        base=None if full else self.bases.base(job, self.staging.base, kept),
-                       prefer_full=self.bases.chooser.prefer_full(), digest=self.digest, keeps_base=kept is not None)
+                       prefer_full=self.bases.chooser.prefer_full(), digest=self.digest, keeps_base=kept is not None,
+                       workers=self.workers)
         by = self.side.split(members)
         # an encoder that sizes its wire buckets as it makes them tells the members each one's length
         out.tell_sizes = lambda first, sizes, to=None: gens.tell(out.receivers if to is None else to, _wire.WireSizes(

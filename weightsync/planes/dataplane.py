@@ -58,6 +58,7 @@ from __future__ import annotations
 import importlib
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -130,6 +131,21 @@ class DataPlane(Protocol):
     def close(self) -> None: ...
 
 
+class _Inline(Executor):
+    """Runs each task where it is submitted: an Outgoing made without a Sender (a unit test's)."""
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
+        done: Future[Any] = Future()
+        try:
+            done.set_result(fn(*args, **kwargs))
+        except BaseException as err:  # noqa: BLE001 - handed to whoever waits on the future
+            done.set_exception(err)
+        return done
+
+
+_INLINE = _Inline()
+
+
 def _tell_nobody(_first: int, _sizes: Any, _to: Any = None) -> None:
     """``tell_sizes`` before the Sender sets it, and once the version is closed: nobody to tell."""
 
@@ -183,6 +199,9 @@ class Outgoing:
     #: (a plan made ``later``: each before its bucket moves), ``tell_sizes(first, sizes, to=None)``:
     #: to ``to`` alone where given (a sliced member's delta), else to ``receivers``; set by the Sender
     tell_sizes: Callable[..., None] = _tell_nobody
+    #: the sending end's threads an encoder may run its work on (the Sender's: one per CPU this
+    #: process may use, at most 8, made as work comes and stopped with the publisher)
+    workers: Executor = field(default_factory=lambda: _INLINE)
     _wire: WirePlan | None = None
 
     def wrap(self, outer: Callable[[Callable[[int], None]], Callable[[int], None]]) -> None:
@@ -258,16 +277,19 @@ class Prepared:
 
 
 class SendPart(Protocol):
-    """The publisher's end of one plane, for the members admitted to it (see the module docstring)."""
+    """The publisher's end of one plane, for the members admitted to it (see the module docstring).
+
+    A part subclasses it to inherit the defaults of its optional members (``reads_in_place``,
+    ``wire_of``); the send side checks every member is there when it builds the part."""
 
     name: str  # the transport a member's Join names to be served by this part
     in_group: bool  # its members are ranks of the generation's group (``plane`` forms it)
     moves_alone: bool  # its members' receive time is all their own (no link to probe, no peer to wait on)
     drives: bool  # its ``move`` issues the buckets (runs the hooks); else it rides along
     plane: Any  # the part ``in_group``: the group plane Generations forms generations through; else None
-    # optional ``reads_in_place`` (read with getattr, default False): its members read a whole
-    # snapshot where staging keeps it, so staging parks the buffer of a version they still read;
-    # optional ``wire_of()``: per member it sent bytes of its own (a sliced member's share), how many
+    #: optional: its members read a whole snapshot where staging keeps it, so staging parks the
+    #: buffer of a version they still read
+    reads_in_place: bool = False
 
     def admit(self, member: str, want: Any) -> None: ...
 
@@ -284,7 +306,17 @@ class SendPart(Protocol):
         """After ``move``: members this part proves with digests of their own bytes (sliced ones)."""
         ...
 
+    def wire_of(self) -> Mapping[str, int]:
+        """Optional, after ``move``: per member it sent bytes of its own (a sliced member's share),
+        how many; default: none."""
+        return {}
+
     def close(self) -> None: ...
+
+
+#: what the send side asks of every part (``SendPart``'s members)
+SEND_PART_MEMBERS = ("name", "in_group", "moves_alone", "drives", "plane", "reads_in_place", "admit", "forget",
+                     "prepare", "move", "digests", "wire_of", "close")
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from typing import Any
 import msgspec
 
 from weightsync._errors import InternalError, own_hook
-from weightsync.planes.dataplane import Outgoing, Prepared, PublisherContext, SendPart, plane_spec
+from weightsync.planes.dataplane import SEND_PART_MEMBERS, Outgoing, Prepared, PublisherContext, SendPart, plane_spec
 
 
 class SendSide:
@@ -23,6 +23,11 @@ class SendSide:
 
     def __init__(self, names: Sequence[str], context: PublisherContext) -> None:
         self.parts: dict[str, SendPart] = {name: plane_spec(name).send_part(context) for name in names}
+        for name, part in self.parts.items():
+            missing = [m for m in SEND_PART_MEMBERS if not hasattr(part, m)]
+            if missing:
+                raise TypeError(f"plane {name!r}: its send part {type(part).__name__} has no {missing} "
+                                "(subclass weightsync.extend.SendPart for the optional ones' defaults)")
         grouped = [p for p in self.parts.values() if p.in_group]
         if len(grouped) != 1:
             raise ValueError(f"exactly one plane forms the generation's group, not {len(grouped)}")
@@ -128,9 +133,7 @@ class SendSide:
         """Per member a part sent bytes of its own (a sliced member's share, or its delta): how many."""
         sent: dict[str, int] = {}
         for part in by:
-            wire_of = getattr(part, "wire_of", None)
-            if wire_of is not None:
-                sent.update(wire_of())
+            sent.update(part.wire_of())
         return sent
 
     def close(self) -> None:

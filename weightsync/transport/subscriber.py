@@ -25,7 +25,6 @@ import time
 import uuid
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -139,7 +138,6 @@ class Subscriber:
         self._receivers: list[Receiver] = []  # lane 0 (the address) and, from a sharded publisher, every rank's
         self._loop: asyncio.AbstractEventLoop | None = None
         self._changed: asyncio.Event | None = None
-        self._executor: ThreadPoolExecutor | None = None
         self._threads: list[Any] = []
         self._tally = SubscriberTally()
         self._admitted_once = False  # from then on a publisher not listening is gone, not starting
@@ -162,13 +160,12 @@ class Subscriber:
         self._state, self._started = EndState.RUNNING, True
         self._loop = asyncio.get_running_loop()
         self._changed = asyncio.Event()
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"ws-{self.name}-read")
         self._recorder.say_where()
         await self._launch(timeout if timeout is not None else Deadlines.joining(self.timeout))
 
     async def _launch(self, limit: float) -> None:
         """Start a Receiver (a new connection) and wait (at most ``limit``) for its admission."""
-        assert self._loop is not None and self._executor is not None
+        assert self._loop is not None
         deadline = time.monotonic() + limit
         receiver = self._receiver = self._start_receiver(self._connect, 0, limit)
         self._receivers, self._threads = [receiver], []
@@ -277,7 +274,7 @@ class Subscriber:
         await lifecycle.join(self._loop, self._threads, time.monotonic() + timeout)
         for receiver in self._receivers:
             receiver.end(Closed("subscriber closed", channel=self.name, member=self.member_id))
-        await lifecycle.finish_close(self._loop, self._executor, self._recorder, Deadlines.teardown(self.timeout))
+        await lifecycle.finish_close(self._loop, None, self._recorder, Deadlines.teardown(self.timeout))
         self._state = EndState.CLOSED
 
     # reading ------------------------------------------------------------------------------

@@ -404,7 +404,7 @@ class GroupPlane:
         if self.group is None:
             raise Cancelled("no generation entered")
         op = "bucket_send" if self.group.rank == 0 else "bucket_recv"
-        if self.group.rank != 0 and getattr(transfer.announce, "direct", False):
+        if self.group.rank != 0 and transfer.announce.direct:
             self.group.exchange(transfer, None, op=op)
         else:
             self.group.broadcast(transfer, op=op)

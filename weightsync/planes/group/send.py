@@ -24,11 +24,19 @@ from weightsync.encodings import registry
 from weightsync.format import slicing
 from weightsync.format.checksum import checksum
 from weightsync.options import MAX_STREAMS, valid_streams
-from weightsync.planes.dataplane import MemberContext, Outgoing, PlaneSpec, Prepared, PublisherContext, Transfer
+from weightsync.planes.dataplane import (
+    MemberContext,
+    Outgoing,
+    PlaneSpec,
+    Prepared,
+    PublisherContext,
+    SendPart,
+    Transfer,
+)
 from weightsync.planes.group.plane import GroupPlane
 
 
-class GroupSend:
+class GroupSend(SendPart):
     """The publisher's end of the group: rank 0 of every generation (see the module docstring)."""
 
     name = "group"
@@ -64,9 +72,9 @@ class GroupSend:
         self._wire, self._form = out.buckets, ("full", -1)
         device = out.buckets[0].device if out.buckets else self._ctx.buckets.device
         coders, each = {}, {}
-        share = registry.share_coder(out.encoding)
+        share = registry.encoder(out.encoding).share
         for member, plan in plans.items():
-            made = None if plan is None or share is None else share(out, member, plan, self.wants[member])
+            made = None if plan is None else share(out, member, plan, self.wants[member])
             if made is not None:
                 coders[member], each[member] = made
         fanout = slicing.Fanout(members, plans, self._gathers.for_plans(plans, device),

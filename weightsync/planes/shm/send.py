@@ -19,7 +19,7 @@ from typing import Any
 import msgspec
 
 from weightsync._errors import LocalFailure, PeerFailure
-from weightsync.planes.dataplane import MemberContext, Outgoing, PlaneSpec, Prepared, PublisherContext
+from weightsync.planes.dataplane import MemberContext, Outgoing, PlaneSpec, Prepared, PublisherContext, SendPart
 from weightsync.planes.shm.plane import SegmentPool, ShmPlane, ShmRef, announced
 
 #: x86 keeps one thread's stores in order for every other reader (TSO): a member that sees the
@@ -27,7 +27,7 @@ from weightsync.planes.shm.plane import SegmentPool, ShmPlane, ShmRef, announced
 STORES_IN_ORDER = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 
 
-class ShmSend:
+class ShmSend(SendPart):
     """The publisher's end for same-host members (see the module docstring)."""
 
     name = "shm"
