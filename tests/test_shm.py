@@ -221,7 +221,7 @@ async def test_kill_9_and_sigstop_members_never_hold_the_publisher(procs: Procs,
             assert shm.open_segments() <= 1 + pub._staging.limit()  # noqa: SLF001
         # both evicted: what staging keeps parked is at most what the healthy member reads (7, and 6
         # if a reader of its still held it when it acknowledged 7)
-        assert pub._sender.held() <= frozenset({6, 7})  # noqa: SLF001
+        assert pub._sender.leases.held() <= frozenset({6, 7})  # noqa: SLF001
         assert pub.members == ("ok",)
         assert sorted(m.member_id for m in pub.evicted) == ["frozen", "killed"]
         procs.signal(workers[2], signal.SIGCONT)

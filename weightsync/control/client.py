@@ -20,6 +20,7 @@ deadline (``send_timeout``), so a frozen publisher can stall no thread beyond it
 
 from __future__ import annotations
 
+import itertools
 import os
 import platform
 import queue
@@ -31,7 +32,7 @@ import time
 from typing import Any
 
 from weightsync import _wire
-from weightsync._errors import NotListening, PublisherBusy, StoreUnreachable
+from weightsync._errors import NotListening, ProtocolError, PublisherBusy, StoreUnreachable
 from weightsync.control import auth
 from weightsync.control.framing import (
     HANDSHAKE_FRAME,
@@ -47,6 +48,8 @@ from weightsync.control.framing import (
 from weightsync.errors import AdmissionDenied, HandshakeMismatch, TransportUnavailable
 from weightsync.planes.shm import plane as shm
 from weightsync.recorder.recorder import RecorderScope
+
+_ENGINE_RIDS = itertools.count(1)  # negative rids: apart from the rendezvous calls' on the same connection
 
 READ_SLICE = 0.5  # the reader wakes this often to show it is alive (``tick``)
 GOODBYE_WAIT = 1.0  # how long a member that said Leave waits for the publisher to close (goodbye)
@@ -199,6 +202,16 @@ class ControlClient:
         """One rendezvous call to the publisher, answered on this connection (bounded)."""
         result: _wire.StoreResult = self.call(op, timeout)
         return result
+
+    def report_engine(self, version: int, layout: str, digest: str, timeout: float) -> dict[str, int]:
+        """Any thread: tell the publisher what this member's engine holds after loading ``version``;
+        how many members reported each digest for that version and layout (ours included).
+        StoreUnreachable when the connection is gone or no answer came within ``timeout``."""
+        report = _wire.EngineReport(rid=-next(_ENGINE_RIDS), version=version, layout=layout, digest=digest)
+        tally: _wire.EngineTally = self.call(report, timeout)
+        if tally.error:
+            raise ProtocolError(f"the publisher refused the engine report: {tally.error}")
+        return dict(tally.counts)
 
     def call(self, op: Any, timeout: float) -> Any:
         """A request (a StoreOp or an EngineReport, with its ``rid``) and its answer, on this connection

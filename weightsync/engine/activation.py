@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from weightsync import _wire
+from weightsync._errors import ControlFailure
 
 log = logging.getLogger("weightsync.publisher")
 
@@ -51,9 +52,11 @@ class MemberCommit:
         self.staged: Any = None  # the verified version waiting for its Commit (transport.landing.Staged)
         self.unsettled: int | None = None  # exposed on a Commit; not yet told every member did
 
-    def on_commit(self, commit: _wire.Commit, expose: Callable[[Any], None]) -> None:
+    def on_commit(self, commit: _wire.Commit, expose: Callable[[Any], None], serving: Callable[[], int | None],
+                  client: Any, member: str, scope: Any) -> None:
         """``commit`` arrived: a settled one ends the doubt about its version; otherwise the staged
-        version it names is exposed (``expose``)."""
+        version it names is exposed (``expose``), and the publisher told whether this member now
+        reads it or a newer one (``serving()``: the readable version)."""
         if commit.settled:  # every member exposed it: nobody is in doubt about it any more
             if self.unsettled is not None and self.unsettled <= commit.version:
                 self.unsettled = None
@@ -64,6 +67,16 @@ class MemberCommit:
             self.staged = None
             expose(staged)
             self.unsettled = staged.version
+        have = serving()
+        ok = have is not None and have >= commit.version
+        if not ok:
+            scope.record("commit", generation=commit.generation, version=commit.version).fail(
+                "committed, but not staged here")
+        try:
+            client.send(_wire.Ack(generation=commit.generation, seq=commit.seq, member_id=member,
+                                  version=commit.version, ok=ok, exposed=True))
+        except ControlFailure:
+            pass
 
     def in_doubt(self, serving: int | None) -> str:
         """What a member serving ``serving`` cannot know of the fleet if its publisher is gone now

@@ -4,7 +4,9 @@
   was started first, as launchers do) is tried again with backoff until the join deadline; one
   that answered once and is gone now is PublisherGone at once;
 - :func:`admitted`: the publisher's reply to the Join as an Admit, or the error it means (a
-  denial, a handshake mismatch, a publisher closing).
+  denial, a handshake mismatch, a publisher closing);
+- :func:`enter`: into each generation the publisher plans: Ready with the plane's offer, then its
+  Go (the rendezvous) or the plan that replaced it.
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ import time
 from typing import Any
 
 from weightsync import _wire
-from weightsync._errors import ControlFailure, NotListening, PublisherBusy
+from weightsync._errors import ControlFailure, NotListening, PeerFailure, ProtocolError, PublisherBusy
 from weightsync.errors import AdmissionDenied, Closed, HandshakeMismatch, PublisherGone, SyncTimeout, WeightSyncError
+from weightsync.planes.dataplane import GenerationSpec
 
 CONNECT_BACKOFF = (0.05, 1.0)  # first and longest pause between tries to reach a publisher not up yet
 
@@ -72,3 +75,49 @@ def admitted(reply: Any, entry: Any, channel: str, member: str) -> _wire.Admit:
         entry.fail(f"unexpected {type(reply).__name__}")
         raise WeightSyncError(f"unexpected reply to join: {type(reply).__name__}", channel=channel)
     return reply
+
+
+def enter(plane: Any, client: Any, generation: int, member: str, *, timeout: float, next_message: Any,
+          scope: Any, recorder: Any) -> tuple[bool, Any, int | None]:
+    """Enter ``generation`` on ``plane``: (entered, the message that replaced the plan or None, this
+    member's rank in the group or None).
+
+    The publisher says Go once every member is ready; until then it may abandon the generation
+    with a Reconfigure (someone left or died), which is returned instead. A rendezvous that fails
+    (a peer died while the group formed) is not this member's end: it stays, not entered, answers
+    this generation's announcements with a failure at once, and waits for the publisher's next
+    plan. ``next_message()`` waits as long as the publisher lives (the heartbeat thread wakes it
+    if it goes), not by a guess at how long the other members take to get ready: having said
+    Ready, a closing subscriber still goes through with the rendezvous (the publisher may already
+    be in it); only abort() walks away.
+    """
+
+    def failed(err: PeerFailure) -> None:
+        scope.record("rendezvous", generation=generation).fail(err)
+        recorder.dump_on_trouble(f"generation {generation}: {err}")
+        plane.leave(f"rendezvous failed: {err}", failed=True)
+
+    try:
+        offer = plane.offer()
+    except PeerFailure as err:
+        failed(err)
+        offer = ""
+    client.send(_wire.Ready(generation=generation, member_id=member, handle=offer))
+    while True:
+        message = next_message()
+        if message is None or not isinstance(message, _wire.Go):
+            return False, message, None
+        if message.generation != generation:
+            continue
+        if not plane.in_group:
+            return True, None, None  # nothing to enter (shared memory: versions are read from the segment)
+        if member not in message.group:
+            raise ProtocolError(f"generation {generation}'s group leaves out this member")
+        rank = message.group.index(member) + 1
+        try:
+            plane.enter(GenerationSpec(generation, message.group, rank=rank, timeout=timeout, uuid=message.uuid,
+                                       offers=message.handles, rendezvous=message.rendezvous))
+        except PeerFailure as err:
+            failed(err)
+            return False, None, rank
+        return True, None, rank

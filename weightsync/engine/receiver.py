@@ -33,7 +33,6 @@ bug and ends the receiver (FAILED) instead of being blamed on the wire.
 from __future__ import annotations
 
 import enum
-import itertools
 import logging
 import queue
 import threading
@@ -73,7 +72,7 @@ from weightsync.errors import (
 from weightsync.format import layout, sharding, slicing
 from weightsync.format.checksum import KINDS, checksum
 from weightsync.options import UNBOUNDED, Deadlines
-from weightsync.planes.dataplane import DataPlane, GenerationSpec, MemberContext, Transfer, plane_spec
+from weightsync.planes.dataplane import DataPlane, MemberContext, Transfer, plane_spec
 from weightsync.recorder.recorder import FlightRecorder
 from weightsync.statistics import SubscriberTally
 from weightsync.testing import Hooks
@@ -83,8 +82,6 @@ RECEIVE_FAILURES = (PeerFailure, Cancelled, ProtocolError, ControlFailure, Local
 
 log = logging.getLogger("weightsync.subscriber")
 
-
-_ENGINE_RIDS = itertools.count(1)  # negative rids: apart from the rendezvous calls' on the same connection
 
 
 @dataclass
@@ -287,51 +284,15 @@ class Receiver:
         return reply.generation, reply.members
 
     def _enter(self, generation: int, members: tuple[str, ...]) -> tuple[bool, Any]:
-        """Enter ``generation``: (entered, the message that replaced the plan or None).
-
-        The publisher says Go once every member is ready; until then it may abandon the
-        generation with a Reconfigure (someone left or died), which is returned instead. A
-        rendezvous that fails (a peer died while the group formed) is not this member's end:
-        it stays, not entered, answers this generation's announcements with a failure at once,
-        and waits for the publisher's next plan.
-        """
+        """Enter ``generation`` (:func:`.joining.enter`): (entered, the message that replaced the plan or None)."""
         assert self._plane is not None and self.deadlines is not None
         self.generation = generation
-        try:
-            offer = self._plane.offer()
-        except PeerFailure as err:
-            self._rendezvous_failed(generation, err)
-            offer = ""
-        self._client.send(_wire.Ready(generation=generation, member_id=self.member_id, handle=offer))
-        while True:
-            # bounded by the publisher's liveness (the heartbeat thread wakes us if it goes),
-            # not by a guess at how long the other members take to get ready. Having said Ready,
-            # a closing subscriber still goes through with the rendezvous (the publisher may
-            # already be in it); only abort() walks away.
-            message = self._next_message(UNBOUNDED, until=lambda: self.aborting.is_set() or self.over)
-            if message is None or not isinstance(message, _wire.Go):
-                return False, message
-            if message.generation == generation:
-                assert self._plane is not None
-                if not self._plane.in_group:
-                    return True, None  # nothing to enter (shared memory: versions are read from the segment)
-                if self.member_id not in message.group:
-                    raise ProtocolError(f"generation {generation}'s group leaves out this member")
-                self.rank = message.group.index(self.member_id) + 1
-                try:
-                    self._plane.enter(GenerationSpec(generation, message.group, rank=self.rank,
-                                                     timeout=self.deadlines.rendezvous(), uuid=message.uuid,
-                                                     offers=message.handles, rendezvous=message.rendezvous))
-                except PeerFailure as err:
-                    self._rendezvous_failed(generation, err)
-                    return False, None
-                return True, None
-
-    def _rendezvous_failed(self, generation: int, err: PeerFailure) -> None:
-        self._rec.record("rendezvous", generation=generation).fail(err)
-        self._recorder.dump_on_trouble(f"generation {generation}: {err}")
-        assert self._plane is not None
-        self._plane.leave(f"rendezvous failed: {err}", failed=True)
+        entered, message, rank = joining.enter(
+            self._plane, self._client, generation, self.member_id, timeout=self.deadlines.rendezvous(),
+            next_message=lambda: self._next_message(UNBOUNDED, until=lambda: self.aborting.is_set() or self.over),
+            scope=self._rec, recorder=self._recorder)
+        self.rank = rank if rank is not None else self.rank
+        return entered, message
 
     def _follow(self, generation: int, members: tuple[str, ...]) -> None:
         assert self._plane is not None
@@ -361,7 +322,8 @@ class Receiver:
                     entered, pending = self._enter(generation, members)
                 elif isinstance(message, _wire.Commit):
                     if message.generation == generation and self._hooks.on_commit(message.version):
-                        self._commit(message)
+                        self._commits.on_commit(message, self._expose, lambda: self._slots.version, self._client,
+                                                self.member_id, self._rec)
                 elif isinstance(message, _wire.Abandon):
                     continue  # for a version given up on; its receive (if any) already ended
                 elif isinstance(message, _wire.Shutdown):
@@ -546,23 +508,6 @@ class Receiver:
         self.tally.received(staged.nbytes, time.monotonic() - staged.began)
         self._on_publish()
 
-    def _commit(self, commit: _wire.Commit) -> None:
-        """Activation "all": the publisher committed a version every member staged. Expose it if it
-        is the one staged here, and say whether this member now reads it (or a newer one)."""
-        self._commits.on_commit(commit, self._expose)
-        if commit.settled:
-            return
-        have = self._slots.version
-        ok = have is not None and have >= commit.version
-        if not ok:
-            self._rec.record("commit", generation=commit.generation, version=commit.version).fail(
-                "committed, but not staged here")
-        try:
-            self._client.send(_wire.Ack(generation=commit.generation, seq=commit.seq, member_id=self.member_id,
-                                        version=commit.version, ok=ok, exposed=True))
-        except ControlFailure:
-            pass
-
     def _acknowledge(self, announce: _wire.Announce, *, ok: bool, error: str, seconds: float, own: float = 0.0,
                      corrupt: bool = False) -> None:
         ack = _wire.Ack(generation=announce.generation, seq=announce.seq, member_id=self.member_id,
@@ -573,16 +518,6 @@ class Receiver:
             self._client.send(ack)
         except ControlFailure:
             pass
-
-    def report_engine(self, version: int, layout: str, digest: str, timeout: float) -> dict[str, int]:
-        """Any thread: tell the publisher what this member's engine holds after loading ``version``;
-        how many members reported each digest for that version and layout (ours included).
-        StoreUnreachable when the connection is gone or no answer came within ``timeout``."""
-        report = _wire.EngineReport(rid=-next(_ENGINE_RIDS), version=version, layout=layout, digest=digest)
-        tally: _wire.EngineTally = self._client.call(report, timeout)
-        if tally.error:
-            raise ProtocolError(f"the publisher refused the engine report: {tally.error}")
-        return dict(tally.counts)
 
     def _leave(self) -> None:
         try:

@@ -1,15 +1,20 @@
 """What a version's attempts add up to: per member, the encoding it got and the bytes that moved
-for it (``forms``), and the :class:`~weightsync.engine.handles.DeliveryReport` its put resolves
-with (``delivered``). The Sender calls both; neither touches the wire."""
+for it (``forms``), the :class:`~weightsync.engine.handles.DeliveryReport` its put resolves
+with (``delivered``), and the put resolved (:class:`Outcomes`). The Sender calls them; none
+touches the wire."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Mapping
 from typing import Any
 
 from weightsync.engine.handles import DeliveryReport
-from weightsync.engine.staging import Job
+from weightsync.engine.staging import Job, Staging
+from weightsync.errors import WeightSyncError
+
+log = logging.getLogger("weightsync.publisher")
 
 FULL = "full"
 
@@ -42,3 +47,29 @@ def delivered(job: Job, members: tuple[str, ...], t0: float) -> DeliveryReport:
                           base=job.base if any(name != FULL for name, _s in got.values()) else -1,
                           encode_seconds=job.encode_seconds, committed_at=job.committed_at,
                           exposure_spread=job.exposure_spread)
+
+
+class Outcomes:
+    """Each version's end: staging told, the put resolved with its report or its error, counted."""
+
+    def __init__(self, channel: str, staging: Staging, membership: Any, tally: Any) -> None:
+        self.channel, self.staging, self.membership, self.tally = channel, staging, membership, tally
+        self._nobody_streak = False  # the last version reached nobody (its warning was logged)
+
+    def finish(self, job: Job, t0: float, error: BaseException | None = None) -> None:
+        self.staging.finish(job, retain=error is None)  # a failed version is never re-sent
+        if error is not None:
+            self.tally.count("versions_failed")
+            job.handle.resolve_threadsafe(error=WeightSyncError(
+                f"version {job.version} could not be sent: {error}", channel=self.channel, version=job.version))
+            return
+        members = tuple(m for m in self.membership.members if m in job.members_done)
+        report = delivered(job, members, t0)
+        if not members:  # once per streak: a trainer that starts first puts to nobody for a while
+            (log.debug if self._nobody_streak else log.warning)(
+                "version %d delivered to nobody: channel %r has no members", job.version, self.channel)
+        self._nobody_streak = not members
+        self.tally.delivered(job.manifest.total_bytes, len(members), report.seconds, report.wire_bytes)
+        log.debug("channel %r: version %d delivered to %d members in %.3fs", self.channel, job.version,
+                  len(members), report.seconds)
+        job.handle.resolve_threadsafe(report)

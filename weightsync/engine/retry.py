@@ -1,17 +1,20 @@
 """The Sender's retry policy: what one attempt's outcome says to do next (see :func:`verdict`).
 
 Each attempt at a version ends in success or in the members to blame. The policy is a table of
-rules, the first that applies wins; the Sender acts on the step it names (re-send in full,
-point to point, after a leaver, or rebuild the generation) and stops when the attempts allowed
-run out or nothing is left to re-send from.
+rules, the first that applies wins; :func:`prepare_next` readies the attempt the step names
+(re-send in full, point to point, after a leaver, or rebuild the generation: counted, logged)
+and the Sender stops when the attempts allowed run out or nothing is left to re-send from.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+log = logging.getLogger("weightsync.publisher")
 
 
 @dataclass
@@ -72,3 +75,37 @@ def verdict(attempt: Attempt, job: Any, failed: set[str] | None, gens: Any, *, b
         attempt.budget += 1
         return "left"
     return "rebuild"
+
+
+def done(attempt: Attempt, job: Any, gens: Any) -> None:
+    """A success: a new tree where a relay was struck (its children) or an accuser moved."""
+    if attempt.blamed or attempt.reorder:
+        gens.advance(reason=f"version {job.version}: corrupted in the broadcast tree", failed=attempt.blamed)
+
+
+def prepare_next(step: str, attempt: Attempt, job: Any, gens: Any, *, bases: Any, tally: Any, rec: Any,
+                 channel: str) -> bool:
+    """Ready the next attempt the step names (counted, logged, the generation rebuilt where it
+    says so); False when there is nothing to re-send from (``copy=False`` tensors let go)."""
+    who, version = sorted(attempt.blamed), job.version
+    if step == "direct":
+        tally.count("resends")
+        log.warning("channel %r: version %d arrived corrupted at %s; re-sending it point to point",
+                    channel, version, who)
+        return True
+    if step == "full":
+        tally.count("delta_fallbacks")
+        rec.record("delta", version=version, peers=tuple(who)).fail("the delta did not apply: re-sent in full")
+        log.warning("channel %r: version %d's delta did not apply at %s; re-sending it in full", channel, version, who)
+    elif step == "left":
+        tally.count("resends")
+        log.info("channel %r: %s left while version %d was on the wire; re-sending it to the others",
+                 channel, who, version)
+        gens.advance(reason=f"version {version}: {who} left mid-version", failed=())
+    else:  # "rebuild": the group is broken; rebuilt with the live members, the version re-sent
+        tally.count("resends")
+        log.warning("channel %r: version %d failed for %s; re-sending it to the others (attempt %d); "
+                    "flight recorder: %s", channel, version, who, attempt.tries + 2,
+                    rec.recorder.last_dump_path or "no dump")
+        gens.advance(reason=f"version {version} failed", failed=attempt.blamed)
+    return bool(bases.resendable(job))

@@ -138,13 +138,14 @@ class Sender:
         self._evicted: list[MemberInfo] = []
         self._gens: Generations | None = None
         self.tally = tally or PublisherTally(channel)
-        self._nobody_streak = False  # the last version reached nobody (its warning was logged)
         self.bases = SendBases(self._buckets.device)  # who holds what a delta can go against
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         #: the encoders' threads (Outgoing.workers), made as work comes, stopped with this sender
         self.workers = ThreadPoolExecutor(max(1, min(8, cpus)), thread_name_prefix=f"ws-{channel}-encode")
-        self.leases = InPlaceLeases()  # the versions same-host members read in place
+        # the versions same-host members read in place (staging asks it, from any thread)
+        self.leases = InPlaceLeases(lambda: self.membership.members, lambda m: self.submit(Evict(m, "slow")), self._rec)
         self.scoring = Scoring(channel, membership, policy, control, self._rec, sharded=lane[1] != 1)
+        self.outcomes = reports.Outcomes(channel, staging, membership, self.tally)  # each put resolved
 
     # any thread ---------------------------------------------------------------------------
     def submit(self, event: Event) -> None:
@@ -271,18 +272,6 @@ class Sender:
         self.tally.evicted(member.reason)
         self._on_evicted_cb(member)
 
-    def held(self) -> frozenset[int]:
-        """Any thread (staging, under its lock): the versions channel members read in place now."""
-        return self.leases.held(set(self.membership.members))
-
-    def overdue(self, version: int) -> None:
-        """Any thread (staging, over its bound): evict the members that read ``version`` in place; its
-        buffer is written again now (their reads of it fail on its epoch)."""
-        for member in self.leases.readers(version, set(self.membership.members)):
-            self._rec.record("evict", version=version, peers=(member,)).fail(
-                "read a same-host snapshot past staging's bound")
-            self.submit(Evict(member, "slow"))
-
     def _reads_in_place(self, member: str) -> bool:
         assert self.side is not None
         return self.side.part_of(member).reads_in_place
@@ -304,38 +293,13 @@ class Sender:
                 break
             step = retry.verdict(attempt, job, failed, gens, bases=self.bases, scoring=self.scoring,
                                  members=self.membership.members, leavers=self._leavers)
-            if step == "stop":
-                break  # a delta that did not apply, and nothing to re-send it from in full
             if step == "done":
-                if attempt.blamed or attempt.reorder:  # a new tree: the struck relay's children, or an accuser moved
-                    gens.advance(reason=f"version {job.version}: corrupted in the broadcast tree",
-                                 failed=attempt.blamed)
+                retry.done(attempt, job, gens)
                 return
-            if step == "direct":
-                self.tally.count("resends")
-                log.warning("channel %r: version %d arrived corrupted at %s; re-sending it point to point",
-                            self.channel, job.version, sorted(attempt.blamed))
-                continue
-            if step == "full":
-                self.tally.count("delta_fallbacks")
-                self._rec.record("delta", version=job.version, peers=tuple(sorted(attempt.blamed))).fail(
-                    "the delta did not apply: re-sent in full")
-                log.warning("channel %r: version %d's delta did not apply at %s; re-sending it in full",
-                            self.channel, job.version, sorted(attempt.blamed))
-            elif step == "left":
-                self.tally.count("resends")
-                log.info("channel %r: %s left while version %d was on the wire; re-sending it to the others",
-                         self.channel, sorted(attempt.blamed), job.version)
-                gens.advance(reason=f"version {job.version}: {sorted(attempt.blamed)} left mid-version", failed=())
-            else:  # "rebuild": the group is broken; rebuilt with the live members, the version re-sent
-                self.tally.count("resends")
-                log.warning("channel %r: version %d failed for %s; re-sending it to the others (attempt %d); "
-                            "flight recorder: %s", self.channel, job.version, sorted(attempt.blamed),
-                            attempt.tries + 2, self._recorder.last_dump_path or "no dump")
-                gens.advance(reason=f"version {job.version} failed", failed=attempt.blamed)
-            if not self.bases.resendable(job):
-                break  # copy=False tensors were released and no copy of them kept: nothing to re-send from
-        self._finish(job, time.monotonic(), error)
+            if step == "stop" or not retry.prepare_next(step, attempt, job, gens, bases=self.bases, tally=self.tally,
+                                                        rec=self._rec, channel=self.channel):
+                break  # nothing to re-send from: a delta that did not apply, or copy=False tensors let go
+        self.outcomes.finish(job, time.monotonic(), error)
 
     def _send_once(self, gens: Generations, job: Job, direct: bool = False, full: bool = False) -> set[str] | None:
         """Announce and move ``job`` once; None on success, else the members to blame.
@@ -344,7 +308,7 @@ class Sender:
         member its bytes straight, finding a corrupting relay; ``full``: no delta); every member
         checks the Seal.
         """
-        self._wait_snapshot(job)
+        job.wait_ready(self._buckets.device)
         kept = self.bases.keep_for(job, job.encoding or self.encoding)
         if kept is not None and job.released.is_set() and kept.version == job.version and not job.whole_spill():
             # its tensors were let go: sent again from the kept copy
@@ -475,19 +439,11 @@ class Sender:
             job.members_done -= acked - set(arrivals)  # the report names only those that exposed it
             self.bases.committed(arrivals)
         job.exposure_spread = max(arrivals.values()) - min(arrivals.values()) if arrivals else 0.0
-        self._finish(job, t0)
+        self.outcomes.finish(job, t0)
         return None
 
     def _generation_broken(self) -> bool:
         return self.aborting.is_set() or self.membership.has_dead_members()
-
-    def _wait_snapshot(self, job: Job) -> None:
-        if job.ready is None:
-            return
-        device = self._buckets.device
-        torch.cuda.current_stream(device if device.type == "cuda" else None).wait_event(job.ready)
-        if device.type != "cuda":
-            job.ready.synchronize()  # gloo reads host memory: the device->host copy must be done
 
     def _abandon(self, gens: Generations, job: Job, gen: int, seq: int,
                  members: tuple[str, ...], err: BaseException) -> set[str]:
@@ -514,21 +470,4 @@ class Sender:
         self._pump()
         return {m for m in members if self.membership.is_leaving(m)}
 
-    def _finish(self, job: Job, t0: float, error: BaseException | None = None) -> None:
-        self.staging.finish(job, retain=error is None)  # a failed version is never re-sent
-        if error is not None:
-            self.tally.count("versions_failed")
-            job.handle.resolve_threadsafe(error=WeightSyncError(
-                f"version {job.version} could not be sent: {error}", channel=self.channel, version=job.version))
-            return
-        members = tuple(m for m in self.membership.members if m in job.members_done)
-        report = reports.delivered(job, members, t0)
-        if not members:  # once per streak: a trainer that starts first puts to nobody for a while
-            (log.debug if self._nobody_streak else log.warning)(
-                "version %d delivered to nobody: channel %r has no members", job.version, self.channel)
-        self._nobody_streak = not members
-        self.tally.delivered(job.manifest.total_bytes, len(members), report.seconds, report.wire_bytes)
-        log.debug("channel %r: version %d delivered to %d members in %.3fs", self.channel, job.version,
-                  len(members), report.seconds)
-        job.handle.resolve_threadsafe(report)
 

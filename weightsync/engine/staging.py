@@ -194,6 +194,15 @@ class Job:
         # the handle's released(spill=True), weakly: the Job holds the handle (no cycle to collect)
         self.handle._spill = weakref.WeakMethod(self.spill_rest)  # noqa: SLF001
 
+    def wait_ready(self, device: torch.device) -> None:
+        """Before the sender reads it: a device snapshot's copy ordered before the sender's stream
+        (``device``: the bucket buffers'), and finished where gloo reads it from host memory."""
+        if self.ready is None:
+            return
+        torch.cuda.current_stream(device if device.type == "cuda" else None).wait_event(self.ready)
+        if device.type != "cuda":
+            self.ready.synchronize()  # gloo reads host memory: the device->host copy must be done
+
     def release(self) -> None:
         """Sender thread: the caller may change its tensors again (resolves ``handle.released``)."""
         self.released.set()

@@ -232,7 +232,7 @@ class Publisher:
                               buckets=self._planes.buckets,
                               tally=self._tally, encoding=encoding, digest=digest,
                               lane=(self.rank, self.world_size))
-        self._staging.held, self._staging.overdue = self._sender.held, self._sender.overdue
+        self._staging.held, self._staging.overdue = self._sender.leases.held, self._sender.leases.overdue
         self._last_version: int | None = None
         self._put_lock: asyncio.Lock | None = None
         self._loop: asyncio.AbstractEventLoop | None = None

@@ -521,7 +521,7 @@ class Subscriber:
         bound = self.timeout if timeout is None else timeout
         receiver = self._receivers[0]
         try:
-            return await self._loop.run_in_executor(None, receiver.report_engine, version, layout, digest, bound)
+            return await self._loop.run_in_executor(None, receiver.client.report_engine, version, layout, digest, bound)
         except (StoreUnreachable, ProtocolError) as err:
             raise PublisherGone(f"the engine report for version {version} was not answered: {err}",
                                 channel=self.name, member=self.member_id, version=version) from err

@@ -13,7 +13,7 @@ bucket i - 2 out of it.
 from __future__ import annotations
 
 import platform
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import msgspec
@@ -126,21 +126,34 @@ class InPlaceLeases:
     one it was sent but did not acknowledge. Staging parks their buffers (``held``) and, over its
     bound, has the readers of a version it must write again evicted (``overdue``). The sender
     thread writes it; staging reads it under its own lock from any thread (a dict replaced per
-    member, read as a copy)."""
+    member, read as a copy).
 
-    def __init__(self) -> None:
+    Args:
+        members: the channel's members now (leases of others do not count).
+        evict: has a member evicted as slow (handed to the sender thread).
+        scope: the publisher's flight-recorder scope.
+    """
+
+    def __init__(self, members: Callable[[], Iterable[str]], evict: Callable[[str], None], scope: Any) -> None:
         self._leases: dict[str, frozenset[int]] = {}
+        self._members, self._evict, self._rec = members, evict, scope
 
     def forget(self, member: str) -> None:
         self._leases.pop(member, None)
 
-    def held(self, members: set[str]) -> frozenset[int]:
-        """The versions ``members`` (the channel's) read in place now."""
+    def held(self) -> frozenset[int]:
+        """Any thread (staging, under its lock): the versions the channel's members read in place now."""
+        members = set(self._members())
         return frozenset(v for m, versions in list(self._leases.items()) if m in members for v in versions)
 
-    def readers(self, version: int, members: set[str]) -> list[str]:
-        """Those of ``members`` that may read ``version`` in place."""
-        return [m for m, versions in list(self._leases.items()) if version in versions and m in members]
+    def overdue(self, version: int) -> None:
+        """Any thread (staging, over its bound): evict the members that read ``version`` in place; its
+        buffer is written again now (their reads of it fail on its epoch)."""
+        members = set(self._members())
+        for member in [m for m, versions in list(self._leases.items()) if version in versions and m in members]:
+            self._rec.record("evict", version=version, peers=(member,)).fail(
+                "read a same-host snapshot past staging's bound")
+            self._evict(member)
 
     def acknowledged(self, job: Any, members: Sequence[str], acked: set[str], still_read: Mapping[str, int],
                      reads_in_place: Callable[[str], bool], *, staged: bool = False) -> None:
