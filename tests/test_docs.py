@@ -69,7 +69,15 @@ def free_port() -> int:
 
 def test_every_marked_snippet_is_run_by_this_module() -> None:
     assert set(snippets()) == {"trainer.py", "generator.py", "sync_trainer.py", "replace.py", "ft_replace.py",
-                               "ray_replace.py"}
+                               "ray_replace.py", "quantized.py"}
+
+
+def test_the_quantization_snippet_sends_half_the_bytes_of_bf16_bit_exact(scripts: Path) -> None:
+    out = finish(start(scripts / "quantized.py", env_for()), 120)
+    assert "'model.layers.0.self_attn.q_proj.weight': ('torch.float8_e4m3fn', (256, 256))" in out, out
+    assert "'model.layers.0.self_attn.q_proj.weight_scale_inv': ('torch.float32', (2, 2))" in out, out
+    sent, bf16 = map(int, re.search(r"(\d+) bytes, bf16 would be (\d+)", out).groups())  # type: ignore[union-attr]
+    assert sent < 0.6 * bf16, out  # the embeddings, the head and the norm stay bf16
 
 
 @pytest.mark.parametrize("trainer", ["trainer.py", "sync_trainer.py"])

@@ -33,7 +33,8 @@ def test_public_names_are_pinned() -> None:
         "PutHandle", "RankMismatch", "StragglerPolicy", "Subscriber", "SyncTimeout", "TransportUnavailable",
         "BlockingPublisher", "BlockingSubscriber", "MemberStatistics", "NotDelivered", "PublisherStatistics",
         "SubscriberStatistics", "Superseded",
-        "WeightStream", "Weights", "WeightSyncError", "__version__", "connect_store"])
+        "WeightStream", "Weights", "WeightSyncError", "__version__", "connect_store", "quantization_config",
+        "quantize"])
     for name in ws.__all__:
         assert hasattr(ws, name)
 

@@ -30,6 +30,7 @@ from weightsync.errors import (
 if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers
     from weightsync.blocking import BlockingPublisher, BlockingSubscriber
     from weightsync.engine.handles import DeliveryReport, PutHandle, Weights, WeightStream
+    from weightsync.format.quantize import quantization_config, quantize
     from weightsync.membership.membership import MemberInfo, StragglerPolicy
     from weightsync.options import connect_store
     from weightsync.orchestrator import LocalProcessOrchestrator, Orchestrator
@@ -59,6 +60,8 @@ _LAZY = {
     "WeightStream": "weightsync.engine.handles",
     "Weights": "weightsync.engine.handles",
     "connect_store": "weightsync.options",
+    "quantization_config": "weightsync.format.quantize",
+    "quantize": "weightsync.format.quantize",
 }
 
 
@@ -107,4 +110,6 @@ __all__ = [
     "WeightSyncError",
     "__version__",
     "connect_store",
+    "quantization_config",
+    "quantize",
 ]

@@ -236,10 +236,11 @@ class BlockingPublisher(_BlockingEnd):
         return self._bridge.call(self._pub.wait_subscribers(n, timeout), bound, f"waiting for {n} subscribers")
 
     def put(self, tensors: layout.TensorsLike, *, version: int | None = None, copy: bool = True,
-            owners: Mapping[str, int] | None = None, dtype: layout.CastLike = None) -> BlockingPutHandle:
+            owners: Mapping[str, int] | None = None, dtype: layout.CastLike = None,
+            encoding: str | None = None, quantize: str | None = None) -> BlockingPutHandle:
         """Queue a version; returns once the snapshot is taken (as :meth:`Publisher.put`)."""
-        handle = self._bridge.call(self._pub.put(tensors, version=version, copy=copy, owners=owners, dtype=dtype),
-                                   None, "put")
+        handle = self._bridge.call(self._pub.put(tensors, version=version, copy=copy, owners=owners, dtype=dtype,
+                                                 encoding=encoding, quantize=quantize), None, "put")
         return BlockingPutHandle(handle, self._bridge)
 
     def evict(self, member_id: str, reason: str = "operator") -> None:

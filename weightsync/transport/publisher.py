@@ -49,6 +49,7 @@ from weightsync.engine.staging import (
 from weightsync.errors import Closed, SyncTimeout, WeightSyncError
 from weightsync.format import checksum as checksums
 from weightsync.format import layout
+from weightsync.format import quantize as quantization
 from weightsync.membership import ranks
 from weightsync.membership.membership import MemberInfo, Membership, StragglerPolicy
 from weightsync.options import (
@@ -444,7 +445,7 @@ class Publisher:
 
     async def put(self, tensors: layout.TensorsLike, *, version: int | None = None, copy: bool = True,
                   owners: Mapping[str, int] | None = None, dtype: layout.CastLike = None,
-                  encoding: str | None = None) -> PutHandle:
+                  encoding: str | None = None, quantize: str | None = None) -> PutHandle:
         """Queue a new version; returns once the snapshot is taken.
 
         With ``copy=True`` the tensors are copied into staging (on CUDA: a stream-ordered
@@ -471,6 +472,13 @@ class Publisher:
         snapshot to be the next base: the first one that asks for ``"delta"`` makes the publisher
         keep a copy of what it sends (one version's bytes), refreshed by every later copy=False
         put, until a put with a snapshot (docs/deltas.md, "``copy=False``").
+
+        ``quantize`` (``"fp8-block"``, ``"int8-channel"``) sends the linear layers' weights as a
+        checkpoint of that format holds them (the quantized weight and its scales under the
+        format's names), quantized on their own device before the snapshot; ``dtype`` then casts
+        the tensors kept as they were, and is what a quantized weight is cast to first. A weight
+        holding NaN or infinity is refused here, naming it (docs/quantization.md). Not on a
+        sharded publisher yet.
         """
         began = time.perf_counter()
         if encoding is not None:
@@ -480,17 +488,24 @@ class Publisher:
                 raise ValueError(f"put(encoding={encoding!r}) on a publisher created with encoding='full', which "
                                  "keeps no base version to encode against: create it with encoding='auto'")
         handle = await self._put(tensors, version=version, copy=copy, owners=owners, dtype=dtype,
-                                 encoding=encoding)
+                                 encoding=encoding, quantize=quantize)
         self._tally.put_returned(handle.version, time.perf_counter() - began)
         return handle
 
     async def _put(self, tensors: layout.TensorsLike, *, version: int | None = None, copy: bool = True,
                    owners: Mapping[str, int] | None = None, dtype: layout.CastLike = None,
-                   encoding: str | None = None) -> PutHandle:
+                   encoding: str | None = None, quantize: str | None = None) -> PutHandle:
         """The body of :meth:`put` (its stall is timed around this)."""
         self._check_running()
         assert self._put_lock is not None and self._loop is not None
         items = layout.as_items(tensors, sharded=self.world_size > 1)
+        if quantize is not None:
+            quantization.format_of(quantize)
+            if self.world_size > 1:
+                raise ValueError("put(quantize=) on a sharded publisher is not built yet: a block's rows may "
+                                 "span two ranks' shards (quantize on one rank, or send bf16)")
+            # off the event loop: a large version's quantization on the host takes seconds
+            items, dtype = await self._loop.run_in_executor(None, quantization.quantize_items, items, quantize, dtype)
         if all(t.numel() == 0 for _, t in items):  # {} or only empty tensors: nothing a member could load
             raise ValueError(f"put() of {'no tensors' if not items else 'only empty tensors'}: a version "
                              "holds at least one element (an empty one would reach generators as every "
