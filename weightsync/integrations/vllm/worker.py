@@ -251,6 +251,12 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         assert self._pinned is not None
         weights = self._pinned[1]
         self._patched, self._loaded, self._full, self.reloads, self.agreement = None, None, False, 0, None
+        refused = checks.format_problem(self.model_config, weights)
+        if refused is not None:  # nothing touched yet: the engine keeps serving the version it serves
+            self._release()
+            self.failed = f"version {weights.version} refused: {refused}"
+            log.error("vLLM worker %s: %s; it still serves version %s", self._member, self.failed, self.version)
+            raise EngineMismatch(self.failed, channel=self._channel, member=self._member, version=weights.version)
         if weights.since is None or not self._patch(weights):
             self._load_full(weights)
         while self.compare:
