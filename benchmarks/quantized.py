@@ -5,11 +5,12 @@
                                    [--out benchmarks/results]
 
 A Hugging Face Llama (random init, built here) with fp32 masters is trained with AdamW (lr 1e-6)
-on random tokens. After every step it is put to 2 generator processes (``benchmarks.delta``'s:
-each reads the version and answers with its tensors' digests) as the engine would be sent it:
-bf16 (``dtype=torch.bfloat16``, full), then for each format quantized and full
-(``quantize=FORMAT, encoding="full"``), then quantized as a delta against the last quantized
-version (``encoding="delta"``). Planes: the group on this host (``group``: gloo over loopback)
+on random tokens, once per kind of version (the same seed: the same weights at each step). After
+every step it is put to 2 generator processes (``benchmarks.delta``'s: each reads the version
+and answers with its tensors' digests) as the engine would be sent it: bf16
+(``dtype=torch.bfloat16``, full); for each format quantized and full (``quantize=FORMAT,
+encoding="full"``); quantized as a delta against the step before's quantized version
+(``encoding="delta"``). Planes: the group on this host (``group``: gloo over loopback)
 and generators on emulated hosts behind R Mbit/s links (``group@R``: network namespaces, needs
 root). Per version: bytes (the version's and on the wire), the trainer's stall (``put`` until it
 returned: the quantization is in it), the time until both generators had it, and whether both
@@ -100,40 +101,42 @@ def measure_quantization(named: list[tuple[str, torch.nn.Parameter]], fmt: str) 
 
 
 async def run(plane: str, args: argparse.Namespace, config: Any, progress: Any) -> list[Push]:
-    from transformers import LlamaForCausalLM
-
     transport, _, rate = plane.partition("@")
     with contextlib.ExitStack() as stack:
         cluster = stack.enter_context(netns.Cluster([float(rate)] * 2)) if rate else None
         address = f"{cluster.trainer_ip}:0" if cluster is not None else None
-        torch.manual_seed(0)
-        model = LlamaForCausalLM(config)
-        return await _pushes(plane, transport, address, cluster, args, model, progress)
+        return await _pushes(plane, transport, address, cluster, args, config, progress)
 
 
 async def _pushes(plane: str, transport: str, address: str | None, cluster: Any, args: argparse.Namespace,
-                  model: Any, progress: Any) -> list[Push]:
+                  config: Any, progress: Any) -> list[Push]:
+    """One series per kind, each the same training run (the same seed): a delta is against the
+    same kind's version of the step before."""
+    from transformers import LlamaForCausalLM
+
     pushes: list[Push] = []
     channel = f"quant-{transport}"
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-6, foreach=False)
-    named = list(model.named_parameters())
     kinds = [("bf16", None, "full")] + [(f"{f} {e}", f, e) for f in args.formats for e in ("full", "delta")]
     async with ws.Publisher(channel, address=address, timeout=120, bucket_bytes=64 << 20) as pub:
         gens = [Generator(channel, pub.address, f"gen{i}", transport, cluster, i) for i in range(2)]
         try:
             await pub.wait_subscribers(2, timeout=300)
             version = 0
-            for fmt in (None, *args.formats):  # warm-up: every buffer a steady state uses written once
+            for kind, fmt, encoding in kinds:
+                torch.manual_seed(0)
+                model = LlamaForCausalLM(config)
+                opt = torch.optim.AdamW(model.parameters(), lr=1e-6, foreach=False)
+                named = list(model.named_parameters())
+                # the series' first version: the base of its first delta, and every buffer written once
                 await (await pub.put(named, version=version, dtype=torch.bfloat16, quantize=fmt, encoding="full"))
                 for g in gens:
                     await g.answer(version)
                 version += 1
-            for step in range(1, args.steps + 1):
-                tokens = torch.randint(0, model.config.vocab_size, (1, 64))
-                model(input_ids=tokens, labels=tokens).loss.backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                for kind, fmt, encoding in kinds:
+                for step in range(1, args.steps + 1):
+                    tokens = torch.randint(0, config.vocab_size, (1, 64))
+                    model(input_ids=tokens, labels=tokens).loss.backward()
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
                     t0 = time.perf_counter()
                     handle = await pub.put(named, version=version, dtype=torch.bfloat16, quantize=fmt,
                                            encoding=encoding)
@@ -149,6 +152,7 @@ async def _pushes(plane: str, transport: str, address: str | None, cluster: Any,
                     pushes.append(push)
                     progress(push)
                     version += 1
+                del model, opt, named
         finally:
             for g in gens:
                 g.kill()
