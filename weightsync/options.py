@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import socket
 
 import msgspec
@@ -264,3 +265,9 @@ def connect_store(address: str, timeout: float = 30.0) -> object:
     if port == 0:
         raise ValueError(f"connect to a listening store, not port 0: {address!r}")
     return compat.new_store_client(host, port, timeout)
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity where the OS has one)."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    return len(affinity(0)) if affinity is not None else os.cpu_count() or 1

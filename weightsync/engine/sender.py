@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import enum
 import logging
-import os
 import queue
 import threading
 import time
@@ -52,7 +51,7 @@ from weightsync.format.checksum import checksum
 from weightsync.membership.generations import Control, Generations, Rendezvous
 from weightsync.membership.membership import MemberInfo, Membership, StragglerPolicy
 from weightsync.membership.scoring import Scoring
-from weightsync.options import Deadlines
+from weightsync.options import Deadlines, usable_cpus
 from weightsync.planes.dataplane import DataPlane, Outgoing, Prepared, PublisherContext, SendPart
 from weightsync.planes.sendside import SendSide
 from weightsync.planes.shm.send import InPlaceLeases
@@ -139,9 +138,8 @@ class Sender:
         self._gens: Generations | None = None
         self.tally = tally or PublisherTally(channel)
         self.bases = SendBases(self._buckets.device)  # who holds what a delta can go against
-        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         #: the encoders' threads (Outgoing.workers), made as work comes, stopped with this sender
-        self.workers = ThreadPoolExecutor(max(1, min(8, cpus)), thread_name_prefix=f"ws-{channel}-encode")
+        self.workers = ThreadPoolExecutor(min(8, usable_cpus()), thread_name_prefix=f"ws-{channel}-encode")
         # the versions same-host members read in place (staging asks it, from any thread)
         self.leases = InPlaceLeases(lambda: self.membership.members, lambda m: self.submit(Evict(m, "slow")), self._rec)
         self.scoring = Scoring(channel, membership, policy, control, self._rec, sharded=lane[1] != 1)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import logging
-import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -30,6 +29,7 @@ from weightsync import _wire, testing
 from weightsync.engine.staging import Job, Progress, Staging, cuda_snapshot, pack_progressively, superseded_report
 from weightsync.errors import WeightSyncError
 from weightsync.format import layout
+from weightsync.options import usable_cpus
 from weightsync.planes.shm import plane as shm
 from weightsync.statistics import PublisherTally
 
@@ -52,8 +52,7 @@ def default_pipeline() -> bool:
     chosen = testing.default_pipeline()
     if chosen is not None:
         return chosen
-    affinity = getattr(os, "sched_getaffinity", None)
-    return (len(affinity(0)) if affinity is not None else os.cpu_count() or 1) >= PIPELINE_CPUS
+    return usable_cpus() >= PIPELINE_CPUS
 
 
 class Snapshots:

@@ -93,10 +93,15 @@ def format_of(name: object) -> Format:
     return FORMATS[name]
 
 
+def linear_weight(name: str, tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` named ``name`` is a linear layer's weight, which a format holds quantized
+    (the module docstring's rule), whatever its dtype now."""
+    return name.endswith(".weight") and tensor.dim() == 2 and not any(k in name for k in KEPT)
+
+
 def quantized(name: str, tensor: torch.Tensor) -> bool:
-    """Whether a format quantizes ``tensor`` named ``name`` (the module docstring's rule)."""
-    return (name.endswith(".weight") and tensor.dim() == 2 and tensor.dtype.is_floating_point
-            and tensor.dtype.itemsize > 1 and not any(k in name for k in KEPT))
+    """Whether a format quantizes ``tensor`` named ``name``: a linear weight, not quantized yet."""
+    return linear_weight(name, tensor) and tensor.dtype.is_floating_point and tensor.dtype.itemsize > 1
 
 
 def quantize_items(items: list[tuple[str, torch.Tensor]], fmt: str, dtype: CastLike = None

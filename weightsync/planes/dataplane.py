@@ -58,7 +58,7 @@ from __future__ import annotations
 import importlib
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Executor, Future
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -131,21 +131,6 @@ class DataPlane(Protocol):
     def close(self) -> None: ...
 
 
-class _Inline(Executor):
-    """Runs each task where it is submitted: an Outgoing made without a Sender (a unit test's)."""
-
-    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
-        done: Future[Any] = Future()
-        try:
-            done.set_result(fn(*args, **kwargs))
-        except BaseException as err:  # noqa: BLE001 - handed to whoever waits on the future
-            done.set_exception(err)
-        return done
-
-
-_INLINE = _Inline()
-
-
 def _tell_nobody(_first: int, _sizes: Any, _to: Any = None) -> None:
     """``tell_sizes`` before the Sender sets it, and once the version is closed: nobody to tell."""
 
@@ -173,6 +158,9 @@ class Outgoing:
     checksum: bool
     deadline: Callable[[int], float]
     cancelled: Callable[[], bool]
+    #: the sending end's threads an encoder may run its work on (the Sender's: one per CPU this
+    #: process may use, at most 8, made as work comes and stopped with the publisher)
+    workers: Executor
     before: Callable[[int], None] | None = None
     afters: list[Callable[[int], None]] = field(default_factory=list)
     #: asked for by the Sender: send each member its bytes straight (finding a corrupting relay);
@@ -199,9 +187,6 @@ class Outgoing:
     #: (a plan made ``later``: each before its bucket moves), ``tell_sizes(first, sizes, to=None)``:
     #: to ``to`` alone where given (a sliced member's delta), else to ``receivers``; set by the Sender
     tell_sizes: Callable[..., None] = _tell_nobody
-    #: the sending end's threads an encoder may run its work on (the Sender's: one per CPU this
-    #: process may use, at most 8, made as work comes and stopped with the publisher)
-    workers: Executor = field(default_factory=lambda: _INLINE)
     _wire: WirePlan | None = None
 
     def wrap(self, outer: Callable[[Callable[[int], None]], Callable[[int], None]]) -> None:

@@ -188,9 +188,9 @@ def format_problem(model_config: Any, weights: Any) -> str | None:
         return None
     want = {"": None, "fp8-block": torch.float8_e4m3fn, "int8-channel": torch.int8}[fmt]
     for name, tensor in weights:
-        if not (name.endswith(".weight") and tensor.dim() == 2 and not any(k in name for k in quantize.KEPT)):
+        if not quantize.linear_weight(name, tensor):
             continue
-        if want is None and not tensor.dtype.is_floating_point or want is None and tensor.dtype.itemsize == 1:
+        if want is None and (not tensor.dtype.is_floating_point or tensor.dtype.itemsize == 1):
             return (f"{name!r} is {tensor.dtype}: this engine serves unquantized weights (a version put without "
                     "quantize=)")
         if want is not None and tensor.dtype != want:
