@@ -34,7 +34,8 @@ def test_public_names_are_pinned() -> None:
         "BlockingPublisher", "BlockingSubscriber", "MemberStatistics", "NotDelivered", "PublisherStatistics",
         "SubscriberStatistics", "Superseded",
         "WeightStream", "Weights", "WeightSyncError", "__version__", "connect_store", "quantization_config",
-        "quantize"])
+        "quantize", "Adapter", "AdapterPublisher", "AdapterSubscriber", "AdapterVersion", "BlockingAdapterPublisher",
+        "from_peft"])
     for name in ws.__all__:
         assert hasattr(ws, name)
 

@@ -28,8 +28,10 @@ from weightsync.errors import (
 )
 
 if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers
-    from weightsync.blocking import BlockingPublisher, BlockingSubscriber
+    from weightsync.adapters import AdapterPublisher, AdapterSubscriber, AdapterVersion
+    from weightsync.blocking import BlockingAdapterPublisher, BlockingPublisher, BlockingSubscriber
     from weightsync.engine.handles import DeliveryReport, PutHandle, Weights, WeightStream
+    from weightsync.format.adapters import Adapter, from_peft
     from weightsync.format.quantize import quantization_config, quantize
     from weightsync.membership.membership import MemberInfo, StragglerPolicy
     from weightsync.options import connect_store
@@ -43,6 +45,11 @@ __version__ = "0.1.0"
 
 # public name -> the module that defines it (imported on first access)
 _LAZY = {
+    "Adapter": "weightsync.format.adapters",
+    "AdapterPublisher": "weightsync.adapters",
+    "AdapterSubscriber": "weightsync.adapters",
+    "AdapterVersion": "weightsync.adapters",
+    "BlockingAdapterPublisher": "weightsync.blocking",
     "BlockingPublisher": "weightsync.blocking",
     "BlockingSubscriber": "weightsync.blocking",
     "DeliveryReport": "weightsync.engine.handles",
@@ -60,6 +67,7 @@ _LAZY = {
     "WeightStream": "weightsync.engine.handles",
     "Weights": "weightsync.engine.handles",
     "connect_store": "weightsync.options",
+    "from_peft": "weightsync.format.adapters",
     "quantization_config": "weightsync.format.quantize",
     "quantize": "weightsync.format.quantize",
 }
@@ -79,7 +87,12 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "Adapter",
+    "AdapterPublisher",
+    "AdapterSubscriber",
+    "AdapterVersion",
     "AdmissionDenied",
+    "BlockingAdapterPublisher",
     "BlockingPublisher",
     "BlockingSubscriber",
     "Closed",
@@ -110,6 +123,7 @@ __all__ = [
     "WeightSyncError",
     "__version__",
     "connect_store",
+    "from_peft",
     "quantization_config",
     "quantize",
 ]

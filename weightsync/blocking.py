@@ -167,18 +167,11 @@ class _BlockingEnd:
             self._bridge.close()
 
 
-class BlockingPublisher(_BlockingEnd):
-    """A :class:`~weightsync.Publisher` for code without an event loop (see the module docstring).
+class _PublisherEnd(_BlockingEnd):
+    """What both blocking publishers share: starting, stopping, the members and waiting for them."""
 
-    Takes every argument the Publisher takes. ``start()`` (or ``with``) starts it; ``close()``
-    sends what is pending and stops; ``abort()`` stops at once.
-    """
-
-    def __init__(self, name: str, **kwargs: Any) -> None:
-        self._pub = Publisher(name, **kwargs)
-        self._bridge = _Bridge(f"ws-{name}-blocking")
-        self.name = name
-        self._timeout = self._pub.options.timeout
+    _pub: Publisher
+    _timeout: float
 
     def start(self) -> None:
         """Listen and start the sender; a sharded rank waits for its peers here (bounded)."""
@@ -201,6 +194,29 @@ class BlockingPublisher(_BlockingEnd):
     @property
     def members(self) -> tuple[str, ...]:
         return self._pub.members
+
+    def statistics(self) -> PublisherStatistics:
+        return self._pub.statistics()
+
+    def wait_subscribers(self, n: int, timeout: float | None = None) -> tuple[str, ...]:
+        """Wait until at least ``n`` subscribers are in (default bound: the publisher's timeout)."""
+        check_timeout("timeout", timeout)
+        bound = self._timeout if timeout is None else timeout
+        return self._bridge.call(self._pub.wait_subscribers(n, timeout), bound, f"waiting for {n} subscribers")
+
+
+class BlockingPublisher(_PublisherEnd):
+    """A :class:`~weightsync.Publisher` for code without an event loop (see the module docstring).
+
+    Takes every argument the Publisher takes. ``start()`` (or ``with``) starts it; ``close()``
+    sends what is pending and stops; ``abort()`` stops at once.
+    """
+
+    def __init__(self, name: str, **kwargs: Any) -> None:
+        self._pub = Publisher(name, **kwargs)
+        self._bridge = _Bridge(f"ws-{name}-blocking")
+        self.name = name
+        self._timeout = self._pub.options.timeout
 
     @property
     def generation(self) -> int:
@@ -226,15 +242,6 @@ class BlockingPublisher(_BlockingEnd):
     def orchestrator(self, value: Any) -> None:
         self._pub.orchestrator = value
 
-    def statistics(self) -> PublisherStatistics:
-        return self._pub.statistics()
-
-    def wait_subscribers(self, n: int, timeout: float | None = None) -> tuple[str, ...]:
-        """Wait until at least ``n`` subscribers are in (default bound: the publisher's timeout)."""
-        check_timeout("timeout", timeout)
-        bound = self._timeout if timeout is None else timeout
-        return self._bridge.call(self._pub.wait_subscribers(n, timeout), bound, f"waiting for {n} subscribers")
-
     def put(self, tensors: layout.TensorsLike, *, version: int | None = None, copy: bool = True,
             owners: Mapping[str, int] | None = None, dtype: layout.CastLike = None,
             encoding: str | None = None, quantize: str | None = None) -> BlockingPutHandle:
@@ -248,6 +255,35 @@ class BlockingPublisher(_BlockingEnd):
 
     def peak_snapshots(self) -> int:
         return self._pub.peak_snapshots()
+
+
+class BlockingAdapterPublisher(_PublisherEnd):
+    """A :class:`~weightsync.AdapterPublisher` for code without an event loop: ``put(name, adapter)``
+    and ``remove(name)`` return a :class:`BlockingPutHandle`; ``adapters``, ``address``,
+    ``wait_subscribers`` and ``statistics()`` as on the blocking publisher."""
+
+    def __init__(self, name: str, **kwargs: Any) -> None:
+        from weightsync.adapters import AdapterPublisher
+
+        self._adapters = AdapterPublisher(name, **kwargs)
+        self._pub = self._adapters.publisher
+        self._bridge = _Bridge(f"ws-{name}-blocking")
+        self.name = name
+        self._timeout = self._pub.options.timeout
+
+    @property
+    def adapters(self) -> dict[str, int]:
+        return self._adapters.adapters
+
+    def put(self, name: str, adapter: Any, *, version: int | None = None,
+            dtype: torch.dtype | None = None) -> BlockingPutHandle:
+        """Send a version of adapter ``name`` (as :meth:`AdapterPublisher.put`)."""
+        handle = self._bridge.call(self._adapters.put(name, adapter, version=version, dtype=dtype), None, "put")
+        return BlockingPutHandle(handle, self._bridge)
+
+    def remove(self, name: str) -> BlockingPutHandle:
+        """Drop adapter ``name`` from the channel (as :meth:`AdapterPublisher.remove`)."""
+        return BlockingPutHandle(self._bridge.call(self._adapters.remove(name), None, "remove"), self._bridge)
 
 
 class BlockingSubscriber(_BlockingEnd):

@@ -1,0 +1,169 @@
+"""LoRA adapter channels (docs/lora.md): named adapters with versions of their own on one channel.
+
+Through a real channel in this process; the adapters' own bytes are checked bit for bit. The peft
+trainer side and the vLLM engine are in tests/test_vllm.py (``make test-vllm``: peft and vLLM are
+installed there).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+import weightsync as ws
+from weightsync.format import adapters as fmt
+
+FAST = {"timeout": 5.0, "heartbeat_interval": 0.25}
+MODULES = ("q_proj", "v_proj", "down_proj")
+
+
+def adapter(seed: int, rank: int = 4, layers: int = 2, width: int = 64) -> ws.Adapter:
+    """A PEFT-named adapter on ``layers`` layers: every factor random (a trained one, not B = 0)."""
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(layers):
+        for module in MODULES:
+            key = f"base_model.model.model.layers.{layer}.{'mlp' if module == 'down_proj' else 'self_attn'}.{module}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, width, generator=gen)
+            tensors[f"{key}.lora_B.weight"] = torch.randn(width, rank, generator=gen)
+    return ws.Adapter(tensors, rank=rank, alpha=2 * rank)
+
+
+def same(got: ws.AdapterVersion, sent: ws.Adapter) -> bool:
+    return set(got.tensors) == set(sent.tensors) and all(torch.equal(got.tensors[k], t)
+                                                        for k, t in sent.tensors.items())
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
+async def test_each_adapter_keeps_its_own_versions_and_a_member_holds_the_last_k() -> None:
+    """Two adapters, pushed in turn: each has versions of its own, every version a member reads is
+    the adapter's bytes, the last ``keep`` stay readable and older ones say they are gone; over the
+    group the adapter that did not change costs almost nothing (a delta of nothing)."""
+    async with ws.AdapterPublisher("lora", **FAST) as pub, \
+            ws.AdapterSubscriber("lora", address=pub.address, keep=2, timeout=5.0, transport="group") as sub:
+        await pub.wait_subscribers(1, timeout=10)
+        sent: dict[tuple[str, int], ws.Adapter] = {}
+        wire = []
+        for step in range(3):
+            for name, seed in (("math", step), ("code", 100 + step)):
+                sent[name, step] = adapter(seed)
+                handle = await pub.put(name, sent[name, step], version=step)
+                report = await handle.delivered(timeout=10, min_members=1)
+                wire.append(report.wire_bytes)
+        assert pub.adapters == {"math": 2, "code": 2}
+        newest = await sub.get("code", min_version=2, timeout=10)
+        assert same(newest, sent["code", 2]) and newest.version == 2
+        assert sub.versions("math") == (1, 2) and sub.versions("code") == (1, 2)
+        assert same(await sub.get("math", version=1), sent["math", 1])
+        with pytest.raises(ws.Superseded, match="version 0 is not held here"):
+            await sub.get("math", version=0)
+        one = sent["math", 0].nbytes
+        # the first put sends math whole; from then on each put is its adapter whole and the
+        # other a delta of nothing: far less than both adapters' bytes
+        assert all(w < one * 1.2 for w in wire[2:]), (wire, one)
+        assert newest.peft_config()["r"] == 4 and newest.peft_config()["lora_alpha"] == 8.0
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
+async def test_a_member_that_skips_versions_of_the_channel_still_gets_every_adapters_newest() -> None:
+    """Latest wins per adapter: puts of two adapters back to back, not waited for, may supersede one
+    another on the channel, and still the member ends holding each adapter's newest version."""
+    async with ws.AdapterPublisher("lora", **FAST) as pub, \
+            ws.AdapterSubscriber("lora", address=pub.address, timeout=5.0) as sub:
+        await pub.wait_subscribers(1, timeout=10)
+        last = None
+        for step in range(5):
+            await pub.put("math", adapter(step))
+            last = await pub.put("code", adapter(50 + step))
+        assert last is not None
+        await last.delivered(timeout=10)
+        assert same(await sub.get("math", min_version=4, timeout=10), adapter(4))
+        assert same(await sub.get("code", min_version=4, timeout=10), adapter(54))
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
+async def test_a_removed_adapter_leaves_the_members_and_a_late_reader_waits_within_its_bound() -> None:
+    async with ws.AdapterPublisher("lora", **FAST) as pub, \
+            ws.AdapterSubscriber("lora", address=pub.address, timeout=5.0) as sub:
+        await pub.wait_subscribers(1, timeout=10)
+        await pub.put("math", adapter(1))
+        await (await pub.put("code", adapter(2))).delivered(timeout=10)
+        await sub.get("math", timeout=10)
+        handle = await pub.remove("math")
+        await handle.delivered(timeout=10)
+        await sub.wait_for(handle.version, timeout=10)
+        assert set(sub.adapters) == {"code"} and sub.versions("math") == ()
+        with pytest.raises(ws.SyncTimeout, match="adapter 'math'"):
+            await sub.get("math", timeout=0.2)
+        await pub.put("math", adapter(3))  # its versions go on from where they were
+        assert (await sub.get("math", timeout=10)).version == 1
+
+
+@pytest.mark.parametrize("bad, match", [
+    (lambda t: {**t, "base_model.model.x.lora_A.weight": torch.zeros(4, 8)}, "without lora_B"),
+    (lambda t: {**t, "base_model.model.model.embed_tokens.weight": torch.zeros(4, 8)}, "is not a LoRA factor"),
+    (lambda t: {k: (v[:2] if k.endswith("lora_A.weight") else v) for k, v in t.items()}, "for rank 4"),
+    (lambda t: {k: v.to(torch.int32) for k, v in t.items()}, "2-D floating-point"),
+    (lambda t: {k: v.clone().fill_(float("nan")) for k, v in t.items()}, "NaN or infinity"),
+    (lambda t: {}, "non-empty mapping"),
+])
+def test_what_no_lora_engine_could_serve_is_refused_at_the_call(bad, match: str) -> None:  # noqa: ANN001
+    with pytest.raises(ValueError, match=match):
+        ws.Adapter(bad(adapter(0).tensors), rank=4, alpha=8)
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(30)
+async def test_bad_puts_are_refused_and_nothing_is_sent() -> None:
+    with pytest.raises(ValueError, match="alpha"):
+        ws.Adapter(adapter(0).tensors, rank=4, alpha=float("inf"))
+    with pytest.raises(ValueError, match="target_modules do not name"):
+        ws.Adapter(adapter(0).tensors, rank=4, alpha=8, target_modules=["q_proj"])
+    with pytest.raises(ValueError, match="keep"):
+        ws.AdapterSubscriber("lora", address="127.0.0.1:1", keep=0)
+    async with ws.AdapterPublisher("lora", **FAST) as pub:
+        with pytest.raises(TypeError, match="weightsync.Adapter"):
+            await pub.put("math", adapter(0).tensors)  # type: ignore[arg-type]
+        for name in ("a/b", "math@3", "", "x" * 200):
+            with pytest.raises(ValueError, match="adapter names"):
+                await pub.put(name, adapter(0))
+        await pub.put("math", adapter(0), version=3)
+        with pytest.raises(ValueError, match="strictly increase"):
+            await pub.put("math", adapter(1), version=3)
+        with pytest.raises(KeyError, match="'code' is not on channel"):
+            await pub.remove("code")
+        with pytest.raises(ValueError, match="empty version"):
+            await pub.remove("math")
+        assert pub.publisher.version == 0  # one version of the channel: the refused calls sent nothing
+
+
+def test_an_adapter_set_manifest_round_trips_and_garbage_is_refused() -> None:
+    entry = adapter(0).entry("math", 7)
+    manifest = fmt.AdapterSet([entry])
+    assert fmt.decode_manifest(fmt.encode_manifest(manifest)) == manifest
+    assert entry.scaling == 2.0 and entry.peft_config()["target_modules"] == sorted(MODULES)
+    with pytest.raises(ValueError, match="does not decode"):
+        fmt.decode_manifest(torch.tensor([1, 2, 3], dtype=torch.uint8))
+
+
+@pytest.mark.timeout(60)
+def test_the_blocking_adapter_publisher_pushes_what_the_async_one_does() -> None:
+    sent = adapter(9)
+    with ws.BlockingAdapterPublisher("lora", **FAST) as pub:
+        async def read() -> ws.AdapterVersion:
+            async with ws.AdapterSubscriber("lora", address=pub.address, timeout=5.0) as sub:
+                return await sub.get("math", timeout=10)
+
+        async def both() -> ws.AdapterVersion:
+            task = asyncio.ensure_future(read())
+            await asyncio.get_running_loop().run_in_executor(None, pub.wait_subscribers, 1, 10)
+            await asyncio.get_running_loop().run_in_executor(None, lambda: pub.put("math", sent).delivered(10))
+            return await task
+
+        got = asyncio.run(both())
+        assert same(got, sent) and pub.adapters == {"math": 0}
