@@ -69,7 +69,18 @@ def free_port() -> int:
 
 def test_every_marked_snippet_is_run_by_this_module() -> None:
     assert set(snippets()) == {"trainer.py", "generator.py", "sync_trainer.py", "replace.py", "ft_replace.py",
-                               "ray_replace.py", "quantized.py"}
+                               "ray_replace.py", "quantized.py", "lora.py"}
+
+
+@pytest.mark.vllm  # peft and transformers are installed where vLLM is (make test-vllm)
+def test_the_lora_snippet_trains_and_pushes_only_the_adapter(scripts: Path) -> None:
+    pytest.importorskip("peft")
+    out = finish(start(scripts / "lora.py", env_for()), 180)
+    steps = re.findall(r"step (\d): loss ([\d.]+), sent (\d+) bytes \(([\d.]+)% of the model\), generator holds "
+                       r"math \(([\d, ]*)\)", out)
+    assert [s[0] for s in steps] == ["1", "2", "3"], out
+    assert [s[4].rstrip(",") for s in steps] == ["1", "1, 2", "2, 3"], out
+    assert all(float(s[3]) < 10 for s in steps), out  # the adapter only
 
 
 def test_the_quantization_snippet_sends_half_the_bytes_of_bf16_bit_exact(scripts: Path) -> None:

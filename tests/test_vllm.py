@@ -347,3 +347,38 @@ def test_a_version_in_another_format_is_refused_before_the_engine_is_touched(
     assert report.refused_digests == report.before_digests  # every engine parameter as it was
     assert same_generation(report.after_refused, report.before, report.format)
     assert "version 1 refused" in (report.refused_info[0]["failed"] or "")
+
+
+@pytest.fixture(scope="module")
+def lora_report(tmp_path_factory: pytest.TempPathFactory) -> driver.LoraReport:
+    pytest.importorskip("peft")
+    return msgspec.json.decode(run_driver("lora", tmp_path_factory.mktemp("vllm-lora")), type=driver.LoraReport)
+
+
+def test_an_adapter_pushed_in_memory_serves_what_vllm_serves_from_its_peft_directory(
+        lora_report: driver.LoraReport) -> None:
+    """issue 55: each adapter version pushed through weightsync and registered from the slot serves
+    the tokens and logprobs of the same engine loading that adapter from its PEFT directory; a new
+    version changes them; the previous one still serves while it is held (keep=2)."""
+    report = lora_report
+    assert report.pushed == report.disk
+    assert report.pushed[0].tokens != report.base.tokens and report.pushed[1].tokens != report.pushed[0].tokens
+    assert report.older == report.disk[0]
+    assert [h["held"] for h in report.held] == [{"math": [1]}, {"math": [1, 2]}, {"math": [2, 3]}]
+    assert all(h["failed"] is None for h in report.held)
+    # the adapter is what crosses the wire: its bytes and a manifest, a small share of the model's
+    assert all(w <= report.adapter_bytes * 1.01 for w in report.wire_bytes), report.wire_bytes
+    assert report.adapter_bytes <= 0.1 * report.model_bytes
+
+
+def test_adapters_the_engine_cannot_serve_are_refused_and_the_held_ones_keep_serving(
+        lora_report: driver.LoraReport) -> None:
+    report = lora_report
+    refused = report.refused
+    assert all(f is not None and f.error.startswith("ValueError") for f in refused.values()), refused
+    assert "names modules this engine's model does not have" in refused["deeper"].error  # type: ignore[union-attr]
+    assert "an adapter of another base model" in refused["narrower"].error  # type: ignore[union-attr]
+    assert "greater than max_lora_rank 16" in refused["rank"].error  # type: ignore[union-attr]
+    assert "more than this engine's max_loras=2" in refused["max_loras"].error  # type: ignore[union-attr]
+    assert report.held_after_refusals["held"] == {"math": [2, 3]}
+    assert report.after_refusals == report.newest

@@ -7,6 +7,7 @@
     python -m tests.vllm_driver checks RESULT.json WORKDIR   (loaders that skip and swap tensors; the drill)
     python -m tests.vllm_driver replicas RESULT.json WORKDIR   (two engines; one corrupted after its load)
     python -m tests.vllm_driver quantized RESULT.json WORKDIR FORMAT   (an engine serving a quantized checkpoint)
+    python -m tests.vllm_driver lora RESULT.json WORKDIR   (LoRA adapters pushed in memory; bad ones refused)
     python -m tests.vllm_driver publisher WORKDIR SECRET ADDRESS   (started by the scenario)
 
 The scenario builds a tiny random Llama checkpoint A, starts a trainer process (the publisher)
@@ -102,11 +103,11 @@ def reference_engine(path: str, **extra: object):  # noqa: ANN201 - vllm.LLM, im
     return engine(path, distributed_executor_backend="uni", **extra)
 
 
-def generate(llm) -> Generation:  # noqa: ANN001
+def generate(llm, lora=None) -> Generation:  # noqa: ANN001
     from vllm import SamplingParams
 
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=0, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False, lora_request=lora)
     tokens, logprobs = [], []
     for out in outs:
         seq = out.outputs[0]
@@ -481,6 +482,90 @@ def quantized(result: Path, work: Path, fmt: str) -> None:
         reference, reference_digests, report.nbytes, bf16)))
 
 
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+LORA_ENGINE = {"enable_lora": True, "max_lora_rank": 16, "max_loras": 2, "max_cpu_loras": 4}
+
+
+def peft_adapter(model, seed: int, rank: int = 8, **config: object):  # noqa: ANN001, ANN201 - a peft model
+    """A rank-``rank`` LoRA adapter on every projection of ``model`` (a PeftModel), every factor
+    random (as a trained one: peft starts B at zero, which would change nothing)."""
+    from peft import LoraConfig, get_peft_model
+
+    peft = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, **{"target_modules": LORA_TARGETS, **config}))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in peft.named_parameters():
+            if "lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.1)
+    return peft
+
+
+class LoraReport(msgspec.Struct):
+    base: Generation
+    disk: list[Generation]  # adapter versions 1 and 2 loaded by vLLM from PEFT directories
+    pushed: list[Generation]  # versions 1 and 2 pushed through weightsync, requested as math@1, math@2
+    older: Generation  # math@1 requested after math@2 was registered
+    held: list[dict]  # engine_info's adapters after versions 1 to 3 (keep=2)
+    refused: dict[str, Failure | None]
+    held_after_refusals: dict
+    after_refusals: Generation  # math@3, after every refusal
+    newest: Generation  # math@3 before the refusals
+    adapter_bytes: int
+    wire_bytes: list[int]
+    model_bytes: int
+
+
+def lora(result: Path, work: Path) -> None:
+    """An engine with LoRA on is pushed adapter versions through weightsync and serves each as
+    vLLM serves the same adapter read from a PEFT directory; adapters it cannot serve are refused."""
+    from vllm.lora.request import LoRARequest
+
+    import weightsync as ws
+    from rl_examples import _llama
+    from weightsync.integrations.vllm import engine_info, init_adapters, lora_request, update_adapters
+
+    adapters = []
+    for version in (1, 2, 3):
+        model = _llama.build(work / "A", seed=0)
+        peft = peft_adapter(model, seed=version)
+        peft.save_pretrained(str(work / f"L{version}"))
+        adapters.append(ws.from_peft(peft))
+    model_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    deeper = ws.from_peft(peft_adapter(_llama.build(work / "deep", seed=0, num_hidden_layers=6), seed=9))
+    narrower = ws.from_peft(peft_adapter(_llama.build(work / "narrow", seed=0, hidden_size=128), seed=9))
+    wider = ws.from_peft(peft_adapter(_llama.build(work / "r32", seed=0), seed=9, rank=32))
+    with ws.BlockingAdapterPublisher("lora", timeout=30.0, activation="all") as pub:
+        llm = engine(str(work / "A"), weight_transfer_config={"backend": "weightsync"}, **LORA_ENGINE)
+        base = generate(llm)
+        disk = [generate(llm, LoRARequest(f"disk{v}", 9000 + v, str(work / f"L{v}"))) for v in (1, 2)]
+        init_adapters(llm, pub.address, "lora", timeout=30, keep=2, transport=TRANSPORT)
+        pushed, held, wire = [], [], []
+        for version in (1, 2, 3):
+            wire.append(pub.put("math", adapters[version - 1], version=version).delivered(timeout=60).wire_bytes)
+            assert update_adapters(llm, {"math": version}, timeout=60) == {"math": version}
+            held.append(engine_info(llm)[0]["adapters"])
+            if version < 3:
+                pushed.append(generate(llm, lora_request("math", version)))
+            if version == 2:
+                older = generate(llm, lora_request("math", 1))
+        newest = generate(llm, lora_request("math", 3))
+        refused: dict[str, Failure | None] = {}
+        for case, bad in (("deeper", deeper), ("narrower", narrower), ("rank", wider)):
+            pub.put("bad", bad).delivered(timeout=60)
+            refused[case] = failure(lambda: update_adapters(llm, timeout=60))
+            pub.remove("bad").delivered(timeout=60)
+        for extra in ("x", "y"):  # three adapters on a max_loras=2 engine
+            pub.put(extra, adapters[0]).delivered(timeout=60)
+        refused["max_loras"] = failure(lambda: update_adapters(llm, timeout=60))
+        for extra in ("x", "y"):
+            pub.remove(extra).delivered(timeout=60)
+        held_after = engine_info(llm)[0]["adapters"]
+        after_refusals = generate(llm, lora_request("math", 3))
+    result.write_bytes(msgspec.json.encode(LoraReport(
+        base, disk, pushed, older, held, refused, held_after, after_refusals, newest, adapters[0].nbytes, wire,
+        model_bytes)))
+
+
 def scenario(result: Path, work: Path) -> None:
     from rl_examples import _llama
     from weightsync.integrations.vllm import engine_info, update
@@ -610,6 +695,8 @@ if __name__ == "__main__":
         moe(Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[4])
     elif role == "quantized":
         quantized(Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[4])
+    elif role == "lora":
+        lora(Path(sys.argv[2]), Path(sys.argv[3]))
 
     elif role == "publisher":
         asyncio.run(publisher(Path(sys.argv[2]), sys.argv[3], sys.argv[4]))

@@ -21,7 +21,8 @@ from typing import Any
 
 BACKEND = "weightsync"
 
-__all__ = ["BACKEND", "LLMClient", "engine_digests", "engine_info", "register", "update", "verify"]
+__all__ = ["BACKEND", "LLMClient", "engine_digests", "engine_info", "init_adapters", "lora_request", "register",
+           "update", "update_adapters", "verify"]
 
 
 def register() -> None:
@@ -142,3 +143,55 @@ def verify(llm: Any, reference: Any, *, min_version: int, timeout: float | None 
         raise EngineMismatch(f"version {version}: {len(bad)} engine parameters differ from the reference engine's: "
                              f"{', '.join(bad[:8])}{' ...' if len(bad) > 8 else ''}", version=version)
     return version
+
+
+# LoRA adapters (docs/lora.md) ------------------------------------------------------------------
+def init_adapters(llm: Any, address: str, channel: str, *, secret: str | None = None, timeout: float = 30.0,
+                  keep: int = 2, member_id: str | None = None, transport: str = "auto") -> None:
+    """Every worker of ``llm`` (started with ``enable_lora=True`` and ``weight_transfer_config=
+    {"backend": "weightsync"}``) joins the adapter channel ``channel`` at ``address`` (an
+    :class:`weightsync.AdapterPublisher`'s) and will hold the ``keep`` newest versions of each
+    adapter. Re-initializing leaves the previous adapter channel (its adapters stay registered)."""
+    info = {"address": address, "channel": channel, "secret": secret, "timeout": timeout, "keep": keep,
+            "member_id": member_id, "transport": transport}
+    llm.collective_rpc("weight_transfer_engine", args=("adapters_init", info))
+
+
+def update_adapters(llm: Any, min_versions: dict[str, int] | None = None, *,
+                    timeout: float | None = None) -> dict[str, int]:
+    """Register in every worker of ``llm`` the adapter versions of the newest version of its adapter
+    channel that holds each adapter of ``min_versions`` at that version or later; returns each
+    adapter's newest version now served (request it with :func:`lora_request`).
+
+    Each worker checks every new adapter version against its engine before registering any (an
+    adapter naming modules the model lacks, of another base, of a rank above ``max_lora_rank``,
+    more adapters than ``max_loras``: ``ValueError`` naming it), registers it from its receive slot
+    with no file and proves what the engine stores (``EngineMismatch`` otherwise). On any failure
+    nothing of that update stays registered and the versions held before keep serving.
+    """
+    payload = {"min_versions": dict(min_versions or {}), "timeout": timeout}
+    try:
+        held = llm.collective_rpc("weight_transfer_engine", args=("adapters_update", payload))
+    except Exception as err:  # vLLM hands a worker's error over as its own type: say which it was
+        failed = [f"{(w.get('adapters') or {}).get('failed')}" for w in engine_info(llm)
+                  if (w.get("adapters") or {}).get("failed")]
+        if failed:
+            from weightsync.errors import EngineMismatch
+
+            kind = EngineMismatch if "differs from the factor sent" in failed[0] else ValueError
+            raise kind("; ".join(sorted(set(failed)))) from err
+        raise
+    if any(h != held[0] for h in held):
+        raise RuntimeError(f"weightsync: the workers of this engine hold different adapter versions: {held}")
+    return {name: versions[-1] for name, versions in held[0].items()}
+
+
+def lora_request(name: str, version: int) -> Any:
+    """vLLM's ``LoRARequest`` for version ``version`` of adapter ``name`` (registered by
+    :func:`update_adapters`): its int id is the one every weightsync worker registers it under, and
+    its path a placeholder vLLM never reads while the version is held."""
+    from vllm.lora.request import LoRARequest
+
+    from weightsync.integrations.vllm.adapters import PLACEHOLDER, adapter_id
+
+    return LoRARequest(f"{name}@{version}", adapter_id(name, version), PLACEHOLDER.format(name=name, version=version))

@@ -21,7 +21,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from weightsync.errors import WeightSyncError
-from weightsync.integrations.vllm.worker import GRACE
+from weightsync.integrations.vllm.replica import GRACE
 from weightsync.transport.loopthread import LoopThread
 from weightsync.transport.publisher import Publisher
 

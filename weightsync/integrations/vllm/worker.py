@@ -40,7 +40,9 @@ from vllm.distributed.weight_transfer.base import (
 
 from weightsync.control.engines import disagrees
 from weightsync.errors import EngineMismatch, Superseded, SyncTimeout, WeightSyncError
-from weightsync.integrations.vllm import checks
+from weightsync.integrations.vllm import checks, replica
+from weightsync.integrations.vllm.adapters import AdapterChannel, AdapterInitInfo
+from weightsync.integrations.vllm.replica import GRACE
 from weightsync.options import Deadlines
 from weightsync.recorder.recorder import process_recorder
 from weightsync.transport.loopthread import LoopThread
@@ -52,8 +54,6 @@ if TYPE_CHECKING:
 
     from weightsync.engine.handles import WeightStream
 
-# extra seconds a host-side call may take beyond the weightsync deadline it carries
-GRACE = 5.0
 log = logging.getLogger("weightsync.vllm")
 
 
@@ -164,13 +164,18 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         self.agreement: tuple[int, int] | None = None  # engines holding this one's digest, of those that reported
         self.compare_s = 0.0  # what the last comparison took (the digest and the round trip)
         self._layout = ""
+        self.adapters: AdapterChannel | None = None  # the adapter channel this worker follows, if any
 
-    def __call__(self, what: str = "info") -> Any:
+    def __call__(self, what: str = "info", payload: dict[str, Any] | None = None) -> Any:
         """What ``collective_rpc("weight_transfer_engine", args=(what,))`` returns per worker, as plain
         data: ``"info"`` this worker's state (:func:`weightsync.integrations.vllm.engine_info`);
         ``"digests"`` a digest of every engine parameter's bytes, as the kernels read them
         (:func:`~weightsync.integrations.vllm.engine_digests`); ``"zero"`` zeroes every engine
-        parameter (the drill, :func:`~weightsync.integrations.vllm.verify`) and returns how many."""
+        parameter (the drill, :func:`~weightsync.integrations.vllm.verify`) and returns how many;
+        ``"adapters_init"``, ``"adapters_update"`` and ``"adapters_close"`` (with ``payload``) drive
+        this worker's adapter channel (:func:`~weightsync.integrations.vllm.update_adapters`)."""
+        if what.startswith("adapters_"):
+            return self._adapter_call(what, payload or {})
         if what == "digests":
             return checks.engine_parameter_digests(self.model)
         if what == "zero":  # the engine no longer holds any version: the next update loads in full
@@ -184,13 +189,30 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
                 "nbytes": None if last is None else last.nbytes,
                 "patched": None if last is None else last.patched, "patch_fallbacks": self.patch_fallbacks,
                 "failed": self.failed, "refreshed": self.refreshed, "reloads": self.reloads,
-                "agreement": self.agreement, "compare_s": self.compare_s}
+                "agreement": self.agreement, "compare_s": self.compare_s,
+                "adapters": None if self.adapters is None else self.adapters.info()}
+
+    def _adapter_call(self, what: str, payload: dict[str, Any]) -> Any:
+        if what == "adapters_init":
+            self._adapter_call("adapters_close", {})
+            self.adapters = AdapterChannel(self.model, self.vllm_config, AdapterInitInfo(**payload))
+            return self.adapters.member
+        if what == "adapters_close":
+            channel, self.adapters = self.adapters, None
+            if channel is not None:
+                channel.close()
+            return None
+        if what != "adapters_update":
+            raise ValueError(f"weightsync engine: unknown request {what!r}")
+        if self.adapters is None:
+            raise RuntimeError("weightsync: call init_adapters before update_adapters")
+        return self.adapters.update(dict(payload.get("min_versions") or {}), payload.get("timeout"))
 
     # lifecycle ----------------------------------------------------------------------------
     def init_transfer_engine(self, init_info: WeightsyncInitInfo) -> None:
         """Join the channel (bounded by twice ``timeout``); re-initializing leaves the old one."""
         self.shutdown()
-        rank, dp = _ranks(self.vllm_config)
+        rank, dp = replica.ranks(self.vllm_config)
         base = init_info.member_id or f"vllm-{socket.gethostname()}-{os.getpid()}"
         member = f"{base}-dp{dp}-r{rank}"
         self._timeout = float(init_info.timeout)
@@ -245,7 +267,7 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
                                "before the next update_weights")
         timeout = update_info.timeout if update_info.timeout is not None else self._timeout
         began = time.monotonic()
-        self._pin_agreed(update_info.min_version, timeout)
+        replica.pin_agreed(self._pin, self._release, update_info.min_version, timeout)
         self._load_began = time.monotonic()
         self._wait_s = self._load_began - began
         assert self._pinned is not None
@@ -402,30 +424,7 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         self._patched = (len(patches), sum(c.values.numel() for c in changes))
         return True
 
-    def _pin_agreed(self, min_version: int, timeout: float) -> None:
-        """Pin a version >= ``min_version`` that every worker of this replica pins too."""
-        deadline = time.monotonic() + timeout
-        target = min_version
-        while True:
-            error: BaseException | None = None
-            try:
-                self._pin(target, max(deadline - time.monotonic(), 0.001))
-            except WeightSyncError as exc:
-                error = exc
-            have = -1 if self._pinned is None else self._pinned[1].version
-            high, low = _agree(have)
-            if low < 0:
-                self._release()
-                if error is not None:
-                    raise error
-                raise SyncTimeout(f"another worker of this vLLM replica has no version >= {target} "
-                                  f"within {timeout:.3g}s; this one had {have}")
-            if high == low:
-                return
-            self._release()  # a peer already has a newer one: wait for it too
-            target = high
-
-    def _pin(self, min_version: int, timeout: float) -> None:
+    def _pin(self, min_version: int, timeout: float) -> int:
         assert self._sub is not None and self._bridge is not None
         sub = self._sub
         since = self.version if self.patches else None  # the engine's version: what changed since loads as patches
@@ -435,6 +434,7 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
             return manager, await manager.__aenter__()
 
         self._pinned = self._bridge.run(enter(), timeout + GRACE, f"waiting for version >= {min_version}")
+        return self._pinned[1].version
 
     def _finalize(self) -> None:
         """Finalize a started reload (layers not processed yet are processed now)."""
@@ -460,32 +460,6 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         except Superseded as err:  # read in place and written again meanwhile: what was loaded is not it
             return str(err)
         return None
-
-
-def _ranks(vllm_config: Any) -> tuple[int, int]:
-    """(rank in this replica's world, data-parallel index)."""
-    dp = int(getattr(vllm_config.parallel_config, "data_parallel_index", 0) or 0)
-    try:
-        from vllm.distributed.parallel_state import get_world_group
-
-        return get_world_group().rank_in_group, dp
-    except (ImportError, AssertionError, AttributeError):
-        return 0, dp
-
-
-def _agree(version: int) -> tuple[int, int]:
-    """(max, min) of ``version`` over this replica's workers; -1 stands for "failed"."""
-    try:
-        from vllm.distributed.parallel_state import get_world_group
-
-        world = get_world_group()
-    except (ImportError, AssertionError):
-        return version, version
-    if world.world_size == 1:
-        return version, version
-    both = torch.tensor([version, -version], dtype=torch.int64)
-    torch.distributed.all_reduce(both, op=torch.distributed.ReduceOp.MAX, group=world.cpu_group)
-    return int(both[0]), -int(both[1])
 
 
 def _no_mtp_check() -> contextlib.AbstractContextManager[Any]:

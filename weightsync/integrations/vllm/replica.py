@@ -1,0 +1,67 @@
+"""What the workers of one vLLM replica share: their names, and agreeing on one version to load."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from weightsync.errors import SyncTimeout, WeightSyncError
+
+# extra seconds a host-side call may take beyond the weightsync deadline it carries
+GRACE = 5.0
+
+
+def ranks(vllm_config: Any) -> tuple[int, int]:
+    """(rank in this replica's world, data-parallel index)."""
+    dp = int(getattr(vllm_config.parallel_config, "data_parallel_index", 0) or 0)
+    try:
+        from vllm.distributed.parallel_state import get_world_group
+
+        return get_world_group().rank_in_group, dp
+    except (ImportError, AssertionError, AttributeError):
+        return 0, dp
+
+
+def agree(version: int) -> tuple[int, int]:
+    """(max, min) of ``version`` over this replica's workers; -1 stands for "failed"."""
+    try:
+        from vllm.distributed.parallel_state import get_world_group
+
+        world = get_world_group()
+    except (ImportError, AssertionError):
+        return version, version
+    if world.world_size == 1:
+        return version, version
+    both = torch.tensor([version, -version], dtype=torch.int64)
+    torch.distributed.all_reduce(both, op=torch.distributed.ReduceOp.MAX, group=world.cpu_group)
+    return int(both[0]), -int(both[1])
+
+
+def pin_agreed(pin: Callable[[int, float], int], release: Callable[[], object], min_version: int,
+               timeout: float) -> None:
+    """Pin a version >= ``min_version`` that every worker of this replica pins too: ``pin(target,
+    seconds)`` pins one >= ``target`` and returns it (or raises), ``release()`` unpins. A worker
+    that is behind waits for the newest one a peer pinned; one that failed fails them all."""
+    deadline = time.monotonic() + timeout
+    target = min_version
+    while True:
+        error: BaseException | None = None
+        have = -1
+        try:
+            have = pin(target, max(deadline - time.monotonic(), 0.001))
+        except WeightSyncError as exc:
+            error = exc
+        high, low = agree(have)
+        if low < 0:
+            release()
+            if error is not None:
+                raise error
+            raise SyncTimeout(f"another worker of this vLLM replica has no version >= {target} "
+                              f"within {timeout:.3g}s; this one had {have}")
+        if high == low:
+            return
+        release()  # a peer already has a newer one: wait for it too
+        target = high
