@@ -8,11 +8,14 @@ installed there).
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
 import torch
 
 import weightsync as ws
+from tests.conftest import Procs
+from tests.statedicts import digest
 from weightsync.format import adapters as fmt
 
 FAST = {"timeout": 5.0, "heartbeat_interval": 0.25}
@@ -167,3 +170,37 @@ def test_the_blocking_adapter_publisher_pushes_what_the_async_one_does() -> None
 
         got = asyncio.run(both())
         assert same(got, sent) and pub.adapters == {"math": 0}
+
+
+@pytest.mark.vllm  # peft and transformers are installed where vLLM is (make test-vllm)
+@pytest.mark.asyncio
+@pytest.mark.timeout(240)
+async def test_fsdp2_ranks_training_a_peft_adapter_push_their_shards_and_the_member_holds_the_full_factors(
+        procs: Procs, tmp_path: Path) -> None:
+    """Two FSDP2 ranks train a peft LoRA adapter; each puts ``ws.from_peft(model)`` (its shards of
+    the factors, DTensors: nothing gathered) after every step; the member holds each version's
+    factors bit for bit as ``full_tensor()`` gives them."""
+    pytest.importorskip("peft")
+    import datetime as dt
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=dt.timedelta(seconds=60))
+    address_file = tmp_path / "rank0.addr"
+    ranks = [procs.spawn("lora_fsdp_trainer", rank=r, world=2, store_port=store.port, steps=3,
+                         address_file=str(address_file)) for r in range(2)]
+    deadline = asyncio.get_running_loop().time() + 120
+    while not address_file.exists():
+        assert asyncio.get_running_loop().time() < deadline, "rank 0 never wrote its address:\n" + procs.stacks()
+        await asyncio.sleep(0.05)  # polling for a file another process writes
+    got: dict[int, dict[str, str]] = {}
+    async with ws.AdapterSubscriber("lora-fsdp", address=address_file.read_text(), keep=3, timeout=10.0) as sub:
+        for step in (1, 2, 3):
+            held = await sub.get("math", min_version=step, timeout=120)
+            got[held.version] = {k: digest(t) for k, t in held.tensors.items()}
+        results = [await procs.result(i, 120) for i in ranks]
+    expected = results[0]["expected"]
+    assert results[1]["expected"] == expected and all(all(r["sharded"]) for r in results)
+    assert got and all(got[v] == expected[str(v)] for v in got), (sorted(got), sorted(expected))
+    assert 3 in got
+    del store

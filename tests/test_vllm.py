@@ -382,3 +382,14 @@ def test_adapters_the_engine_cannot_serve_are_refused_and_the_held_ones_keep_ser
     assert "more than this engine's max_loras=2" in refused["max_loras"].error  # type: ignore[union-attr]
     assert report.held_after_refusals["held"] == {"math": [2, 3]}
     assert report.after_refusals == report.newest
+
+
+def test_an_adapter_the_engine_holds_other_than_sent_fails_its_proof_and_nothing_of_it_stays(
+        lora_report: driver.LoraReport) -> None:
+    report = lora_report
+    assert report.corrupted is not None and report.corrupted.error.startswith("EngineMismatch"), report.corrupted
+    assert "math@4: the engine's lora_B of" in report.corrupted.error and "differs from the factor sent" in \
+        report.corrupted.error
+    assert report.held_corrupted["held"] == {"math": [2, 3]}  # version 4 removed again, 2 and 3 kept
+    assert report.after_corrupted == report.newest
+    assert report.healed == {"math": 4}

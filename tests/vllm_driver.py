@@ -513,15 +513,22 @@ class LoraReport(msgspec.Struct):
     adapter_bytes: int
     wire_bytes: list[int]
     model_bytes: int
+    corrupted: Failure | None  # the engine's copy of version 4 corrupted after registration
+    held_corrupted: dict
+    after_corrupted: Generation  # math@3 after it
+    healed: dict  # the next update_adapters
 
 
 def lora(result: Path, work: Path) -> None:
     """An engine with LoRA on is pushed adapter versions through weightsync and serves each as
-    vLLM serves the same adapter read from a PEFT directory; adapters it cannot serve are refused."""
+    vLLM serves the same adapter read from a PEFT directory; adapters it cannot serve are refused;
+    a version the engine's copy of which differs from what was sent fails its proof. The engine's
+    backend is tests.vllm_faults' (weightsync's, with a fault armed only at the end)."""
     from vllm.lora.request import LoRARequest
 
     import weightsync as ws
     from rl_examples import _llama
+    from tests import vllm_faults
     from weightsync.integrations.vllm import engine_info, init_adapters, lora_request, update_adapters
 
     adapters = []
@@ -534,8 +541,9 @@ def lora(result: Path, work: Path) -> None:
     deeper = ws.from_peft(peft_adapter(_llama.build(work / "deep", seed=0, num_hidden_layers=6), seed=9))
     narrower = ws.from_peft(peft_adapter(_llama.build(work / "narrow", seed=0, hidden_size=128), seed=9))
     wider = ws.from_peft(peft_adapter(_llama.build(work / "r32", seed=0), seed=9, rank=32))
+    vllm_faults.install(work / "plugin")
     with ws.BlockingAdapterPublisher("lora", timeout=30.0, activation="all") as pub:
-        llm = engine(str(work / "A"), weight_transfer_config={"backend": "weightsync"}, **LORA_ENGINE)
+        llm = engine(str(work / "A"), weight_transfer_config={"backend": vllm_faults.NAME}, **LORA_ENGINE)
         base = generate(llm)
         disk = [generate(llm, LoRARequest(f"disk{v}", 9000 + v, str(work / f"L{v}"))) for v in (1, 2)]
         init_adapters(llm, pub.address, "lora", timeout=30, keep=2, transport=TRANSPORT)
@@ -561,9 +569,16 @@ def lora(result: Path, work: Path) -> None:
             pub.remove(extra).delivered(timeout=60)
         held_after = engine_info(llm)[0]["adapters"]
         after_refusals = generate(llm, lora_request("math", 3))
+        # the engine's copy of the next version corrupted after its registration: the proof fails
+        llm.collective_rpc("weight_transfer_engine", args=("fault", {"fault": "corrupt-adapter"}))
+        pub.put("math", adapters[0], version=4).delivered(timeout=60)
+        corrupted = failure(lambda: update_adapters(llm, timeout=60))
+        held_corrupted = engine_info(llm)[0]["adapters"]
+        after_corrupted = generate(llm, lora_request("math", 3))
+        healed = update_adapters(llm, timeout=60)  # the fault fired once: the same version registers now
     result.write_bytes(msgspec.json.encode(LoraReport(
         base, disk, pushed, older, held, refused, held_after, after_refusals, newest, adapters[0].nbytes, wire,
-        model_bytes)))
+        model_bytes, corrupted, held_corrupted, after_corrupted, healed)))
 
 
 def scenario(result: Path, work: Path) -> None:

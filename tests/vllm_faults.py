@@ -9,6 +9,10 @@ that skips a tensor); ``"swap:A,B"`` hands A's tensor to the model under B's nam
 (a loader that sends tensors to the wrong parameters; every parameter is still written);
 ``"corrupt:once"`` / ``"corrupt:always"`` flips bits of the engine's final norm weight after the
 first load / after every load (the engine's memory corrupted after its load).
+
+``collective_rpc("weight_transfer_engine", args=("fault", {"fault": "corrupt-adapter"}))`` arms
+the adapter fault: the next adapter version registered has one bit of its first ``lora_B`` flipped
+in the engine's copy, before the proof (the engine's memory corrupted after registration).
 """
 
 from __future__ import annotations
@@ -38,6 +42,24 @@ class FaultyEngine(WeightsyncEngine):
     def init_transfer_engine(self, init_info: WeightsyncInitInfo) -> None:
         super().init_transfer_engine(init_info)
         self.fault = getattr(init_info, "fault", "")
+
+    def __call__(self, what: str = "info", payload: dict | None = None) -> object:
+        if what == "fault":
+            self.fault = (payload or {})["fault"]
+            return None
+        if what == "adapters_init":
+            answer = super().__call__(what, payload)
+            assert self.adapters is not None
+            self.adapters.holder.after_register = self._corrupt_adapter  # type: ignore[method-assign]
+            return answer
+        return super().__call__(what, payload)
+
+    def _corrupt_adapter(self, lora: object) -> None:
+        if self.fault == "corrupt-adapter":
+            self.fault = ""
+            weights = next(iter(lora.loras.values()))  # type: ignore[attr-defined]
+            b = weights.lora_b[0] if isinstance(weights.lora_b, list) else weights.lora_b
+            b.view(torch.int32).view(-1)[0] ^= 0x00400000  # a mantissa bit of its first element
 
     def _after_load(self) -> None:
         kind, _, arg = self.fault.partition(":")

@@ -401,6 +401,62 @@ async def sharded_no_copy(spec: dict) -> dict:
     return {"rank": rank, "growth_mib": growth, "shard_mib": shard / 2**20, "expected": expected}
 
 
+async def lora_fsdp_trainer(spec: dict) -> dict:
+    """One FSDP2 rank (gloo, CPU) training a peft LoRA adapter on a tiny Llama: every rank puts the
+    adapter ``ws.from_peft`` gives (its factors DTensors, this rank's shards) on its own
+    AdapterPublisher, after each of ``steps`` optimizer steps. The full factors each version should
+    be (``full_tensor()``) are digested before the put."""
+    import datetime as dt
+
+    import torch.distributed as dist
+    from peft import LoraConfig, get_peft_model
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tests.statedicts import digest
+
+    rank, world = spec["rank"], spec["world"]
+    store = dist.TCPStore("127.0.0.1", spec["store_port"], is_master=False, timeout=dt.timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=dt.timedelta(seconds=60))
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)  # the same model and adapter on every rank, as a trainer starts them
+    base = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2))
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]))
+    for layer in model.base_model.model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    tokens = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    expected: dict[str, dict[str, str]] = {}
+    sharded = []
+    address = "127.0.0.1:0"
+    if rank:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(spec["address_file"]) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)  # polling for a file rank 0 writes
+        with open(spec["address_file"]) as fh:
+            address = fh.read()
+    async with ws.AdapterPublisher("lora-fsdp", rank=rank, world_size=world, address=address,
+                                   lane_address="127.0.0.1:0", timeout=10.0, heartbeat_interval=0.25) as pub:
+        if rank == 0:
+            with open(spec["address_file"] + ".tmp", "w") as fh:
+                fh.write(pub.address)
+            os.replace(spec["address_file"] + ".tmp", spec["address_file"])
+        await pub.wait_subscribers(1, timeout=60)
+        for step in range(1, spec["steps"] + 1):
+            model(input_ids=tokens, labels=tokens).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            adapter = ws.from_peft(model)
+            sharded.append(all(hasattr(t, "to_local") for t in adapter.tensors.values()))
+            expected[str(step)] = {k: digest(t.full_tensor()) for k, t in adapter.tensors.items()}
+            await (await pub.put("math", adapter, version=step)).delivered(timeout=60)
+    dist.destroy_process_group()
+    return {"rank": rank, "expected": expected, "sharded": sharded}
+
+
 async def main(spec: dict) -> dict:
     if spec["role"] == "subscriber":
         try:
@@ -422,6 +478,8 @@ async def main(spec: dict) -> dict:
         return await pp_trainer(spec)
     if spec["role"] == "sharded_no_copy":
         return await sharded_no_copy(spec)
+    if spec["role"] == "lora_fsdp_trainer":
+        return await lora_fsdp_trainer(spec)
     raise SystemExit(f"unknown role {spec['role']!r}")
 
 

@@ -191,6 +191,10 @@ class AdapterHolder:
         self.last: dict[str, Any] = {}
         self.failed: str | None = None
 
+    def after_register(self, lora: Any) -> None:
+        """Called once ``lora`` is registered, before it is proven (a test-only subclass corrupts the
+        engine's copy here)."""
+
     def apply(self, manifest: AdapterSet, pairs: list[tuple[str, torch.Tensor]], channel_version: int) -> None:
         """Register every adapter version of ``manifest`` not held yet (checked, built, proven), then
         drop what ``keep`` and the manifest no longer hold. Refused or EngineMismatch leave what was
@@ -219,6 +223,7 @@ class AdapterHolder:
                 self.target.manager.add_adapter(lora)
                 registered.append(lora.id)
                 self.target.manager._registered_adapters.pin(lora.id)
+                self.after_register(lora)
                 problem = self.target.prove(entry, factors, scalings)
                 if problem is not None:
                     raise EngineMismatch(problem, version=channel_version)
