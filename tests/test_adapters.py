@@ -204,3 +204,44 @@ async def test_fsdp2_ranks_training_a_peft_adapter_push_their_shards_and_the_mem
     assert got and all(got[v] == expected[str(v)] for v in got), (sorted(got), sorted(expected))
     assert 3 in got
     del store
+
+
+def test_merging_an_adapter_gives_the_same_bits_as_the_rule_it_states() -> None:
+    """``ws.merge_adapter`` is what a generator in merged mode computes: base + scaling * (B @ A) as
+    rank outer products in order, in float32, cast back. The same bits from numpy taking the same
+    IEEE steps (no BLAS, no fused multiply-add), and on any thread count; close to float64's
+    answer; the base untouched and the weights the adapter does not adapt passed through."""
+    import numpy as np
+
+    sent = adapter(7)
+    gen = torch.Generator().manual_seed(3)
+    base = {fmt.base_name(k): torch.randn(64, 64, generator=gen).to(torch.bfloat16)
+            for k in sent.tensors if k.endswith("lora_A.weight")}
+    base["model.norm.weight"] = torch.ones(64)
+    before = {k: v.clone() for k, v in base.items()}
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = ws.merge_adapter(base, sent)
+    finally:
+        torch.set_num_threads(threads)
+    merged = ws.merge_adapter(base, sent)
+    assert all(torch.equal(base[k], before[k]) for k in base)
+    assert merged["model.norm.weight"] is base["model.norm.weight"]
+    scaling = sent.alpha / sent.rank
+    for key in (k for k in sent.tensors if k.endswith("lora_A.weight")):
+        name = fmt.base_name(key)
+        assert merged[name].dtype == torch.bfloat16 and torch.equal(merged[name].view(torch.int16),
+                                                                    one[name].view(torch.int16))
+        a = sent.tensors[key].numpy()
+        b = sent.tensors[key.replace("lora_A", "lora_B")].numpy()
+        delta = np.zeros((64, 64), dtype=np.float32)
+        for i in range(a.shape[0]):
+            delta += np.multiply.outer(b[:, i], a[i, :])
+        expected = torch.from_numpy(base[name].float().numpy() + delta * np.float32(scaling)).to(torch.bfloat16)
+        assert torch.equal(merged[name].view(torch.int16), expected.view(torch.int16)), name
+        exact = base[name].double() + scaling * (sent.tensors[key.replace("lora_A", "lora_B")].double()
+                                                  @ sent.tensors[key].double())
+        assert torch.allclose(merged[name].double(), exact, rtol=1e-2, atol=1e-2)
+    with pytest.raises(ValueError, match="which the base does not have"):
+        ws.merge_adapter({"model.norm.weight": torch.ones(64)}, sent)

@@ -35,7 +35,7 @@ def test_public_names_are_pinned() -> None:
         "SubscriberStatistics", "Superseded",
         "WeightStream", "Weights", "WeightSyncError", "__version__", "connect_store", "quantization_config",
         "quantize", "Adapter", "AdapterPublisher", "AdapterSubscriber", "AdapterVersion", "BlockingAdapterPublisher",
-        "from_peft"])
+        "from_peft", "merge_adapter"])
     for name in ws.__all__:
         assert hasattr(ws, name)
 

@@ -393,3 +393,27 @@ def test_an_adapter_the_engine_holds_other_than_sent_fails_its_proof_and_nothing
     assert report.held_corrupted["held"] == {"math": [2, 3]}  # version 4 removed again, 2 and 3 kept
     assert report.after_corrupted == report.newest
     assert report.healed == {"math": 4}
+
+
+@pytest.fixture(scope="module")
+def merged_report(tmp_path_factory: pytest.TempPathFactory, run_transport: str) -> driver.MergedReport:
+    once_per_suite(run_transport)  # the merge reads what the worker holds; the wire is the lora driver's
+    pytest.importorskip("peft")
+    return msgspec.json.decode(run_driver("lora-merged", tmp_path_factory.mktemp("vllm-merged")),
+                               type=driver.MergedReport)
+
+
+def test_merged_mode_serves_what_an_engine_started_from_the_trainers_merged_checkpoint_serves(
+        merged_report: driver.MergedReport) -> None:
+    """issue 55: an engine without LoRA follows the base channel and the adapter channel; each
+    update_merged loads the base with the adapter's newest version merged in (computed in the
+    worker from the base version's bytes): parameters, tokens and logprobs identical to an engine
+    started from the checkpoint ws.merge_adapter gives the trainer; only the factors crossed."""
+    report = merged_report
+    assert report.versions == [[1, 1], [1, 2]]
+    assert report.merged[0].tokens != report.base.tokens and report.merged[1].tokens != report.merged[0].tokens
+    assert report.digests == report.reference_digests
+    assert report.merged[1] == report.reference
+    assert report.info["merged"] == "math@2" and report.info["failed"] is None and report.info["version"] == 1
+    assert report.refused is not None and "has no LoRA manager" in report.refused.error
+    assert all(w <= 0.1 * report.model_bytes for w in report.wire_bytes), report.wire_bytes

@@ -8,6 +8,7 @@
     python -m tests.vllm_driver replicas RESULT.json WORKDIR   (two engines; one corrupted after its load)
     python -m tests.vllm_driver quantized RESULT.json WORKDIR FORMAT   (an engine serving a quantized checkpoint)
     python -m tests.vllm_driver lora RESULT.json WORKDIR   (LoRA adapters pushed in memory; bad ones refused)
+    python -m tests.vllm_driver lora-merged RESULT.json WORKDIR   (adapters merged into an engine without LoRA)
     python -m tests.vllm_driver publisher WORKDIR SECRET ADDRESS   (started by the scenario)
 
 The scenario builds a tiny random Llama checkpoint A, starts a trainer process (the publisher)
@@ -581,6 +582,59 @@ def lora(result: Path, work: Path) -> None:
         model_bytes, corrupted, held_corrupted, after_corrupted, healed)))
 
 
+class MergedReport(msgspec.Struct):
+    base: Generation
+    merged: list[Generation]  # after update_merged with adapter versions 1 and 2
+    versions: list[list[int]]  # what update_merged returned: [base version, adapter version]
+    info: dict  # engine_info after the second
+    digests: dict[str, str]
+    refused: Failure | None  # update_adapters on this engine (it has no LoRA)
+    reference: Generation  # an engine started from the trainer's merged checkpoint (ws.merge_adapter)
+    reference_digests: dict[str, str]
+    wire_bytes: list[int]  # what each adapter version cost on the wire
+    model_bytes: int
+
+
+def lora_merged(result: Path, work: Path) -> None:
+    """Merged mode: an engine without LoRA follows a base channel and an adapter channel; each
+    update_merged loads the base version with the adapter's newest version merged in, computed in
+    the worker; compared with an engine started from the checkpoint a trainer merges with
+    ws.merge_adapter."""
+    import weightsync as ws
+    from rl_examples import _llama
+    from weightsync.integrations.vllm import engine_digests, engine_info, init_adapters, update_adapters, update_merged
+
+    model = _llama.build(work / "A", seed=0)
+    base_state = {n: t.detach().clone() for n, t in model.state_dict().items()}
+    adapters = [ws.from_peft(peft_adapter(_llama.build(work / "A", seed=0), seed=v)) for v in (1, 2)]
+    secret = "s3cret-" + os.urandom(4).hex()
+    with ws.BlockingPublisher(CHANNEL, address="127.0.0.1:0", secret=secret, timeout=30.0) as pub, \
+            ws.BlockingAdapterPublisher("lora", timeout=30.0) as apub:
+        pub.put(base_state, version=1).delivered(timeout=60)
+        llm = engine(str(work / "A"), weight_transfer_config={"backend": "weightsync"})
+        base = generate(llm)
+        llm.init_weight_transfer_engine({"init_info": {"address": pub.address, "channel": CHANNEL,
+                                                       "secret": secret, "timeout": 30, "transport": TRANSPORT}})
+        init_adapters(llm, apub.address, "lora", timeout=30, transport=TRANSPORT)
+        merged, versions, wire = [], [], []
+        for version in (1, 2):
+            wire.append(apub.put("math", adapters[version - 1], version=version).delivered(timeout=60).wire_bytes)
+            versions.append(list(update_merged(llm, "math", version, timeout=60)))
+            merged.append(generate(llm))
+        info = engine_info(llm)[0]
+        digests = engine_digests(llm)[0]
+        refused = failure(lambda: update_adapters(llm, timeout=10))
+        llm = None
+        _shutdown()
+    model.load_state_dict(ws.merge_adapter(base_state, adapters[1]))
+    _llama.save(model, work / "M2")
+    ref = reference_engine(str(work / "M2"), weight_transfer_config={"backend": "weightsync"})
+    reference, reference_digests = generate(ref), engine_digests(ref)[0]
+    model_bytes = sum(t.numel() * t.element_size() for t in base_state.values())
+    result.write_bytes(msgspec.json.encode(MergedReport(
+        base, merged, versions, info, digests, refused, reference, reference_digests, wire, model_bytes)))
+
+
 def scenario(result: Path, work: Path) -> None:
     from rl_examples import _llama
     from weightsync.integrations.vllm import engine_info, update
@@ -712,6 +766,8 @@ if __name__ == "__main__":
         quantized(Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[4])
     elif role == "lora":
         lora(Path(sys.argv[2]), Path(sys.argv[3]))
+    elif role == "lora-merged":
+        lora_merged(Path(sys.argv[2]), Path(sys.argv[3]))
 
     elif role == "publisher":
         asyncio.run(publisher(Path(sys.argv[2]), sys.argv[3], sys.argv[4]))

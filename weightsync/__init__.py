@@ -31,7 +31,7 @@ if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers
     from weightsync.adapters import AdapterPublisher, AdapterSubscriber, AdapterVersion
     from weightsync.blocking import BlockingAdapterPublisher, BlockingPublisher, BlockingSubscriber
     from weightsync.engine.handles import DeliveryReport, PutHandle, Weights, WeightStream
-    from weightsync.format.adapters import Adapter, from_peft
+    from weightsync.format.adapters import Adapter, from_peft, merge_adapter
     from weightsync.format.quantize import quantization_config, quantize
     from weightsync.membership.membership import MemberInfo, StragglerPolicy
     from weightsync.options import connect_store
@@ -68,6 +68,7 @@ _LAZY = {
     "Weights": "weightsync.engine.handles",
     "connect_store": "weightsync.options",
     "from_peft": "weightsync.format.adapters",
+    "merge_adapter": "weightsync.format.adapters",
     "quantization_config": "weightsync.format.quantize",
     "quantize": "weightsync.format.quantize",
 }
@@ -124,6 +125,7 @@ __all__ = [
     "__version__",
     "connect_store",
     "from_peft",
+    "merge_adapter",
     "quantization_config",
     "quantize",
 ]

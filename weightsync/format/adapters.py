@@ -188,3 +188,49 @@ def of_adapter(weights: Iterable[tuple[str, torch.Tensor]], entry: AdapterEntry)
     if missing:
         raise ValueError(f"adapter {entry.name!r} version {entry.version}: the version lacks {missing[:4]}")
     return {k: found[k] for k in entry.tensors}
+
+
+def base_name(key: str) -> str:
+    """The base weight a factor adapts: ``base_model.model.X.lora_A.weight`` -> ``X.weight``."""
+    match = _FACTOR.fullmatch(key)
+    if match is None:
+        raise ValueError(f"{key!r} is not a LoRA factor")
+    return match.group(1).removeprefix("base_model.model.") + ".weight"
+
+
+def merge(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
+    """``base + scaling * (b @ a)``, computed so that any machine gets the same bits: in float32,
+    the product as a sum of ``rank`` outer products taken in order (``b[:, i] * a[i, :]``, one
+    rounding per multiply and per add, no fused multiply-add and no BLAS, whose blocking would pick
+    the order), times ``scaling``, added to the base in float32, cast back to the base's dtype."""
+    if a.dim() != 2 or b.dim() != 2 or b.shape[1] != a.shape[0] or base.shape != (b.shape[0], a.shape[1]):
+        raise ValueError(f"factors {tuple(b.shape)} x {tuple(a.shape)} do not adapt a weight of {tuple(base.shape)}")
+    a32, b32 = a.to(torch.float32), b.to(torch.float32)
+    delta = torch.zeros(base.shape, dtype=torch.float32, device=base.device)
+    for i in range(a32.shape[0]):
+        delta.add_(torch.mul(b32[:, i:i + 1], a32[i:i + 1, :]))
+    merged = base.to(torch.float32) + torch.mul(delta, scaling)
+    return merged.to(base.dtype)
+
+
+def merged_weights(base: Mapping[str, torch.Tensor], entry: AdapterEntry,
+                   factors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The base weights ``entry`` adapts, each merged with its factors (:func:`merge`), by their
+    names in the base. ``ValueError`` naming a module the base does not have."""
+    out: dict[str, torch.Tensor] = {}
+    for key in entry.tensors:
+        if not key.endswith("lora_A.weight"):
+            continue
+        name = base_name(key)
+        if name not in base:
+            raise ValueError(f"adapter {entry.name}@{entry.version} adapts {name}, which the base does not have")
+        out[name] = merge(base[name], factors[key], factors[key.replace("lora_A.weight", "lora_B.weight")],
+                          entry.scaling)
+    return out
+
+
+def merge_adapter(base: Mapping[str, torch.Tensor], adapter: Adapter) -> dict[str, torch.Tensor]:
+    """``base`` (a state dict) with ``adapter`` merged into the weights it adapts, as a generator in
+    merged mode computes it (:func:`merge`: bit for bit the same on any machine); the other tensors
+    as they are. What a trainer saves to compare with, or serves from without LoRA kernels."""
+    return {**base, **merged_weights(base, adapter.entry("adapter", 0), adapter.tensors)}

@@ -22,7 +22,7 @@ from typing import Any
 BACKEND = "weightsync"
 
 __all__ = ["BACKEND", "LLMClient", "engine_digests", "engine_info", "init_adapters", "lora_request", "register",
-           "update", "update_adapters", "verify"]
+           "update", "update_adapters", "update_merged", "verify"]
 
 
 def register() -> None:
@@ -195,3 +195,27 @@ def lora_request(name: str, version: int) -> Any:
     from weightsync.integrations.vllm.adapters import PLACEHOLDER, adapter_id
 
     return LoRARequest(f"{name}@{version}", adapter_id(name, version), PLACEHOLDER.format(name=name, version=version))
+
+
+def update_merged(llm: Any, name: str, min_version: int = 0, *, timeout: float | None = None) -> tuple[int, int]:
+    """Merged mode, for an engine without LoRA kernels (or to spare their cost): load the newest
+    version of the base channel (at least the one served) with adapter ``name``'s newest version
+    (at least ``min_version``) merged into the weights it adapts, computed in each worker from the
+    base version's own bytes (``weightsync.format.adapters.merge``: the same bits on any machine,
+    bit for bit what ``ws.merge_adapter`` gives a trainer), loaded, checked and compared as a base
+    update is. Only the adapter's factors cross the wire. Returns (base version, adapter version).
+    Needs both channels initialized (``init_weight_transfer_engine``, :func:`init_adapters`)."""
+    payload = {"name": name, "min_version": min_version, "timeout": timeout}
+    try:
+        answers = llm.collective_rpc("weight_transfer_engine", args=("adapters_merge", payload))
+    except Exception as err:
+        failed = [f"{w.get('member')}: {w['failed']}" for w in engine_info(llm) if w.get("failed")]
+        if failed:
+            from weightsync.errors import EngineMismatch
+
+            raise EngineMismatch("; ".join(failed)) from err
+        raise
+    llm.reset_prefix_cache()  # cached prefixes were computed with the weights before
+    if any(a != answers[0] for a in answers):
+        raise RuntimeError(f"weightsync: the workers of this engine merged different versions: {answers}")
+    return int(answers[0][0]), int(answers[0][1])

@@ -260,7 +260,8 @@ class AdapterChannel:
         from weightsync.transport.loopthread import LoopThread
         from weightsync.transport.subscriber import Subscriber
 
-        self.holder = AdapterHolder(AdapterTarget(model), info.keep)
+        # an engine without LoRA (merged mode only) registers nothing
+        self.holder = AdapterHolder(AdapterTarget(model), info.keep) if hasattr(model, "lora_manager") else None
         rank, dp = replica.ranks(vllm_config)
         self.member = f"{info.member_id or f'vllm-{socket.gethostname()}-{os.getpid()}'}-dp{dp}-r{rank}"
         self.channel, self.timeout = info.channel, float(info.timeout)
@@ -278,33 +279,54 @@ class AdapterChannel:
 
     def info(self) -> dict[str, Any]:
         holder = self.holder
+        if holder is None:
+            return {"channel": self.channel, "merged_only": True}
         return {"channel": self.channel, "channel_version": holder.channel_version,
                 "held": {name: list(versions) for name, versions in holder.held.items()},
                 "last": holder.last, "failed": holder.failed}
+
+    def pin_adapter(self, name: str, min_version: int, timeout: float) -> tuple[AdapterEntry, dict[str, torch.Tensor]]:
+        """Pin the newest channel version holding adapter ``name`` at ``min_version`` or later (the
+        replica's workers agree on one); its entry and factors (views of the slot, valid until
+        :meth:`release`)."""
+        from weightsync.integrations.vllm import replica
+
+        fmt.check_name(name)
+        replica.pin_agreed(lambda target, left: self._pin(target, left, {name: min_version}), self.release, 0,
+                           timeout)
+        assert self._pinned is not None
+        pairs = list(self._pinned[1])
+        entry = fmt.decode_manifest(dict(pairs)[fmt.MANIFEST]).entry(name)
+        assert entry is not None  # _pin waited for it
+        return entry, fmt.of_adapter(pairs, entry)
 
     def update(self, min_versions: dict[str, int], timeout: float | None) -> dict[str, list[int]]:
         """Register the adapter versions of the newest channel version that holds each adapter of
         ``min_versions`` at least at that version (the workers of the replica agree on one)."""
         from weightsync.integrations.vllm import replica
 
+        holder = self.holder
+        if holder is None:
+            raise RuntimeError("this vLLM engine has no LoRA manager: start it with enable_lora=True to register "
+                               "adapters, or merge them into its weights (update_merged)")
         for name, version in min_versions.items():
             fmt.check_name(name)
             if isinstance(version, bool) or not isinstance(version, int) or version < 0:
                 raise ValueError(f"adapter {name!r}: min version must be an int >= 0, got {version!r}")
         seconds = self.timeout if timeout is None else float(timeout)
-        replica.pin_agreed(lambda target, left: self._pin(target, left, min_versions), self._release, 0, seconds)
+        replica.pin_agreed(lambda target, left: self._pin(target, left, min_versions), self.release, 0, seconds)
         assert self._pinned is not None
         weights = self._pinned[1]
         try:
             pairs = list(weights)
-            self.holder.apply(fmt.decode_manifest(dict(pairs)[fmt.MANIFEST]), pairs, weights.version)
+            holder.apply(fmt.decode_manifest(dict(pairs)[fmt.MANIFEST]), pairs, weights.version)
         except (Refused, EngineMismatch) as err:
-            self.holder.failed = str(err)
+            holder.failed = str(err)
             log.error("vLLM worker %s: %s; the adapter versions it held still serve", self.member, err)
             raise
         finally:
-            self._release()
-        return {name: list(versions) for name, versions in self.holder.held.items()}
+            self.release()
+        return {name: list(versions) for name, versions in holder.held.items()}
 
     def _pin(self, target: int, seconds: float, min_versions: dict[str, int]) -> int:
         from weightsync.errors import SyncTimeout
@@ -327,7 +349,7 @@ class AdapterChannel:
                      if (e := manifest.entry(n)) is None or e.version < v}
             if not short:
                 return weights.version
-            self._release()
+            self.release()
             if time.monotonic() >= deadline:
                 newest = [f"{e.name}@{e.version}" for e in manifest.adapters]
                 raise SyncTimeout(f"no version of adapter channel {self.channel!r} holds {short} within "
@@ -335,7 +357,7 @@ class AdapterChannel:
                                   channel=self.channel, member=self.member)
             target = weights.version + 1
 
-    def _release(self) -> None:
+    def release(self) -> None:
         from weightsync.integrations.vllm import replica
 
         pinned, self._pinned = self._pinned, None
@@ -349,7 +371,7 @@ class AdapterChannel:
     def close(self) -> None:
         from weightsync.integrations.vllm import replica
 
-        self._release()
+        self.release()
         try:
             self.bridge.run(self.sub.aclose(), self.timeout + replica.GRACE, "leaving the adapter channel")
         except (WeightSyncError, OSError, RuntimeError):

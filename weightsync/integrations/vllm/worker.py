@@ -40,6 +40,7 @@ from vllm.distributed.weight_transfer.base import (
 
 from weightsync.control.engines import disagrees
 from weightsync.errors import EngineMismatch, Superseded, SyncTimeout, WeightSyncError
+from weightsync.format import adapters as adapter_format
 from weightsync.integrations.vllm import checks, replica
 from weightsync.integrations.vllm.adapters import AdapterChannel, AdapterInitInfo
 from weightsync.integrations.vllm.replica import GRACE
@@ -165,6 +166,7 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         self.compare_s = 0.0  # what the last comparison took (the digest and the round trip)
         self._layout = ""
         self.adapters: AdapterChannel | None = None  # the adapter channel this worker follows, if any
+        self.merged: str | None = None  # merged mode: the adapter version merged into the weights served
 
     def __call__(self, what: str = "info", payload: dict[str, Any] | None = None) -> Any:
         """What ``collective_rpc("weight_transfer_engine", args=(what,))`` returns per worker, as plain
@@ -190,7 +192,7 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
                 "patched": None if last is None else last.patched, "patch_fallbacks": self.patch_fallbacks,
                 "failed": self.failed, "refreshed": self.refreshed, "reloads": self.reloads,
                 "agreement": self.agreement, "compare_s": self.compare_s,
-                "adapters": None if self.adapters is None else self.adapters.info()}
+                "adapters": None if self.adapters is None else self.adapters.info(), "merged": self.merged}
 
     def _adapter_call(self, what: str, payload: dict[str, Any]) -> Any:
         if what == "adapters_init":
@@ -202,11 +204,59 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
             if channel is not None:
                 channel.close()
             return None
+        if self.adapters is None:
+            raise RuntimeError("weightsync: call init_adapters before update_adapters or update_merged")
+        if what == "adapters_merge":
+            return self._merge(str(payload["name"]), int(payload.get("min_version") or 0), payload.get("timeout"))
         if what != "adapters_update":
             raise ValueError(f"weightsync engine: unknown request {what!r}")
-        if self.adapters is None:
-            raise RuntimeError("weightsync: call init_adapters before update_adapters")
         return self.adapters.update(dict(payload.get("min_versions") or {}), payload.get("timeout"))
+
+    def _merge(self, name: str, min_version: int, timeout: float | None) -> list[int]:
+        """Merged mode: load the base channel's newest version (at least the one served) with adapter
+        ``name``'s newest version (at least ``min_version``) merged into the weights it adapts, each
+        computed afresh from the base version's own bytes (never from the weights served, so no
+        error accumulates), through the full load and its checks. Returns [base version, adapter
+        version]."""
+        assert self.adapters is not None
+        if self._sub is None:
+            raise RuntimeError("weightsync: merged mode merges into a version of the base channel: call "
+                               "init_weight_transfer_engine first")
+        seconds = self._timeout if timeout is None else float(timeout)
+        began = time.monotonic()
+        self._release()
+        entry, factors = self.adapters.pin_adapter(name, min_version, seconds)
+        try:
+            replica.pin_agreed(self._pin, self._release, self.version or 0, seconds)
+            self._load_began = time.monotonic()
+            self._wait_s = self._load_began - began
+            assert self._pinned is not None
+            weights = self._pinned[1]
+            self._patched, self._loaded, self._full, self.reloads, self.agreement = None, None, False, 0, None
+            self.merged = None
+            refused = checks.format_problem(self.model_config, weights)
+            if refused is not None:  # nothing touched yet
+                self._release()
+                self.failed = f"version {weights.version} refused: {refused}"
+                raise EngineMismatch(self.failed, channel=self._channel, member=self._member, version=weights.version)
+            merged = adapter_format.merged_weights(dict(weights), entry, factors)
+            tensors = [(n, merged.get(n, t)) for n, t in weights]
+            self._load_full(weights, tensors)
+            layout, self._layout = self._layout, f"{self._layout}|merged {entry.name}@{entry.version}"
+            try:
+                while self.compare and (problem := self._compare(weights.version)) is not None:
+                    if self.reloads:
+                        self._release()
+                        self._fail(problem, weights.version)
+                    self.reloads += 1
+                    self._load_full(weights, tensors)
+            finally:
+                self._layout = layout
+            self.merged = f"{entry.name}@{entry.version}"
+            self.finish_weight_update()
+            return [weights.version, entry.version]
+        finally:
+            self.adapters.release()
 
     # lifecycle ----------------------------------------------------------------------------
     def init_transfer_engine(self, init_info: WeightsyncInitInfo) -> None:
@@ -273,6 +323,7 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         assert self._pinned is not None
         weights = self._pinned[1]
         self._patched, self._loaded, self._full, self.reloads, self.agreement = None, None, False, 0, None
+        self.merged = None
         refused = checks.format_problem(self.model_config, weights)
         if refused is not None:  # nothing touched yet: the engine keeps serving the version it serves
             self._release()
@@ -292,7 +343,7 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
             log.warning("vLLM worker %s: %s; loading version %d again", self._member, disagreement, weights.version)
             self._load_full(weights)
 
-    def _load_full(self, weights: WeightStream) -> None:
+    def _load_full(self, weights: WeightStream, tensors: list[tuple[str, torch.Tensor]] | None = None) -> None:
         """Load the whole pinned version through the model's own loaders (vLLM's layerwise reload),
         check that it wrote every engine parameter (else fail closed), finalize the reload and
         refresh what vLLM's reload leaves stale."""
@@ -302,7 +353,8 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
             initialize_layerwise_reload(self.model)
             self._reloading, self._full = True, True
             with _no_mtp_check():
-                loaded = self.model.load_weights(iter(self._tensors(weights)))  # type: ignore[operator]
+                pairs = self._tensors(weights) if tensors is None else tensors
+                loaded = self.model.load_weights(iter(pairs))  # type: ignore[operator]
             self._loaded = None if loaded is None else set(loaded)
         except BaseException:
             self._release()  # finalizes the reload: layers that loaded nothing keep their old tensors
