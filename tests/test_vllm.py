@@ -217,6 +217,24 @@ def test_grpo_example_learns_with_the_engine_in_the_loop(tmp_path: Path, run_tra
     assert (out / "vllm_grpo.png").stat().st_size > 0
 
 
+def test_grpo_example_trains_a_lora_adapter_the_engine_serves_from_memory(tmp_path: Path, run_transport: str) -> None:
+    """issue 55: the same loop with --lora: the trainer trains a peft adapter over the frozen policy
+    and pushes only it; the engine registers each version in memory and samples with it; the reward
+    rises, so the engine served what the trainer trained."""
+    once_per_suite(run_transport)
+    pytest.importorskip("peft")
+    out, log = tmp_path / "run", tmp_path / "example.log"
+    code = run_bounded(["-m", "rl_examples.vllm_grpo", "--lora", "8", "--out", str(out)], log)
+    assert code == 0, f"the example exited {code}; log:\n{log.read_text(errors='replace')[-4000:]}"
+    steps = msgspec.json.decode((out / "vllm_grpo.json").read_bytes())
+    rewards = [s["reward"] for s in steps]
+    assert sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 0.1
+    assert len({s["batch_version"] for s in steps}) > len(steps) // 2
+    model_bytes = sum(f.stat().st_size for f in (out / "policy-0").glob("*.safetensors"))
+    assert {s["sent_bytes"] for s in steps} == {steps[0]["sent_bytes"]} and steps[0]["sent_bytes"] < 0.1 * model_bytes
+    assert (out / "vllm_grpo.png").stat().st_size > 0
+
+
 def test_bad_arguments_are_clear_errors_before_anything_waits() -> None:
     from weightsync.integrations.vllm.worker import WeightsyncInitInfo, WeightsyncUpdateInfo
 
@@ -380,6 +398,8 @@ def test_adapters_the_engine_cannot_serve_are_refused_and_the_held_ones_keep_ser
     assert "an adapter of another base model" in refused["narrower"].error  # type: ignore[union-attr]
     assert "greater than max_lora_rank 16" in refused["rank"].error  # type: ignore[union-attr]
     assert "more than this engine's max_loras=2" in refused["max_loras"].error  # type: ignore[union-attr]
+    # a new version registers before the oldest goes: keep=6 leaves no room on max_cpu_loras=6
+    assert report.refused_keep is not None and "need max_cpu_loras >= 7" in report.refused_keep.error
     assert report.held_after_refusals["held"] == {"math": [2, 3]}
     assert report.after_refusals == report.newest
 

@@ -484,7 +484,8 @@ def quantized(result: Path, work: Path, fmt: str) -> None:
 
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-LORA_ENGINE = {"enable_lora": True, "max_lora_rank": 16, "max_loras": 2, "max_cpu_loras": 4}
+# two adapters, each with keep=2 versions and one arriving
+LORA_ENGINE = {"enable_lora": True, "max_lora_rank": 16, "max_loras": 2, "max_cpu_loras": 6}
 
 
 def peft_adapter(model, seed: int, rank: int = 8, **config: object):  # noqa: ANN001, ANN201 - a peft model
@@ -518,6 +519,7 @@ class LoraReport(msgspec.Struct):
     held_corrupted: dict
     after_corrupted: Generation  # math@3 after it
     healed: dict  # the next update_adapters
+    refused_keep: Failure | None  # init_adapters with keep=6 on a max_cpu_loras=6 engine
 
 
 def lora(result: Path, work: Path) -> None:
@@ -547,6 +549,8 @@ def lora(result: Path, work: Path) -> None:
         llm = engine(str(work / "A"), weight_transfer_config={"backend": vllm_faults.NAME}, **LORA_ENGINE)
         base = generate(llm)
         disk = [generate(llm, LoRARequest(f"disk{v}", 9000 + v, str(work / f"L{v}"))) for v in (1, 2)]
+        # keep=6 and the version arriving cannot fit max_cpu_loras=6: refused when joining
+        refused_keep = failure(lambda: init_adapters(llm, pub.address, "lora", timeout=30, keep=6, transport=TRANSPORT))
         init_adapters(llm, pub.address, "lora", timeout=30, keep=2, transport=TRANSPORT)
         pushed, held, wire = [], [], []
         for version in (1, 2, 3):
@@ -579,7 +583,7 @@ def lora(result: Path, work: Path) -> None:
         healed = update_adapters(llm, timeout=60)  # the fault fired once: the same version registers now
     result.write_bytes(msgspec.json.encode(LoraReport(
         base, disk, pushed, older, held, refused, held_after, after_refusals, newest, adapters[0].nbytes, wire,
-        model_bytes, corrupted, held_corrupted, after_corrupted, healed)))
+        model_bytes, corrupted, held_corrupted, after_corrupted, healed, refused_keep)))
 
 
 class MergedReport(msgspec.Struct):

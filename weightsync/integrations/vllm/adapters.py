@@ -9,7 +9,8 @@ Every worker follows an adapter channel (weightsync.adapters) with a Subscriber 
    registered: its modules exist in the model (leaf name among the engine's LoRA modules, the
    layer there), its factors' sizes are the base layer's (an adapter of another base), its rank is
    at most ``max_lora_rank``, the channel holds at most ``max_loras`` adapters and ``keep`` versions
-   of each fit ``max_cpu_loras``. One refusal refuses the update; nothing is registered and the
+   of each plus the one arriving fit ``max_cpu_loras`` (a new version is registered and proven
+   before the oldest goes). One refusal refuses the update; nothing is registered and the
    versions held keep serving;
 3. builds each as vLLM builds an adapter read from disk (``LoRAModel.from_lora_tensors``, from a
    copy of the slot's bytes: vLLM scales ``lora_B`` in place), registers it in the model's LoRA
@@ -186,10 +187,18 @@ class AdapterHolder:
 
     def __init__(self, target: AdapterTarget, keep: int) -> None:
         self.target, self.keep = target, keep
+        if keep + 1 > self.capacity:  # no adapter could ever be updated: say so at init_adapters
+            raise Refused(f"keep={keep} versions of an adapter and the one arriving need max_cpu_loras >= "
+                          f"{keep + 1}; this engine has max_cpu_loras={self.capacity}")
         self.held: dict[str, list[int]] = {}  # adapter -> versions registered, oldest first
         self.channel_version: int | None = None
         self.last: dict[str, Any] = {}
         self.failed: str | None = None
+
+    @property
+    def capacity(self) -> int:
+        """Adapters the engine's LoRA cache holds (``max_cpu_loras``, by default ``max_loras``)."""
+        return int(self.target.config.max_cpu_loras or self.target.config.max_loras)
 
     def after_register(self, lora: Any) -> None:
         """Called once ``lora`` is registered, before it is proven (a test-only subclass corrupts the
@@ -205,10 +214,11 @@ class AdapterHolder:
         if len(names) > config.max_loras:
             raise Refused(f"the channel holds {len(names)} adapters ({names[:6]}), more than this engine's "
                           f"max_loras={config.max_loras}")
-        cap = config.max_cpu_loras or config.max_loras
-        if len(names) * self.keep > cap:
-            raise Refused(f"{len(names)} adapters x keep={self.keep} versions is {len(names) * self.keep} held, "
-                          f"more than this engine's max_cpu_loras={cap}")
+        # a new version is registered (and proven) before the oldest goes: each adapter needs keep + 1
+        need = len(names) * (self.keep + 1)
+        if need > self.capacity:
+            raise Refused(f"{len(names)} adapters x (keep={self.keep} versions + the one arriving) need {need} "
+                          f"places in the LoRA cache, more than this engine's max_cpu_loras={self.capacity}")
         new = [e for e in manifest.adapters if e.version not in self.held.get(e.name, [])]
         built = []
         for entry in new:
