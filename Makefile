@@ -19,7 +19,7 @@ DEMO_STAMP := $(VENV)/.weightsync-demo-$(TORCH)
 VLLM_VENV  ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.weightsync-vllm
 
-.PHONY: demo test test-quick lint pytest bench clean test-vllm demo-vllm bench-vllm bench-delta bench-quantized env env-vllm
+.PHONY: demo test test-quick lint pytest bench clean test-vllm demo-vllm bench-vllm bench-delta bench-quantized bench-lora env env-vllm
 
 $(STAMP): pyproject.toml requirements/torch-$(TORCH).txt
 	test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
@@ -62,6 +62,10 @@ bench-vllm: $(VLLM_STAMP)
 # deltas against full versions on a trained Llama (transformers: the vLLM environment has it)
 bench-delta: $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/python -m benchmarks.delta
+
+# a LoRA adapter version into vLLM: in memory, merged, vLLM's disk path, a full push (docs/lora.md)
+bench-lora: $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/python -m benchmarks.lora
 
 # quantized versions against bf16 ones on a trained Llama (the vLLM environment has transformers)
 bench-quantized: $(VLLM_STAMP)
