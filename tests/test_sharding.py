@@ -97,6 +97,31 @@ async def test_fsdp2_ranks_cast_their_shards_to_bf16_as_they_pack_them(procs: Pr
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize("fmt", ["fp8-block", "int8-channel"])
+async def test_fsdp2_ranks_quantize_their_own_shards_with_the_whole_weights_scales(procs: Procs, tmp_path: Path,
+                                                                                  fmt: str) -> None:
+    """issue 56: put(quantize=) on every FSDP2 rank: each quantizes only its own shards, with the
+    scales of the whole weight (blocks and rows that span two ranks' shards, by rows and by
+    columns, agreed with one all-reduce), and subscribers hold exactly ws.quantize(full_tensor())."""
+    await _push_and_check(procs, tmp_path, 2, versions=2, cast="bfloat16", quantize=fmt, big=True)
+
+
+@pytest.mark.asyncio
+async def test_a_weight_not_finite_on_one_rank_is_refused_on_every_rank(procs: Procs, tmp_path: Path) -> None:
+    """A NaN in one rank's shard: every rank's put(quantize=) refuses the version, naming the
+    weight (the ranks learn it with the scales), nothing of it is sent, and no rank hangs."""
+    ranks, address_file, store = _trainers(procs, tmp_path, 2, versions=2, subscribers=1, quantize="fp8-block",
+                                           big=True, nan_at=1, nan_rank=1)
+    sub = procs.spawn("subscriber", channel="sharded", address=await _address(address_file, procs), member="gen0",
+                      until_version=0, deadline=90)
+    results = [await procs.result(i, 150) for i in ranks]
+    got = await procs.result(sub, 60)
+    assert all("'big.rows.weight' holds NaN or infinity on some rank" in r["error"] for r in results), results
+    assert got["digests"]["0"] == results[0]["expected"]["0"] and got["order"] == [0]
+    del store
+
+
+@pytest.mark.asyncio
 @pytest.mark.parametrize("copy", [True, False], ids=["snapshot", "copy-false-delta"])
 async def test_fsdp2_ranks_send_deltas_of_their_own_shards(procs: Procs, tmp_path: Path, copy: bool) -> None:
     """An RL-sized step (one element in 17 of each shard moves, pushed as bf16): from the second

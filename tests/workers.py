@@ -187,7 +187,7 @@ async def sharded_trainer(spec: dict) -> dict:
 
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, distribute_tensor
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     from tests.statedicts import TP_OF_FSDP, digest, fsdp_model, tp_box
 
@@ -199,6 +199,11 @@ async def sharded_trainer(spec: dict) -> dict:
     model = fsdp_model(mesh)
     flat_mesh = init_device_mesh("cpu", (world,))
     replicated = distribute_tensor(torch.arange(10, dtype=torch.float64), flat_mesh, [Replicate()])
+    # "big": weights whose 128x128 blocks and rows span two ranks' shards (rows 300 and columns 300
+    # split in two at 150), one sharded by rows and one by columns, for put(quantize=)
+    gen = torch.Generator().manual_seed(5)
+    big = {"big.rows.weight": distribute_tensor(torch.randn(300, 260, generator=gen), flat_mesh, [Shard(0)]),
+           "big.cols.weight": distribute_tensor(torch.randn(130, 300, generator=gen), flat_mesh, [Shard(1)])}
     address = spec.get("address")
     if rank and not address and not spec.get("use_group"):  # rank 0's pub.address, handed over as users do
         deadline = time.monotonic() + 60
@@ -234,9 +239,16 @@ async def sharded_trainer(spec: dict) -> dict:
             sd = dict(model.state_dict())
             sd["shared.replicated"] = replicated + version
             sd["plain.step"] = torch.tensor([version, rank * 0], dtype=torch.int32)
+            if spec.get("big"):
+                sd.update({k: v * (1 + version) for k, v in big.items()})
+            poisoned = spec.get("nan_at") == version  # one element of one rank's shard: no scale represents it
+            if poisoned and rank == spec.get("nan_rank"):
+                sd["big.rows.weight"].to_local()[0, 0] = float("nan")
             full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in sd.items()}
             cast = getattr(torch, spec["cast"]) if spec.get("cast") else None  # put(dtype=): what members hold
-            if cast is not None:
+            if spec.get("quantize") and not poisoned:  # what the whole version quantized in one place would be
+                full = ws.quantize(full, spec["quantize"], dtype=cast)
+            elif cast is not None:
                 full = {k: (v.to(cast) if v.is_floating_point() else v) for k, v in full.items()}
             expected[str(version)] = {k: digest(v) for k, v in full.items()}
             for r in range(spec.get("tp", 0)):  # what tensor-parallel generator rank r should hold
@@ -247,10 +259,10 @@ async def sharded_trainer(spec: dict) -> dict:
                 os.kill(os.getpid(), signal.SIGSTOP if spec.get("die_by") == "stop" else signal.SIGKILL)
             try:
                 handle = await pub.put(sd, version=version, dtype=cast, copy=not spec.get("nocopy"),
-                                       encoding=spec.get("encoding"))
+                                       encoding=spec.get("encoding"), quantize=spec.get("quantize"))
                 report = await handle.delivered(timeout=60)
                 encodings[str(version)] = dict(report.encodings)
-            except ws.WeightSyncError as err:
+            except (ws.WeightSyncError, ValueError) as err:  # ValueError: a put refused at the call
                 error = f"{type(err).__name__}: {err}"
                 break
         if spec.get("dump_at_end"):

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -113,20 +114,33 @@ def quantize_items(items: list[tuple[str, torch.Tensor]], fmt: str, dtype: CastL
     holding NaN or infinity, a name the format's output would take twice, or an unknown format.
     """
     made = format_of(fmt).make
+    return _assemble(items, fmt, dtype, lambda index, name, tensor, want: made(_finite(tensor, want, name, fmt)))
+
+
+def _finite(tensor: torch.Tensor, want: object, name: str, fmt: str) -> torch.Tensor:
+    """``tensor`` cast as the format quantizes it (to ``want``, a dtype, if one); ValueError if it
+    holds NaN or infinity."""
+    w = tensor.detach() if not isinstance(want, torch.dtype) else tensor.detach().to(want)
+    if not bool(torch.isfinite(w).all()):
+        raise ValueError(f"quantize={fmt!r}: {name!r} holds NaN or infinity; no scale represents it "
+                         "(nothing was sent)")
+    return w
+
+
+def _assemble(items: list[tuple[str, Any]], fmt: str, dtype: CastLike,
+              make: Callable[[int, str, Any, object], dict[str, Any]]) -> tuple[list[tuple[str, Any]], CastLike]:
+    """Each item a format quantizes replaced by ``make(index, name, weight, dtype for it)``'s
+    tensors under the format's names, in the items' order; the casts left for the others."""
     names = {name for name, _ in items}
-    out: list[tuple[str, torch.Tensor]] = []
+    out: list[tuple[str, Any]] = []
     done: set[str] = set()
-    for name, tensor in items:
+    for index, (name, tensor) in enumerate(items):
         if not quantized(name, tensor):
             out.append((name, tensor))
             continue
         want = dtype.get(name) if isinstance(dtype, Mapping) else dtype
-        w = tensor.detach() if not isinstance(want, torch.dtype) else tensor.detach().to(want)
-        if not bool(torch.isfinite(w).all()):
-            raise ValueError(f"quantize={fmt!r}: {name!r} holds NaN or infinity; no scale represents it "
-                             "(nothing was sent)")
         stem = name.removesuffix(".weight")
-        for suffix, value in made(w).items():
+        for suffix, value in make(index, name, tensor, want).items():
             full = f"{stem}.{suffix}"
             if full != name and full in names:
                 raise ValueError(f"quantize={fmt!r}: {name!r}'s {suffix} would be {full!r}, which this "
@@ -139,6 +153,147 @@ def quantize_items(items: list[tuple[str, torch.Tensor]], fmt: str, dtype: CastL
     if dtype is None:
         return out, None
     return out, {n: dtype for n, t in items if n not in done and t.dtype.is_floating_point}
+
+
+def _fp8_grid(frame: torch.Tensor) -> torch.Tensor:
+    """The largest magnitude of each 128x128 block of ``frame`` (block-aligned, zeros outside the
+    weight), in float32: the part of the blocks' amax this rank's rows and columns hold."""
+    blocks = frame.view(frame.size(0) // BLOCK, BLOCK, frame.size(1) // BLOCK, BLOCK)
+    return blocks.abs().float().amax(dim=(1, 3))
+
+
+@dataclass
+class _Shard:
+    """One sharded weight to quantize: this rank's box of it and its part of the scales' grid."""
+
+    index: int
+    name: str
+    value: Any  # the DTensor
+    local: torch.Tensor  # this rank's box, cast as the format quantizes it
+    start: tuple[int, int]  # the box's first row and column in the full weight
+    partial: torch.Tensor  # float32: per block (fp8) or per row (int8), the largest magnitude in the box
+    finite: bool
+
+
+def _share(index: int, name: str, value: Any, fmt: str, want: object) -> _Shard:
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    mesh, placements = value.device_mesh, value.placements
+    if mesh.get_coordinate() is None:
+        raise ValueError(f"quantize={fmt!r}: {name!r} is a DTensor on a mesh without this rank")
+    if not all(p.is_shard() or p.is_replicate() for p in placements):
+        raise ValueError(f"quantize={fmt!r}: {name!r} has placements {placements}: reduce it first "
+                         "(Shard(d) and Replicate() are quantized where they are)")
+    local = value.to_local().detach()
+    local = local.to(want) if isinstance(want, torch.dtype) else local
+    rows, cols = value.shape
+    shape, offset = compute_local_shape_and_global_offset(tuple(value.shape), mesh, placements)
+    if tuple(local.shape) != tuple(shape):
+        raise ValueError(f"quantize={fmt!r}: {name!r}'s local shard {tuple(local.shape)} is not the {tuple(shape)} "
+                         "its placements say (padded shards are not supported)")
+    (r0, c0), (n, m) = offset, shape
+    finite = bool(torch.isfinite(local).all())
+    if fmt == "fp8-block":
+        grid = torch.zeros((-(-rows // BLOCK), -(-cols // BLOCK)), dtype=torch.float32, device=local.device)
+        if n and m:
+            fr, fc = r0 // BLOCK * BLOCK, c0 // BLOCK * BLOCK
+            frame = torch.zeros((-(-(r0 + n) // BLOCK) * BLOCK - fr, -(-(c0 + m) // BLOCK) * BLOCK - fc),
+                                dtype=local.dtype, device=local.device)
+            frame[r0 - fr:r0 - fr + n, c0 - fc:c0 - fc + m] = local
+            part = _fp8_grid(frame)
+            grid[fr // BLOCK:fr // BLOCK + part.size(0), fc // BLOCK:fc // BLOCK + part.size(1)] = part
+    else:
+        grid = torch.zeros(rows, dtype=torch.float32, device=local.device)
+        if n and m:
+            grid[r0:r0 + n] = local.abs().amax(dim=1).float()  # a bf16 or fp16 magnitude is exact in float32
+    return _Shard(index, name, value, local, (r0, c0), grid, finite)
+
+
+def _reduce_max(shards: list[_Shard], timeout: float) -> None:
+    """Every rank's parts of the grids, and whether each rank's box was finite, combined (MAX) over
+    each weight's mesh, one all-reduce per mesh dimension for all the weights on that mesh."""
+    import datetime as dt
+
+    import torch.distributed as dist
+
+    groups: list[tuple[Any, list[_Shard]]] = []
+    for shard in shards:
+        for mesh, members in groups:
+            if mesh == shard.value.device_mesh:
+                members.append(shard)
+                break
+        else:
+            groups.append((shard.value.device_mesh, [shard]))
+    for mesh, members in groups:
+        device = members[0].partial.device
+        flags = torch.tensor([0.0 if m.finite else 1.0 for m in members], device=device)
+        flat = torch.cat([m.partial.flatten() for m in members] + [flags])
+        for dim in range(mesh.ndim):
+            work = dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=mesh.get_group(dim), async_op=True)
+            work.wait(timeout=dt.timedelta(seconds=timeout))
+        at = 0
+        for m in members:
+            m.partial = flat[at:at + m.partial.numel()].view_as(m.partial)
+            at += m.partial.numel()
+        for m, flag in zip(members, flat[at:].tolist(), strict=True):
+            m.finite = flag == 0.0
+
+
+def _quantize_shard(shard: _Shard, fmt: str) -> dict[str, torch.Tensor]:
+    """This rank's box quantized with the scales of the whole weight (the same operations on each
+    element as :func:`_fp8_block` and :func:`_int8_channel`), as a DTensor placed as the weight is,
+    and the scales, whole on every rank (rank 0 sends them)."""
+    from torch.distributed.tensor import DTensor
+
+    value, local, (r0, c0) = shard.value, shard.local, shard.start
+    n, m = local.shape
+    if fmt == "fp8-block":
+        scale = shard.partial.clamp(FP8_LEAST_AMAX) / FP8_MAX
+        fr, fc = r0 // BLOCK * BLOCK, c0 // BLOCK * BLOCK
+        frame = torch.zeros((-(-(r0 + n) // BLOCK) * BLOCK - fr, -(-(c0 + m) // BLOCK) * BLOCK - fc),
+                            dtype=local.dtype, device=local.device)
+        frame[r0 - fr:r0 - fr + n, c0 - fc:c0 - fc + m] = local
+        blocks = frame.view(frame.size(0) // BLOCK, BLOCK, frame.size(1) // BLOCK, BLOCK)
+        mine = scale[fr // BLOCK:fr // BLOCK + blocks.size(0), fc // BLOCK:fc // BLOCK + blocks.size(2)]
+        q = (blocks * (1.0 / mine[:, None, :, None])).to(torch.float8_e4m3fn)
+        q_local = q.view_as(frame)[r0 - fr:r0 - fr + n, c0 - fc:c0 - fc + m].contiguous()
+        scales = {"weight_scale_inv": scale}
+    else:
+        scale = (shard.partial.to(local.dtype) / (255 / 2)).view(-1, 1)
+        scale = torch.where(scale == 0, torch.tensor(torch.finfo(local.dtype).eps, dtype=local.dtype,
+                                                     device=local.device), scale)
+        q_local = torch.round(torch.clamp(local / scale[r0:r0 + n], -128, 127)).to(torch.int8)
+        scales = {"weight_scale": scale}
+    weight = DTensor.from_local(q_local, value.device_mesh, value.placements, run_check=False,
+                                shape=value.shape, stride=value.stride())
+    return {"weight": weight, **scales}
+
+
+def quantize_sharded_items(items: list[tuple[str, Any]], fmt: str, dtype: CastLike = None, *,
+                           timeout: float = 60.0) -> tuple[list[tuple[str, Any]], CastLike]:
+    """:func:`quantize_items` for one rank of a sharded trainer, whose weights are DTensors: each
+    rank quantizes the rows and columns it holds, with the scales of the whole weight, which every
+    rank of a weight's mesh learns with one all-reduce (MAX) per mesh dimension over every
+    weight's part of them (a 128x128 block or a row may span two ranks' shards). The quantized
+    bytes are those of the whole weight quantized in one place; the scales go whole, from rank 0.
+    Every rank must call it with the same items in the same order (as every rank puts the same
+    version); ``timeout`` bounds each all-reduce. A weight not finite on any rank is refused on
+    every rank, naming it. Plain tensors are quantized whole where they are."""
+    made = format_of(fmt).make
+    shards = []
+    for index, (name, tensor) in enumerate(items):
+        if type(tensor).__name__ == "DTensor" and quantized(name, tensor):
+            want = dtype.get(name) if isinstance(dtype, Mapping) else dtype
+            shards.append(_share(index, name, tensor, fmt, want))
+    if shards:
+        _reduce_max(shards, timeout)
+    bad = [s.name for s in shards if not s.finite]
+    if bad:
+        raise ValueError(f"quantize={fmt!r}: {bad[0]!r} holds NaN or infinity on some rank; no scale represents it "
+                         "(nothing was sent)")
+    by_index = {s.index: s for s in shards}
+    return _assemble(items, fmt, dtype, lambda index, name, tensor, want: _quantize_shard(by_index[index], fmt)
+                     if index in by_index else made(_finite(tensor, want, name, fmt)))
 
 
 def quantize(tensors: TensorsLike, format: str, *, dtype: CastLike = None) -> dict[str, torch.Tensor]:  # noqa: A002

@@ -21,6 +21,7 @@ The event loop only ever waits on futures the threads resolve; it never touches 
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import threading
 import time
@@ -477,8 +478,9 @@ class Publisher:
         checkpoint of that format holds them (the quantized weight and its scales under the
         format's names), quantized on their own device before the snapshot; ``dtype`` then casts
         the tensors kept as they were, and is what a quantized weight is cast to first. A weight
-        holding NaN or infinity is refused here, naming it (docs/quantization.md). Not on a
-        sharded publisher yet.
+        holding NaN or infinity is refused here, naming it (docs/quantization.md). On a sharded
+        publisher every rank quantizes its own shards with the whole weight's scales (one small
+        all-reduce per mesh dimension over the weights' meshes: every rank must put).
         """
         began = time.perf_counter()
         if encoding is not None:
@@ -501,11 +503,14 @@ class Publisher:
         items = layout.as_items(tensors, sharded=self.world_size > 1)
         if quantize is not None:
             quantization.format_of(quantize)
-            if self.world_size > 1:
-                raise ValueError("put(quantize=) on a sharded publisher is not built yet: a block's rows may "
-                                 "span two ranks' shards (quantize on one rank, or send bf16)")
             # off the event loop: a large version's quantization on the host takes seconds
-            items, dtype = await self._loop.run_in_executor(None, quantization.quantize_items, items, quantize, dtype)
+            if self.world_size > 1:  # each rank its own shards, the scales agreed over the weights' meshes
+                bound = Deadlines(self.settings).ranks_agreement()
+                items, dtype = await self._loop.run_in_executor(
+                    None, functools.partial(quantization.quantize_sharded_items, items, quantize, dtype, timeout=bound))
+            else:
+                items, dtype = await self._loop.run_in_executor(None, quantization.quantize_items, items, quantize,
+                                                                dtype)
         if all(t.numel() == 0 for _, t in items):  # {} or only empty tensors: nothing a member could load
             raise ValueError(f"put() of {'no tensors' if not items else 'only empty tensors'}: a version "
                              "holds at least one element (an empty one would reach generators as every "
