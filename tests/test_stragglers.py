@@ -213,11 +213,12 @@ async def test_killed_member_others_continue_and_replacement_catches_up(procs: P
             assert time.monotonic() - killed < timeout + 6  # deadline plus a few seconds
             # the trainer keeps putting while the orchestrator starts the replacement
             version = 4
+            deadline = time.monotonic() + 120  # a bound in time: a replacement takes seconds to start on busy cores
             while "repl-1" not in pub.members:
                 report = await (await put_checked(pub, version, numel)).delivered(timeout=60)
                 assert survivors <= set(report.members)
                 version += 1
-                assert version < 2000, "the replacement never joined"
+                assert time.monotonic() < deadline, "the replacement never joined within 120 s"
             joined = time.monotonic()
             report = await (await put_checked(pub, version, numel)).delivered(timeout=60)
             assert set(report.members) == survivors | {"repl-1"}
