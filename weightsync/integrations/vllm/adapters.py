@@ -72,12 +72,9 @@ class AdapterInitInfo:
     transport: str = "auto"
 
     def __post_init__(self) -> None:
-        if not isinstance(self.address, str) or ":" not in self.address:
-            raise ValueError(f"address must be the publisher's 'host:port', got {self.address!r}")
-        if not isinstance(self.channel, str) or not self.channel:
-            raise ValueError(f"channel must be a non-empty string, got {self.channel!r}")
-        if not (isinstance(self.timeout, (int, float)) and self.timeout > 0):
-            raise ValueError(f"timeout must be > 0 seconds, got {self.timeout!r}")
+        from weightsync.integrations.vllm import replica
+
+        replica.check_join(self.address, self.channel, self.timeout)
         if isinstance(self.keep, bool) or not isinstance(self.keep, int) or self.keep < 1:
             raise ValueError(f"keep must be an int >= 1, got {self.keep!r}")
 

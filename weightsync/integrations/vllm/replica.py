@@ -1,4 +1,5 @@
-"""What the workers of one vLLM replica share: their names, and agreeing on one version to load."""
+"""What the workers of one vLLM replica share: their names, what they join a channel with, and agreeing
+on one version to load."""
 
 from __future__ import annotations
 
@@ -12,6 +13,16 @@ from weightsync.errors import SyncTimeout, WeightSyncError
 
 # extra seconds a host-side call may take beyond the weightsync deadline it carries
 GRACE = 5.0
+
+
+def check_join(address: object, channel: object, timeout: object) -> None:
+    """ValueError naming what is wrong with what a worker joins a channel with (either channel)."""
+    if not isinstance(address, str) or ":" not in address:
+        raise ValueError(f"address must be the publisher's 'host:port', got {address!r}")
+    if not isinstance(channel, str) or not channel:
+        raise ValueError(f"channel must be a non-empty string, got {channel!r}")
+    if not (isinstance(timeout, (int, float)) and timeout > 0):
+        raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
 
 
 def ranks(vllm_config: Any) -> tuple[int, int]:

@@ -97,12 +97,7 @@ class WeightsyncInitInfo(WeightTransferInitInfo):
     compare_replicas: bool = True
 
     def __post_init__(self) -> None:
-        if not isinstance(self.address, str) or ":" not in self.address:
-            raise ValueError(f"address must be the publisher's 'host:port', got {self.address!r}")
-        if not isinstance(self.channel, str) or not self.channel:
-            raise ValueError(f"channel must be a non-empty string, got {self.channel!r}")
-        if not (isinstance(self.timeout, (int, float)) and self.timeout > 0):
-            raise ValueError(f"timeout must be > 0 seconds, got {self.timeout!r}")
+        replica.check_join(self.address, self.channel, self.timeout)
 
 
 @dataclass
@@ -227,29 +222,13 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         self._release()
         entry, factors = self.adapters.pin_adapter(name, min_version, seconds)
         try:
-            replica.pin_agreed(self._pin, self._release, self.version or 0, seconds)
-            self._load_began = time.monotonic()
-            self._wait_s = self._load_began - began
-            assert self._pinned is not None
-            weights = self._pinned[1]
-            self._patched, self._loaded, self._full, self.reloads, self.agreement = None, None, False, 0, None
-            self.merged = None
-            refused = checks.format_problem(self.model_config, weights)
-            if refused is not None:  # nothing touched yet
-                self._release()
-                self.failed = f"version {weights.version} refused: {refused}"
-                raise EngineMismatch(self.failed, channel=self._channel, member=self._member, version=weights.version)
+            weights = self._begin(self.version or 0, seconds, began)
             merged = adapter_format.merged_weights(dict(weights), entry, factors)
             tensors = [(n, merged.get(n, t)) for n, t in weights]
             self._load_full(weights, tensors)
             layout, self._layout = self._layout, f"{self._layout}|merged {entry.name}@{entry.version}"
             try:
-                while self.compare and (problem := self._compare(weights.version)) is not None:
-                    if self.reloads:
-                        self._release()
-                        self._fail(problem, weights.version)
-                    self.reloads += 1
-                    self._load_full(weights, tensors)
+                self._compare_until_agreed(weights, tensors)
             finally:
                 self._layout = layout
             self.merged = f"{entry.name}@{entry.version}"
@@ -316,8 +295,15 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
             raise RuntimeError("weightsync loads a whole version per update: call finish_weight_update "
                                "before the next update_weights")
         timeout = update_info.timeout if update_info.timeout is not None else self._timeout
-        began = time.monotonic()
-        replica.pin_agreed(self._pin, self._release, update_info.min_version, timeout)
+        weights = self._begin(update_info.min_version, timeout, time.monotonic())
+        if weights.since is None or not self._patch(weights):
+            self._load_full(weights)
+        self._compare_until_agreed(weights)
+
+    def _begin(self, min_version: int, timeout: float, began: float) -> WeightStream:
+        """Pin the version the replica's workers agree on (at least ``min_version``) and check its
+        format; nothing of the engine is touched yet, so a refusal leaves it serving what it did."""
+        replica.pin_agreed(self._pin, self._release, min_version, timeout)
         self._load_began = time.monotonic()
         self._wait_s = self._load_began - began
         assert self._pinned is not None
@@ -325,23 +311,24 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         self._patched, self._loaded, self._full, self.reloads, self.agreement = None, None, False, 0, None
         self.merged = None
         refused = checks.format_problem(self.model_config, weights)
-        if refused is not None:  # nothing touched yet: the engine keeps serving the version it serves
+        if refused is not None:
             self._release()
             self.failed = f"version {weights.version} refused: {refused}"
             log.error("vLLM worker %s: %s; it still serves version %s", self._member, self.failed, self.version)
             raise EngineMismatch(self.failed, channel=self._channel, member=self._member, version=weights.version)
-        if weights.since is None or not self._patch(weights):
-            self._load_full(weights)
-        while self.compare:
-            disagreement = self._compare(weights.version)
-            if disagreement is None:
-                break
-            if self.reloads:  # loaded twice, disagreeing twice: this engine, not a stray write
+        return weights
+
+    def _compare_until_agreed(self, weights: WeightStream, tensors: list[tuple[str, torch.Tensor]] | None = None
+                              ) -> None:
+        """Compare what the engine holds with the other engines of its layout; a disagreement loads
+        the version again once, a second one fails closed (this engine, not a stray write)."""
+        while self.compare and (disagreement := self._compare(weights.version)) is not None:
+            if self.reloads:
                 self._release()
                 self._fail(disagreement, weights.version)
             self.reloads += 1
             log.warning("vLLM worker %s: %s; loading version %d again", self._member, disagreement, weights.version)
-            self._load_full(weights)
+            self._load_full(weights, tensors)
 
     def _load_full(self, weights: WeightStream, tensors: list[tuple[str, torch.Tensor]] | None = None) -> None:
         """Load the whole pinned version through the model's own loaders (vLLM's layerwise reload),
