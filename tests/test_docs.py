@@ -73,7 +73,9 @@ def test_every_marked_snippet_is_run_by_this_module() -> None:
 
 
 @pytest.mark.vllm  # peft and transformers are installed where vLLM is (make test-vllm)
-def test_the_lora_snippet_trains_and_pushes_only_the_adapter(scripts: Path) -> None:
+def test_the_lora_snippet_trains_and_pushes_only_the_adapter(scripts: Path, run_transport: str) -> None:
+    if run_transport != "auto":  # the snippet picks its own transport: once per make test-vllm
+        pytest.skip("runs once, in the --transport auto pass (make test-vllm runs both)")
     pytest.importorskip("peft")
     out = finish(start(scripts / "lora.py", env_for()), 180)
     steps = re.findall(r"step (\d): loss ([\d.]+), sent (\d+) bytes \(([\d.]+)% of the model\), generator holds "
