@@ -29,6 +29,7 @@ NaN or infinity is refused (no scale represents it), naming the tensor, before a
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -44,25 +45,67 @@ FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
 FP8_LEAST_AMAX = 1e-4  # per_block_cast_to_fp8's floor on a block's largest magnitude
 
 
+STRIPE_BYTES = 2 << 20  # rows are quantized a stripe of about this many bytes at a time, in cache
+
+
+def _stripe_rows(cols: int, itemsize: int, multiple: int = 1) -> int:
+    """Rows per stripe: about STRIPE_BYTES of the weight, a multiple of ``multiple``."""
+    return max(1, STRIPE_BYTES // max(cols * itemsize * multiple, 1)) * multiple
+
+
 def _fp8_block(w: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per 128x128 block (zeros beyond the edges): its largest magnitude, at least 1e-4, over 448
+    is its scale; the block times its reciprocal, cast to e4m3. A stripe of whole block rows at a
+    time, each element through the same operations as vLLM's ``per_block_cast_to_fp8`` on the
+    padded weight (the largest magnitude taken before the cast to float32: both exact)."""
     rows, cols = w.shape
-    padded = torch.zeros(((rows + BLOCK - 1) // BLOCK * BLOCK, (cols + BLOCK - 1) // BLOCK * BLOCK),
-                         dtype=w.dtype, device=w.device)
-    padded[:rows, :cols] = w
-    blocks = padded.view(-1, BLOCK, padded.size(1) // BLOCK, BLOCK)
-    amax = blocks.abs().float().amax(dim=(1, 3), keepdim=True).clamp(FP8_LEAST_AMAX)
-    scale = amax / FP8_MAX
-    q = (blocks * (1.0 / scale)).to(torch.float8_e4m3fn)
-    return {"weight": q.view_as(padded)[:rows, :cols].contiguous(),
-            "weight_scale_inv": scale.view(blocks.size(0), blocks.size(2))}
+    w = w.contiguous()
+    grid_rows, grid_cols = -(-rows // BLOCK), -(-cols // BLOCK)
+    width = grid_cols * BLOCK
+    q = torch.empty((rows, cols), dtype=torch.float8_e4m3fn, device=w.device)
+    scale = torch.empty((grid_rows, grid_cols), dtype=torch.float32, device=w.device)
+    step = _stripe_rows(width, w.element_size(), BLOCK)
+    frame = torch.zeros((min(step, grid_rows * BLOCK), width), dtype=w.dtype, device=w.device) \
+        if cols % BLOCK or rows % BLOCK else None
+    for lo in range(0, rows, step):
+        hi = min(rows, lo + step)
+        high = -(-hi // BLOCK) * BLOCK  # the stripe's rows, up to its last block's edge
+        if frame is None:
+            part = w[lo:hi]
+        else:
+            part = frame[:high - lo]
+            part[hi - lo:].zero_()
+            part[:hi - lo, :cols] = w[lo:hi]
+            part[:hi - lo, cols:].zero_()
+        blocks = part.view(-1, BLOCK, grid_cols, BLOCK)
+        s = (blocks.abs().amax(dim=(1, 3), keepdim=True).float().clamp(FP8_LEAST_AMAX)) / FP8_MAX
+        made = blocks.mul(1.0 / s).to(torch.float8_e4m3fn).view(high - lo, width)
+        q[lo:hi] = made[:hi - lo, :cols]
+        scale[lo // BLOCK:high // BLOCK] = s.view(-1, grid_cols)
+    return {"weight": q, "weight_scale_inv": scale}
 
 
 def _int8_channel(w: torch.Tensor) -> dict[str, torch.Tensor]:
-    zero = torch.zeros((w.shape[0], 1), dtype=w.dtype, device=w.device)
-    low, high = torch.min(w.amin(dim=1, keepdim=True), zero), torch.max(w.amax(dim=1, keepdim=True), zero)
-    scale = torch.max(low.abs(), high.abs()) / (255 / 2)
-    scale = torch.where(scale == 0, torch.tensor(torch.finfo(w.dtype).eps, dtype=w.dtype, device=w.device), scale)
-    q = torch.round(torch.clamp(w / scale, -128, 127)).to(torch.int8)
+    """Per row: the larger of its most negative and most positive element's magnitudes (0 taken
+    into both), over 127.5, in the weight's dtype (its dtype's epsilon for a row of zeros); the
+    row over it, clamped to [-128, 127], rounded. A stripe of rows at a time, each element
+    through compressed-tensors' operations."""
+    rows, cols = w.shape
+    q = torch.empty((rows, cols), dtype=torch.int8, device=w.device)
+    scale = torch.empty((rows, 1), dtype=w.dtype, device=w.device)
+    eps = torch.tensor(torch.finfo(w.dtype).eps, dtype=w.dtype, device=w.device)
+    step = _stripe_rows(cols, w.element_size())
+    zero = torch.zeros((min(step, rows), 1), dtype=w.dtype, device=w.device)
+    for lo in range(0, rows, step):
+        hi = min(rows, lo + step)
+        x, z = w[lo:hi], zero[:hi - lo]
+        smallest, largest = torch.aminmax(x, dim=1, keepdim=True)
+        low, high = torch.min(smallest, z), torch.max(largest, z)
+        s = torch.max(low.abs(), high.abs()) / (255 / 2)
+        s = torch.where(s == 0, eps, s)
+        ratio = x / s
+        q[lo:hi] = ratio.clamp_(-128, 127).round_()  # in place: the same operations, one buffer
+        scale[lo:hi] = s
     return {"weight": q, "weight_scale": scale}
 
 
@@ -121,7 +164,9 @@ def _finite(tensor: torch.Tensor, want: object, name: str, fmt: str) -> torch.Te
     """``tensor`` cast as the format quantizes it (to ``want``, a dtype, if one); ValueError if it
     holds NaN or infinity."""
     w = tensor.detach() if not isinstance(want, torch.dtype) else tensor.detach().to(want)
-    if not bool(torch.isfinite(w).all()):
+    # a sum holds NaN or infinity when an element does (one read; in float64 no sum of float32 or
+    # narrower elements overflows); only a sum that is not finite needs the element-wise test
+    if not math.isfinite(w.sum(dtype=torch.float64)) and not bool(torch.isfinite(w).all()):
         raise ValueError(f"quantize={fmt!r}: {name!r} holds NaN or infinity; no scale represents it "
                          "(nothing was sent)")
     return w
