@@ -23,6 +23,8 @@ from typing import Any
 import msgspec
 import torch
 
+from weightsync.format.layout import all_finite
+
 #: the tensor of a version holding its :class:`AdapterSet`
 MANIFEST = "__weightsync_adapters__"
 #: adapter names: letters, digits and ``. _ : + = -`` (no ``/``: it separates the adapter from the
@@ -151,10 +153,7 @@ def _check_factors(tensors: dict[str, torch.Tensor], rank: int) -> set[str]:
             raise ValueError(f"factor {key!r} must be a 2-D floating-point tensor, got {tensor.dtype} "
                              f"{tuple(tensor.shape)}")
         local = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # a DTensor: this rank's shard
-        # a sum holds NaN or infinity when an element does (the cheap test: one read, no mask); only
-        # a sum that overflowed needs the element-wise one
-        if local.numel() and not math.isfinite(local.sum(dtype=torch.float64)) and \
-                not bool(torch.isfinite(local).all()):
+        if not all_finite(local):
             raise ValueError(f"factor {key!r} holds NaN or infinity")
         pairs.setdefault(match.group(1), {})[match.group(2)] = tensor
     for module, pair in pairs.items():

@@ -13,6 +13,7 @@ for an LLM) and cannot be pipelined; packing per bucket (vLLM style) costs a sec
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Union
@@ -37,6 +38,13 @@ def dtype_from_name(name: str) -> torch.dtype:
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def all_finite(tensor: torch.Tensor) -> bool:
+    """No NaN and no infinity in ``tensor`` (floating). One read: a sum holds NaN or infinity when
+    an element does (in float64 no sum of float32 or narrower elements overflows); only a sum that
+    is not finite is checked element by element."""
+    return not tensor.numel() or math.isfinite(tensor.sum(dtype=torch.float64)) or bool(torch.isfinite(tensor).all())
 
 
 def _aligned(n: int) -> int:

@@ -29,14 +29,13 @@ NaN or infinity is refused (no scale represents it), naming the tensor, before a
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from weightsync.format.layout import CastLike, TensorsLike, as_items
+from weightsync.format.layout import CastLike, TensorsLike, all_finite, as_items
 
 #: the names of 2-D weights both formats keep unquantized (substrings of the name)
 KEPT = ("embed", "lm_head", "mlp.gate.weight", "shared_expert_gate.weight")
@@ -51,6 +50,40 @@ STRIPE_BYTES = 2 << 20  # rows are quantized a stripe of about this many bytes a
 def _stripe_rows(cols: int, itemsize: int, multiple: int = 1) -> int:
     """Rows per stripe: about STRIPE_BYTES of the weight, a multiple of ``multiple``."""
     return max(1, STRIPE_BYTES // max(cols * itemsize * multiple, 1)) * multiple
+
+
+def _fp8_amax(frame: torch.Tensor) -> torch.Tensor:
+    """The largest magnitude of each 128x128 block of a block-aligned ``frame`` (zeros beyond the
+    weight), ``[block rows, 1, block columns, 1]`` in float32 (taken in the weight's dtype first:
+    both exact)."""
+    blocks = frame.view(-1, BLOCK, frame.size(1) // BLOCK, BLOCK)
+    return blocks.abs().amax(dim=(1, 3), keepdim=True).float()
+
+
+def _fp8_scale(amax: torch.Tensor) -> torch.Tensor:
+    """Each block's scale from its largest magnitude: at least 1e-4, over 448."""
+    return amax.clamp(FP8_LEAST_AMAX) / FP8_MAX
+
+
+def _fp8_values(frame: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``frame`` (block-aligned) in e4m3 with its blocks' scales ``[block rows, 1, block columns,
+    1]``: vLLM's ``per_block_cast_to_fp8`` operations, each element times its block's reciprocal."""
+    blocks = frame.view(-1, BLOCK, frame.size(1) // BLOCK, BLOCK)
+    return blocks.mul(1.0 / scale).to(torch.float8_e4m3fn).view_as(frame)
+
+
+def _int8_scale(magnitude: torch.Tensor) -> torch.Tensor:
+    """Each row's scale from its largest magnitude (``[rows, 1]``, in the weight's dtype): over
+    127.5, the dtype's epsilon for a row of zeros (compressed-tensors' ``calculate_qparams``)."""
+    scale = magnitude / (255 / 2)
+    eps = torch.tensor(torch.finfo(scale.dtype).eps, dtype=scale.dtype, device=scale.device)
+    return torch.where(scale == 0, eps, scale)
+
+
+def _int8_values(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Rows ``x`` over their scales, clamped to [-128, 127], rounded (compressed-tensors'
+    ``quantize``), still in ``x``'s dtype: the caller casts."""
+    return (x / scale).clamp_(-128, 127).round_()
 
 
 def _fp8_block(w: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -77,10 +110,8 @@ def _fp8_block(w: torch.Tensor) -> dict[str, torch.Tensor]:
             part[hi - lo:].zero_()
             part[:hi - lo, :cols] = w[lo:hi]
             part[:hi - lo, cols:].zero_()
-        blocks = part.view(-1, BLOCK, grid_cols, BLOCK)
-        s = (blocks.abs().amax(dim=(1, 3), keepdim=True).float().clamp(FP8_LEAST_AMAX)) / FP8_MAX
-        made = blocks.mul(1.0 / s).to(torch.float8_e4m3fn).view(high - lo, width)
-        q[lo:hi] = made[:hi - lo, :cols]
+        s = _fp8_scale(_fp8_amax(part))
+        q[lo:hi] = _fp8_values(part, s)[:hi - lo, :cols]
         scale[lo // BLOCK:high // BLOCK] = s.view(-1, grid_cols)
     return {"weight": q, "weight_scale_inv": scale}
 
@@ -93,19 +124,14 @@ def _int8_channel(w: torch.Tensor) -> dict[str, torch.Tensor]:
     rows, cols = w.shape
     q = torch.empty((rows, cols), dtype=torch.int8, device=w.device)
     scale = torch.empty((rows, 1), dtype=w.dtype, device=w.device)
-    eps = torch.tensor(torch.finfo(w.dtype).eps, dtype=w.dtype, device=w.device)
     step = _stripe_rows(cols, w.element_size())
     zero = torch.zeros((min(step, rows), 1), dtype=w.dtype, device=w.device)
     for lo in range(0, rows, step):
         hi = min(rows, lo + step)
         x, z = w[lo:hi], zero[:hi - lo]
-        smallest, largest = torch.aminmax(x, dim=1, keepdim=True)
-        low, high = torch.min(smallest, z), torch.max(largest, z)
-        s = torch.max(low.abs(), high.abs()) / (255 / 2)
-        s = torch.where(s == 0, eps, s)
-        ratio = x / s
-        q[lo:hi] = ratio.clamp_(-128, 127).round_()  # in place: the same operations, one buffer
-        scale[lo:hi] = s
+        smallest, largest = torch.aminmax(x, dim=1, keepdim=True)  # one read; 0 taken into both, as theirs
+        s = _int8_scale(torch.max(torch.min(smallest, z).abs(), torch.max(largest, z).abs()))
+        q[lo:hi], scale[lo:hi] = _int8_values(x, s), s
     return {"weight": q, "weight_scale": scale}
 
 
@@ -164,9 +190,7 @@ def _finite(tensor: torch.Tensor, want: object, name: str, fmt: str) -> torch.Te
     """``tensor`` cast as the format quantizes it (to ``want``, a dtype, if one); ValueError if it
     holds NaN or infinity."""
     w = tensor.detach() if not isinstance(want, torch.dtype) else tensor.detach().to(want)
-    # a sum holds NaN or infinity when an element does (one read; in float64 no sum of float32 or
-    # narrower elements overflows); only a sum that is not finite needs the element-wise test
-    if not math.isfinite(w.sum(dtype=torch.float64)) and not bool(torch.isfinite(w).all()):
+    if not all_finite(w):
         raise ValueError(f"quantize={fmt!r}: {name!r} holds NaN or infinity; no scale represents it "
                          "(nothing was sent)")
     return w
@@ -200,23 +224,18 @@ def _assemble(items: list[tuple[str, Any]], fmt: str, dtype: CastLike,
     return out, {n: dtype for n, t in items if n not in done and t.dtype.is_floating_point}
 
 
-def _fp8_grid(frame: torch.Tensor) -> torch.Tensor:
-    """The largest magnitude of each 128x128 block of ``frame`` (block-aligned, zeros outside the
-    weight), in float32: the part of the blocks' amax this rank's rows and columns hold."""
-    blocks = frame.view(frame.size(0) // BLOCK, BLOCK, frame.size(1) // BLOCK, BLOCK)
-    return blocks.abs().float().amax(dim=(1, 3))
-
-
 @dataclass
 class _Shard:
-    """One sharded weight to quantize: this rank's box of it and its part of the scales' grid."""
+    """One sharded weight to quantize: this rank's box of it and its part of the scales."""
 
     index: int
     name: str
     value: Any  # the DTensor
     local: torch.Tensor  # this rank's box, cast as the format quantizes it
     start: tuple[int, int]  # the box's first row and column in the full weight
-    partial: torch.Tensor  # float32: per block (fp8) or per row (int8), the largest magnitude in the box
+    frame: torch.Tensor  # fp8: the box in the zeros of the blocks it touches (made once); int8: the box
+    corner: tuple[int, int]  # the frame's first row and column in the full weight
+    partial: torch.Tensor  # float32: the largest magnitude per block (fp8) or per row (int8) in the box
     finite: bool
 
 
@@ -237,21 +256,20 @@ def _share(index: int, name: str, value: Any, fmt: str, want: object) -> _Shard:
         raise ValueError(f"quantize={fmt!r}: {name!r}'s local shard {tuple(local.shape)} is not the {tuple(shape)} "
                          "its placements say (padded shards are not supported)")
     (r0, c0), (n, m) = offset, shape
-    finite = bool(torch.isfinite(local).all())
-    if fmt == "fp8-block":
-        grid = torch.zeros((-(-rows // BLOCK), -(-cols // BLOCK)), dtype=torch.float32, device=local.device)
-        if n and m:
-            fr, fc = r0 // BLOCK * BLOCK, c0 // BLOCK * BLOCK
-            frame = torch.zeros((-(-(r0 + n) // BLOCK) * BLOCK - fr, -(-(c0 + m) // BLOCK) * BLOCK - fc),
-                                dtype=local.dtype, device=local.device)
-            frame[r0 - fr:r0 - fr + n, c0 - fc:c0 - fc + m] = local
-            part = _fp8_grid(frame)
-            grid[fr // BLOCK:fr // BLOCK + part.size(0), fc // BLOCK:fc // BLOCK + part.size(1)] = part
-    else:
+    if fmt != "fp8-block":
         grid = torch.zeros(rows, dtype=torch.float32, device=local.device)
         if n and m:
-            grid[r0:r0 + n] = local.abs().amax(dim=1).float()  # a bf16 or fp16 magnitude is exact in float32
-    return _Shard(index, name, value, local, (r0, c0), grid, finite)
+            grid[r0:r0 + n] = local.abs().amax(dim=1).float()  # a bf16, fp16 or fp32 magnitude is exact in float32
+        return _Shard(index, name, value, local, (r0, c0), local, (r0, c0), grid, all_finite(local))
+    fr, fc = r0 // BLOCK * BLOCK, c0 // BLOCK * BLOCK
+    frame = torch.zeros((-(-(r0 + n) // BLOCK) * BLOCK - fr, -(-(c0 + m) // BLOCK) * BLOCK - fc),
+                        dtype=local.dtype, device=local.device)
+    frame[r0 - fr:r0 - fr + n, c0 - fc:c0 - fc + m] = local
+    grid = torch.zeros((-(-rows // BLOCK), 1, -(-cols // BLOCK), 1), dtype=torch.float32, device=local.device)
+    if n and m:
+        part = _fp8_amax(frame)
+        grid[fr // BLOCK:fr // BLOCK + part.size(0), :, fc // BLOCK:fc // BLOCK + part.size(2)] = part
+    return _Shard(index, name, value, local, (r0, c0), frame, (fr, fc), grid, all_finite(local))
 
 
 def _reduce_max(shards: list[_Shard], timeout: float) -> None:
@@ -285,29 +303,21 @@ def _reduce_max(shards: list[_Shard], timeout: float) -> None:
 
 
 def _quantize_shard(shard: _Shard, fmt: str) -> dict[str, torch.Tensor]:
-    """This rank's box quantized with the scales of the whole weight (the same operations on each
-    element as :func:`_fp8_block` and :func:`_int8_channel`), as a DTensor placed as the weight is,
-    and the scales, whole on every rank (rank 0 sends them)."""
+    """This rank's box quantized with the whole weight's largest magnitudes (the same operations on
+    each element as :func:`_fp8_block` and :func:`_int8_channel`), as a DTensor placed as the
+    weight is, and the scales, whole on every rank (rank 0 sends them)."""
     from torch.distributed.tensor import DTensor
 
-    value, local, (r0, c0) = shard.value, shard.local, shard.start
-    n, m = local.shape
+    value, frame, (r0, c0), (fr, fc) = shard.value, shard.frame, shard.start, shard.corner
+    n, m = shard.local.shape
     if fmt == "fp8-block":
-        scale = shard.partial.clamp(FP8_LEAST_AMAX) / FP8_MAX
-        fr, fc = r0 // BLOCK * BLOCK, c0 // BLOCK * BLOCK
-        frame = torch.zeros((-(-(r0 + n) // BLOCK) * BLOCK - fr, -(-(c0 + m) // BLOCK) * BLOCK - fc),
-                            dtype=local.dtype, device=local.device)
-        frame[r0 - fr:r0 - fr + n, c0 - fc:c0 - fc + m] = local
-        blocks = frame.view(frame.size(0) // BLOCK, BLOCK, frame.size(1) // BLOCK, BLOCK)
-        mine = scale[fr // BLOCK:fr // BLOCK + blocks.size(0), fc // BLOCK:fc // BLOCK + blocks.size(2)]
-        q = (blocks * (1.0 / mine[:, None, :, None])).to(torch.float8_e4m3fn)
-        q_local = q.view_as(frame)[r0 - fr:r0 - fr + n, c0 - fc:c0 - fc + m].contiguous()
-        scales = {"weight_scale_inv": scale}
+        scale = _fp8_scale(shard.partial)  # the whole weight's: [block rows, 1, block columns, 1]
+        mine = scale[fr // BLOCK:(fr + frame.size(0)) // BLOCK, :, fc // BLOCK:(fc + frame.size(1)) // BLOCK]
+        q_local = _fp8_values(frame, mine)[r0 - fr:r0 - fr + n, c0 - fc:c0 - fc + m].contiguous()
+        scales = {"weight_scale_inv": scale.view(scale.size(0), scale.size(2))}
     else:
-        scale = (shard.partial.to(local.dtype) / (255 / 2)).view(-1, 1)
-        scale = torch.where(scale == 0, torch.tensor(torch.finfo(local.dtype).eps, dtype=local.dtype,
-                                                     device=local.device), scale)
-        q_local = torch.round(torch.clamp(local / scale[r0:r0 + n], -128, 127)).to(torch.int8)
+        scale = _int8_scale(shard.partial.to(frame.dtype).view(-1, 1))  # a magnitude is exact in its dtype
+        q_local = _int8_values(frame, scale[r0:r0 + n]).to(torch.int8)
         scales = {"weight_scale": scale}
     weight = DTensor.from_local(q_local, value.device_mesh, value.placements, run_check=False,
                                 shape=value.shape, stride=value.stride())
