@@ -359,3 +359,28 @@ def test_members_that_say_goodbye_and_hang_up_are_not_found_dead(rig, when: str)
     # sender may look at b once before b reads its Reconfigure, and wait once more, as it should)
     assert not [e for e in r.recorder.snapshot()
                 if e.op == "rendezvous" and e.error and not e.error.startswith("late but alive")]
+
+
+def test_members_that_acknowledged_and_left_before_the_attempt_ended_are_in_the_report() -> None:
+    """Two subscribers read their last version in place, acknowledged it and hung up while the
+    attempt was still open; the attempt was given up on (a member found dead), re-sent to the
+    generation left (nobody), and the report said "delivered to nobody" (a CI failure of
+    test_multiprocess's n-subscriber test). Who acknowledged a version has it, gone or not."""
+    from types import SimpleNamespace
+
+    from weightsync.engine.reports import Outcomes
+
+    loop = asyncio.new_event_loop()
+    try:
+        job = Job(version=3, manifest=layout.build_manifest(tensors(16, 1.0)), handle=PutHandle("unit", 3, loop))
+        job.members_done = {"gone", "here"}
+        counted: list[int] = []
+        tally = SimpleNamespace(count=lambda _what: None,
+                                delivered=lambda _nbytes, n, _seconds, _wire: counted.append(n))
+        outcomes = Outcomes("unit", SimpleNamespace(finish=lambda _job, retain: None),
+                            SimpleNamespace(members=["here", "never"]), tally)
+        outcomes.finish(job, time.monotonic())
+        report = loop.run_until_complete(asyncio.wait_for(job.handle.delivered(), 5))
+        assert report.members == ("here", "gone") and counted == [2]
+    finally:
+        loop.close()

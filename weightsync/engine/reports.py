@@ -63,7 +63,10 @@ class Outcomes:
             job.handle.resolve_threadsafe(error=WeightSyncError(
                 f"version {job.version} could not be sent: {error}", channel=self.channel, version=job.version))
             return
-        members = tuple(m for m in self.membership.members if m in job.members_done)
+        # a member that acknowledged the version has it, whether it is still here or left since (a
+        # subscriber that gets its last version and closes may be gone before the attempt ends)
+        current = tuple(self.membership.members)
+        members = tuple(m for m in current if m in job.members_done) + tuple(sorted(job.members_done - set(current)))
         report = delivered(job, members, t0)
         if not members:  # once per streak: a trainer that starts first puts to nobody for a while
             (log.debug if self._nobody_streak else log.warning)(
