@@ -156,12 +156,19 @@ def test_the_codec_refuses_what_is_not_a_delta_of_this_bucket() -> None:
         "no table": wire[:11].clone(),
         "bad magic": wire.clone().index_fill_(0, torch.tensor([0]), 0),
     }
-    table = wire[: 8 * (2 + 4 * len(segs))].clone().view(torch.int64)
-    for name, edit in {"count past the segment": (3, 10**9), "negative length": (4, -1),
-                       "mode unknown": (2, 9)}.items():
-        bad = table.clone()
+    head = wire[: 8 * codec.HEAD].clone().view(torch.int64)
+    told = int(head[2])
+    rows = codec._decompress(memoryview(bytes(wire[8 * codec.HEAD: 8 * codec.HEAD + told])),
+                             8 * codec.FIELDS * len(segs)).view(torch.int64)
+    for name, edit in {"count past the segment": (1, 10**9), "negative length": (3, -1),
+                       "mode unknown": (0, 9)}.items():
+        bad, bad_head = rows.clone(), head.clone()
         bad[edit[0]] = edit[1]
-        forged[name] = torch.cat([bad.view(torch.uint8), wire[bad.numel() * 8:]])
+        bad_head[2] = bad.numel() * 8  # the table as it is
+        forged[name] = torch.cat([bad_head.view(torch.uint8), bad.view(torch.uint8), wire[8 * codec.HEAD + told:]])
+    long_head = head.clone()
+    long_head[2] = 10**6
+    forged["table told longer than it is"] = torch.cat([long_head.view(torch.uint8), wire[8 * codec.HEAD:]])
     for name, bad_wire in forged.items():
         with pytest.raises(codec.DeltaError):
             codec.decode(bad_wire, base, out, segs)
@@ -181,12 +188,14 @@ def test_a_sparse_payload_that_points_past_its_segment_is_refused() -> None:
     segs = layout.segments(manifest, 0, manifest.total_bytes)
     enc = codec.encode(cur, base, segs, auto=False)
     assert enc.modes[0] == codec.SPARSE and enc.changed == 1
-    # the same segment with a gap that lands past its end
-    gaps = codec._bytes(codec._planes(torch.tensor([5000], dtype=torch.int32)))
+    # the same segment with a gap that lands past its end (its 8192 bytes are 1024 words)
+    gaps = codec._bytes(codec._compressor().compress(bytes([codec.LONG]) + (5000).to_bytes(4, "little")))
+    lanes = codec._bytes(codec._compressor().compress(bytes([0b1000_0000])))
     values = codec._bytes(codec._planes(torch.tensor([1], dtype=torch.int16)))
-    table = [codec.MAGIC, len(segs), codec.SPARSE, 1, gaps.numel(), values.numel()]
-    table += [v for s in segs[1:] for v in (codec.SAME, 0, 0, 0)]
-    wire = torch.cat([torch.tensor(table, dtype=torch.int64).view(torch.uint8), gaps, values])
+    table = [codec.SPARSE, 1, 1, gaps.numel(), lanes.numel(), values.numel()]
+    table += [v for s in segs[1:] for v in (codec.SAME, 0, 0, 0, 0, 0)]
+    head = [codec.MAGIC, len(segs), 8 * len(table)]
+    wire = torch.cat([torch.tensor(head + table, dtype=torch.int64).view(torch.uint8), gaps, lanes, values])
     with pytest.raises(codec.DeltaError, match="past"):
         codec.decode(wire, base, torch.empty_like(cur), segs)
 
