@@ -181,6 +181,17 @@ def test_checksums_bench_measures_every_digest_in_cache_and_as_a_transfer_hands_
     assert (tmp_path / "checksums.png").stat().st_size > 10_000
 
 
+def test_codec_bench_times_both_implementations_beside_their_ceilings(tmp_path: Path) -> None:
+    out = run("-m", "benchmarks.codec", "--mib", "8", "--reps", "1", "--out", str(tmp_path))
+    assert out.returncode in (0, 1), out.stdout[-2000:] + out.stderr[-2000:]  # 1: a speed target missed
+    report = msgspec.json.decode((tmp_path / "codec.json").read_bytes())
+    names = {r["what"] for r in report["rates"]}
+    assert {"encode, numpy", "decode, numpy", "encode, torch", "decode, torch"} <= names
+    assert any("ceiling" in n for n in names) and all(r["gbps"] > 0 for r in report["rates"])
+    assert 0.02 < report["changed"] < 0.05 and 0 < report["wire_bytes_per_changed"] < 2
+    assert (tmp_path / "codec.png").stat().st_size > 10_000
+
+
 def test_gloo_wire_bench_measures_every_point_on_both_ends(tmp_path: Path) -> None:
     out = run("-m", "benchmarks.gloo_wire", "--mib", "8", "--buckets", "4,1", "--streams", "1,2", "--reps", "2",
               "--out", str(tmp_path))
