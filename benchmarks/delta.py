@@ -24,6 +24,11 @@ generators' receive time (Announce to readable: decoding and checking included),
 each generator's bytes are the trainer's (each reads the version and sends back its tensors'
 CRC32C digests; the bench waits for both before the next put, so no check overlaps a push).
 
+After the table, where each delta's time went: the encode, the wire at the link's rate, the
+slower generator's decode and verify, each beside its ceiling measured in the same run on one
+thread (the compare pass: one XOR over both versions; a copy of the version), and the time to
+both against the physical limit (compare pass + copy + wire); the plot's third panel stacks them.
+
 Targets on the 2-core development machine (issue 23), for remote generators (the first
 ``group@R`` plane): at lr 1e-6, wire bytes at most 5 % of full, at most 2.5 bytes per changed
 element, time to both at most 0.25x full; at lr 1e-4, on every group plane, ``auto`` at most
@@ -74,6 +79,17 @@ class Push(msgspec.Struct):
     to_both_ms: float
     receive_ms: list[float]  # per generator: Announce to readable
     exact: bool
+    decode_ms: list[float] = []  # per generator: of receive_ms, rebuilding buckets from the delta
+    verify_ms: list[float] = []  # per generator: of receive_ms, taking the buckets' digests
+    link_ms: float = 0.0  # the wire's ceiling: one generator's wire bytes at the link's rate (0: loopback)
+
+
+class Ceilings(msgspec.Struct):
+    """Measured in the same run, one thread, over the version's bf16 bytes: what an encode must at
+    least do (one pass over both versions) and what a decode must at least do (write it once)."""
+
+    copy_ms: float
+    compare_ms: float
 
 
 class Report(msgspec.Struct):
@@ -85,6 +101,7 @@ class Report(msgspec.Struct):
     bf16_bytes: int
     pushes: list[Push]
     targets: dict[str, bool]
+    ceilings: Ceilings | None = None
 
 
 def fingerprint(items: Any) -> str:
@@ -133,16 +150,18 @@ async def generator_main(spec: dict[str, Any]) -> None:
     try:
         async with ws.Subscriber(spec["channel"], address=spec["address"], member_id=spec["member"],
                                  timeout=120, transport=spec["transport"]) as sub:
-            last, received = -1, 0.0
+            last, before = -1, (0.0, 0.0, 0.0)
             while True:
                 async with sub.stream(min_version=last + 1, timeout=3600) as weights:
                     print_ = await asyncio.to_thread(fingerprint, list(weights))
                     last = weights.version
-                total = sub.statistics().receive.total
-                out.write(msgspec.json.encode({"version": last, "fingerprint": print_,
-                                               "receive_ms": (total - received) * 1e3}).decode() + "\n")
+                stats = sub.statistics()
+                now = (stats.receive.total, stats.decode_seconds, stats.verify_seconds)
+                took = [(b - a) * 1e3 for a, b in zip(before, now, strict=True)]
+                out.write(msgspec.json.encode({"version": last, "fingerprint": print_, "receive_ms": took[0],
+                                               "decode_ms": took[1], "verify_ms": took[2]}).decode() + "\n")
                 out.flush()
-                received = total
+                before = now
     except (ws.PublisherGone, ws.Closed, ws.Evicted):
         return
     except Exception as err:  # noqa: BLE001 - reported to the bench, which fails loudly
@@ -174,11 +193,13 @@ async def run(plane: str, args: argparse.Namespace, config: Any, progress: Any) 
     with contextlib.ExitStack() as stack:
         cluster = stack.enter_context(netns.Cluster([float(rate)] * 2)) if rate else None
         address = f"{cluster.trainer_ip}:0" if cluster is not None else None
-        return await _pushes(plane, transport, channel, address, cluster, args, config, progress, LlamaForCausalLM)
+        return await _pushes(plane, transport, channel, address, cluster, args, config, progress, LlamaForCausalLM,
+                             rate)
 
 
 async def _pushes(plane: str, transport: str, channel: str, address: str | None, cluster: Any,
-                  args: argparse.Namespace, config: Any, progress: Any, model_class: Any) -> list[Push]:
+                  args: argparse.Namespace, config: Any, progress: Any, model_class: Any, rate: str = ""
+                  ) -> list[Push]:
     pushes: list[Push] = []
     async with ws.Publisher(channel, address=address, timeout=120, bucket_bytes=64 << 20) as pub:
         gens = [Generator(channel, pub.address, f"gen{i}", transport, cluster, i) for i in range(2)]
@@ -237,7 +258,9 @@ async def _pushes(plane: str, transport: str, channel: str, address: str | None,
                                     report.encode_seconds * 1e3, stall * 1e3, to_both * 1e3,
                                     [a["receive_ms"] for a in answers],
                                     all(a["fingerprint"] == expected and a["version"] == report.version
-                                        for a in answers))
+                                        for a in answers),
+                                    [a["decode_ms"] for a in answers], [a["verify_ms"] for a in answers],
+                                    report.wire_bytes / 2 * 8 / (float(rate) * 1e6) * 1e3 if rate else 0.0)
                         pushes.append(push)
                         progress(push)
                 del model, opt, named, prev
@@ -279,6 +302,55 @@ def check_targets(pushes: list[Push]) -> dict[str, bool]:
     return targets
 
 
+def measure_ceilings(nbytes: int, reps: int = 3) -> Ceilings:
+    """A copy of ``nbytes`` and one XOR pass over two buffers of it, a cache-sized slice at a time
+    (numpy, as the codec), one thread, best of ``reps``."""
+    import numpy as np
+
+    torch.set_num_threads(1)
+    cur, base = torch.ones(nbytes, dtype=torch.uint8), torch.zeros(nbytes, dtype=torch.uint8)
+    out = torch.empty_like(cur)
+    c, b = cur[: nbytes // 8 * 8].numpy().view(np.int64), base[: nbytes // 8 * 8].numpy().view(np.int64)
+    scratch = np.empty(1 << 15, np.int64)
+
+    def compare() -> None:
+        for lo in range(0, c.size, scratch.size):
+            hi = min(lo + scratch.size, c.size)
+            np.bitwise_xor(c[lo:hi], b[lo:hi], out=scratch[: hi - lo])
+
+    def best(fn: Any) -> float:
+        took = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            took.append(time.perf_counter() - t0)
+        return min(took) * 1e3
+
+    ceilings = Ceilings(copy_ms=best(lambda: out.copy_(cur)), compare_ms=best(compare))
+    torch.set_num_threads(os.cpu_count() or 1)
+    return ceilings
+
+
+def limit_ms(p: Push, ceilings: Ceilings) -> float:
+    """The physical limit of one delta version here: one compare pass, one copy, its wire at the link."""
+    return ceilings.compare_ms + ceilings.copy_ms + p.link_ms
+
+
+def breakdown(pushes: list[Push], ceilings: Ceilings) -> str:
+    """Where each delta's time went, beside its ceilings (one thread each; the generator's figures
+    are the slower one's)."""
+    head = ("| plane | lr | step | encode ms (compare pass) | wire ms at the link | decode ms (copy) | verify ms | "
+            "to both ms | / physical limit |\n" + "| --- " * 9 + "|")
+    rows = []
+    for p in pushes:
+        if p.got != "delta" or not p.decode_ms:
+            continue
+        rows.append(f"| {p.transport} | {p.lr:g} | {p.step} | {p.encode_ms:.0f} ({ceilings.compare_ms:.0f}) | "
+                    f"{p.link_ms:.0f} | {max(p.decode_ms):.0f} ({ceilings.copy_ms:.0f}) | {max(p.verify_ms):.0f} | "
+                    f"{p.to_both_ms:.0f} | {p.to_both_ms / limit_ms(p, ceilings):.1f}x |")
+    return "\n".join([head, *rows])
+
+
 def table(pushes: list[Push]) -> str:
     head = ("| plane | lr | step | asked | got | changed | wire / full | B per changed | encode ms | stall ms | "
             "to both ms | receive ms | exact |\n" + "| --- " * 13 + "|")
@@ -295,7 +367,7 @@ def plot(report: Report, path: Path) -> None:
     plt = pyplot()
     if plt is None:
         return
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.4))
     for transport, marker in zip(dict.fromkeys(p.transport for p in report.pushes), "os^v", strict=False):
         for lr in sorted({p.lr for p in report.pushes}):
             auto = [p for p in report.pushes if (p.transport, p.lr) == (transport, lr) and p.encoding != "full"]
@@ -314,10 +386,26 @@ def plot(report: Report, path: Path) -> None:
     axes[1].set_ylabel("time to both generators: auto / full")
     axes[1].axhline(1.0, color="grey", ls="--", lw=0.8)
     axes[1].axhline(0.25, color="grey", ls=":", lw=0.8)
-    for ax in axes:
+    for ax in axes[:2]:
         ax.set_xticks(sorted({p.step for p in report.pushes}))
         ax.set_xlabel("training step")
         ax.legend(fontsize=7)
+    deltas = [p for p in report.pushes if p.got == "delta" and p.decode_ms]
+    if deltas and report.ceilings is not None:  # where each delta's time went, stacked, against its limit
+        ax = axes[2]
+        x = list(range(len(deltas)))
+        parts = [("encode", [p.encode_ms for p in deltas]), ("wire at the link", [p.link_ms for p in deltas]),
+                 ("decode", [max(p.decode_ms) for p in deltas]), ("verify", [max(p.verify_ms) for p in deltas])]
+        bottom = [0.0] * len(deltas)
+        for name, values in parts:
+            ax.bar(x, values, bottom=bottom, label=name)
+            bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+        ax.plot(x, [p.to_both_ms for p in deltas], "k_", markersize=18, mew=2, label="to both (pipelined)")
+        ax.plot(x, [limit_ms(p, report.ceilings) for p in deltas], "r_", markersize=18, mew=2,
+                label="physical limit (compare + copy + link)")
+        ax.set_xticks(x, [f"{p.transport}\n{p.lr:g} s{p.step}" for p in deltas], fontsize=6)
+        ax.set_ylabel("ms (one thread each; generator: the slower one)")
+        ax.legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=3)
     fig.suptitle(f"deltas, {report.params / 1e6:.0f}M-parameter Llama ({report.bf16_bytes / 2**30:.2f} GiB bf16), "
                  f"2 generators, {report.cores} cores")
     fig.tight_layout()
@@ -375,9 +463,13 @@ def main(argv: list[str] | None = None) -> int:
         pushes += asyncio.run(run(plane, args, config, progress))
     if pushes:
         params = pushes[0].nbytes // 2
+    ceilings = measure_ceilings(pushes[0].nbytes) if pushes else None
     report = Report(time.strftime("%Y-%m-%d %H:%M"), str(torch.__version__), cpu_name(), os.cpu_count() or 0,
-                    params, pushes[0].nbytes if pushes else 0, pushes, check_targets(pushes))
+                    params, pushes[0].nbytes if pushes else 0, pushes, check_targets(pushes), ceilings)
     print(table(pushes))
+    if ceilings is not None:
+        print(f"\nwhere each delta's time went (ceilings here, one thread: compare pass {ceilings.compare_ms:.0f} ms, "
+              f"copy {ceilings.copy_ms:.0f} ms)\n" + breakdown(pushes, ceilings))
     name = "delta_copy_false" if args.copy_false else "delta"
     path = write_json(args.out, name, report)
     plot(report, Path(args.out) / f"{name}.png")

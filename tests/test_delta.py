@@ -232,6 +232,10 @@ async def test_many_versions_arrive_as_deltas_bit_exact_on_every_member(lr: floa
             assert max(ratios) < (0.5 if lr == 1e-3 else 0.8), ratios
             stats = pub.statistics()
             assert stats.bytes_on_wire < stats.bytes_delivered and stats.delta_fallbacks == 0
+            for sub, t in zip(subs, transports, strict=True):  # where each member's receives went
+                got = sub.statistics()
+                assert got.verify_seconds > 0 and (got.decode_seconds > 0) == (t == "group"), (t, got)
+                assert got.decode_seconds + got.verify_seconds <= got.receive.total
         finally:
             await asyncio.gather(*(s.aclose() for s in subs))
 

@@ -114,6 +114,9 @@ class SubscriberStatistics(msgspec.Struct, frozen=True):
             destination as it arrived (nothing copied after it was readable).
         receive: from the Announce to the version being readable, per version.
         evicted: True once the publisher dropped this subscriber.
+        decode_seconds: of every receive so far, the time spent rebuilding buckets from their
+            encoding (a delta's decode; 0 for full versions).
+        verify_seconds: of every receive so far, the time spent taking the buckets' digests.
     """
 
     channel: str
@@ -129,6 +132,8 @@ class SubscriberStatistics(msgspec.Struct, frozen=True):
     receive: Quantiles
     evicted: bool
     reads_as_received: int = 0
+    decode_seconds: float = 0.0
+    verify_seconds: float = 0.0
 
 
 class Distribution:
@@ -208,10 +213,17 @@ class SubscriberTally:
         self._lock = threading.Lock()
         self._counts: Counter[str] = Counter()
         self._receive = Distribution()
+        self._seconds: Counter[str] = Counter()
 
     def count(self, what: str, n: int = 1) -> None:
         with self._lock:
             self._counts[what] += n
+
+    def spent(self, decoding: float, verifying: float) -> None:
+        """One bucket's decode and digest time (the receiver thread, as each bucket lands)."""
+        with self._lock:
+            self._seconds["decode"] += decoding
+            self._seconds["verify"] += verifying
 
     def received(self, nbytes: int, seconds: float) -> None:
         with self._lock:
@@ -228,4 +240,5 @@ class SubscriberTally:
                 versions_received=c["versions_received"], bytes_received=c["bytes_received"],
                 receive_failures=c["receive_failures"], checksum_failures=c["checksum_failures"],
                 reads=c["reads"], reads_skipped=c["reads_skipped"], receive=self._receive.quantiles(),
-                evicted=evicted, reads_as_received=c["reads_as_received"])
+                evicted=evicted, reads_as_received=c["reads_as_received"],
+                decode_seconds=self._seconds["decode"], verify_seconds=self._seconds["verify"])

@@ -434,10 +434,12 @@ class Receiver:
             self._hooks.after_bucket(announce.version, i, bucket, began - last[0])
             if decode is not None:
                 decode(i)
+            decoded = time.monotonic()
             if verify and ahead is not None:  # one read: each piece digested, then written while in cache
                 sums.append(ahead.digest_and_write(*ranges[i], kind) if buckets[i].numel() else 0)
             elif verify:
                 sums.append(checksum(buckets[i], kind) if buckets[i].numel() else 0)
+            self.tally.spent(decoded - began if decode is not None else 0.0, time.monotonic() - decoded)
             if placer is not None:
                 placer.place(i)
             if ahead is not None:
