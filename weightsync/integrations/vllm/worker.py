@@ -249,7 +249,7 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         device = self.device if self.device.type == "cuda" and init_info.backend != "gloo" else "cpu"
         sub = Subscriber(init_info.channel, address=init_info.address, secret=init_info.secret,
                          timeout=self._timeout, member_id=member, backend=init_info.backend, device=device,
-                         transport=init_info.transport)
+                         transport=init_info.transport, accepts=checks.engine_format(self.model_config))
         try:
             self._bridge.run(sub.start(), Deadlines.joining(self._timeout) + GRACE,
                              f"joining channel {init_info.channel!r}")
