@@ -26,6 +26,7 @@ INTERNAL_OK = {"benchmarks/control_plane.py": "it measures the control frames' f
                "benchmarks/cost_model.py": "it models the lanes' relay orders with the library's own function",
                "benchmarks/delta.py": "--no-overlap turns off sending delta buckets as they are made, to measure it",
                "benchmarks/gpu_delta.py": "it measures the delta codec itself, on the device and on the host",
+               "benchmarks/codec.py": "it measures the delta codec itself, both implementations, on the host",
                "benchmarks/gloo_wire.py": "it measures gloo's wire alone, its backend made as the group plane's",
                "benchmarks/floor.py": "it times the group path's bare operations: the snapshot's own copier, the "
                                       "digest a publisher picks, gloo made as the group plane makes it"}

@@ -40,6 +40,7 @@ from weightsync.engine.receiver import Receiver, ReceiverState
 from weightsync.engine.slots import SlotPair, copy_into, copy_out
 from weightsync.errors import Closed, PublisherGone, Superseded, SyncTimeout, TransportUnavailable, WeightSyncError
 from weightsync.format import layout, sharding, slicing
+from weightsync.format import quantize as quantization
 from weightsync.options import Deadlines, check_number, parse_address, resolve_device
 from weightsync.planes.dataplane import registered_planes
 from weightsync.planes.group.plane import resolve_backend
@@ -85,11 +86,8 @@ class Subscriber:
             point to point from every trainer rank (docs/sharding.md, "Sliced receive").
             ``get``/``stream``/``load`` then give those boxes, and ``get_into(want)`` writes
             them in place. Always over the group (``transport="shm"`` is refused).
-        accepts: the checkpoint format this member's engine loads, as ``put(quantize=)`` names
-            it (``""``: unquantized weights; ``"fp8-block"``, ``"int8-channel"``), told to the
-            publisher when it joins: a ``put`` in another format is refused there, naming this
-            member, before anything is sent (the vLLM backend sets it from the engine's model).
-            None (the default): any format.
+        accepts: the checkpoint format this member's engine loads (``""``: unquantized, or a
+            ``put(quantize=)`` name): a ``put`` in another one is refused, naming this member.
     """
 
     def __init__(self, name: str, *, address: str, backend: str = "auto",
@@ -98,11 +96,7 @@ class Subscriber:
                  flight_recorder_dir: str | os.PathLike[str] | None = None, transport: str | None = None,
                  want: Mapping[str, torch.Tensor] | None = None, accepts: str | None = None) -> None:
         lifecycle.validate_name("channel name", name)
-        if accepts is not None and accepts != "":
-            from weightsync.format import quantize as quantization
-
-            quantization.format_of(accepts)  # ValueError naming the formats there are
-        self._accepts = accepts
+        self._accepts = accepts if not accepts else quantization.format_of(accepts).name
         transport = transport or testing.default_transport()
         if transport not in TRANSPORTS and transport not in registered_planes():
             raise ValueError(f"transport must be one of {TRANSPORTS} or a registered plane, got {transport!r}")
@@ -125,8 +119,8 @@ class Subscriber:
             "member_id", member_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}")
         self._secret = auth.resolve_secret(secret)
         self._recorder = recorder or process_recorder()
-        default_dir = f"{name}-{address.replace(':', '-')}"
-        self._recorder.configure(directory=flight_recorder_dir, label=self.member_id, default_directory=default_dir)
+        self._recorder.configure(directory=flight_recorder_dir, label=self.member_id,
+                                 default_directory=f"{name}-{address.replace(':', '-')}")
         self._rec = self._recorder.scope(name, self.member_id)
         self._slots = SlotPair(self.device if self.backend == "nccl" else torch.device("cpu"))
         if transport == "shm" and self._slots.device.type != "cpu":
@@ -134,8 +128,7 @@ class Subscriber:
                                        f"backend={self.backend!r} receives on the GPU", channel=name)
         self._want = None if want is None else slicing.wants_of(want)
         if self._want is not None and transport == "shm":
-            raise TransportUnavailable("want= receives point to point over the group; transport='shm' copies whole "
-                                       "versions", channel=name)
+            raise TransportUnavailable("want= receives over the group; 'shm' copies whole versions", channel=name)
         # the publisher's shared memory holds host bytes of whole tensors: a member receiving into a
         # device, or receiving slices, takes the group instead
         if transport == "auto" and (self._slots.device.type != "cpu" or self._want is not None):
