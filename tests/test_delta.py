@@ -191,7 +191,7 @@ def test_a_sparse_payload_that_points_past_its_segment_is_refused() -> None:
     # the same segment with a gap that lands past its end (its 8192 bytes are 1024 words)
     gaps = codec._bytes(codec._compressor().compress(bytes([codec.LONG]) + (5000).to_bytes(4, "little")))
     lanes = codec._bytes(codec._compressor().compress(bytes([0b1000_0000])))
-    values = codec._bytes(codec._planes(torch.tensor([1], dtype=torch.int16)))
+    values = codec._planes(torch.tensor([1], dtype=torch.int16))
     table = [codec.SPARSE, 1, 1, gaps.numel(), lanes.numel(), values.numel()]
     table += [v for s in segs[1:] for v in (codec.SAME, 0, 0, 0, 0, 0)]
     head = [codec.MAGIC, len(segs), 8 * len(table)]

@@ -7,11 +7,12 @@ arithmetic, so ``-0.0``, NaNs and every rounding survive). Each segment is sent 
 
 - ``SAME``: no element changed; nothing on the wire.
 - ``SPARSE``: the segment is read as 8-byte *words* (the last one padded with zeros). Three
-  payloads, each compressed with zstd: the gaps between the words that changed (``int32`` byte
-  planes: all first bytes, then all second bytes...), which elements (*lanes*) of each such word
-  changed (one bit each; none for 8-byte elements), and the changed elements' XOR with the base
-  (byte planes). A word is compared whole, so the one pass that finds what changed looks at a
-  quarter of bf16's elements, and the lanes are read only in the few words that changed. At RL
+  payloads, each compressed with zstd: the gaps between the words that changed (a byte each; a
+  gap of 255 or more as 255, its length among the long gaps after them), which elements (*lanes*)
+  of each such word changed (one bit each; none for 8-byte elements), and the changed elements'
+  XOR with the base in byte planes (all first bytes, then all second bytes...). A word is
+  compared whole, so the one pass that finds what changed looks at a quarter of bf16's elements,
+  and the lanes are read only in the few words that changed. At RL
   learning rates a changed bf16 element differs in its low mantissa bits and the words that
   changed are close together, so the high planes are nearly all zeros (about 1.2 bytes per
   changed element at lr 1e-6: docs/deltas.md).
@@ -97,7 +98,7 @@ def _compressor() -> Any:
     return made
 
 
-def _planes(values: torch.Tensor) -> bytes:
+def _planes(values: torch.Tensor) -> torch.Tensor:
     """``values`` (one element per row of bytes) as byte planes, compressed."""
     size = values.element_size()
     raw = values.contiguous().view(torch.uint8)
@@ -107,11 +108,8 @@ def _planes(values: torch.Tensor) -> bytes:
         planes = np.empty((size, whole.size), np.uint8)
         for i in range(size):  # plane i: each element's byte i (shifts: faster than a transposing copy)
             np.right_shift(whole, 8 * i, out=planes[i], casting="unsafe")
-        return _compressor().compress(planes)
-    if size > 1:
-        raw = raw.view(-1, size).t().contiguous()
-    host = raw.cpu()  # contiguous already: read in place
-    return _compressor().compress(_host_view(host) if host.numel() else b"")
+        return _zip(torch.from_numpy(planes).view(-1))
+    return _zip(raw.view(-1, size).t() if size > 1 else raw)
 
 
 def _decompress(data: memoryview, nbytes: int, *, exact: bool = True) -> torch.Tensor:
@@ -276,7 +274,7 @@ def _sparse(cur: torch.Tensor, base: torch.Tensor, size: int) -> tuple[int, int,
     else:
         mask, values = _lanes(xor, size)
         lanes = _zip(_packbits(mask))
-    parts += [lanes, _bytes(_planes(values))]
+    parts += [lanes, _planes(values)]
     return values.numel(), pos.numel(), parts
 
 
@@ -308,21 +306,18 @@ def _gaps_back(j: int, raw: torch.Tensor, words: int) -> torch.Tensor:
     """The word positions (``int64``, ascending) from :func:`_gap_bytes`' form; DeltaError if the
     long gaps do not add up or a position is negative."""
     np = _np()
-    lib: Any = np if np is not None else torch
-    short: Any = raw[:words].numpy() if np is not None else raw[:words]
-    long_at = lib.flatnonzero(short == LONG) if np is not None else (short == LONG).nonzero().flatten()
-    if raw.numel() != words + 4 * len(long_at):
-        raise DeltaError(f"segment {j}: {raw.numel() - words} bytes of long gaps for {len(long_at)} of them")
-    gaps: Any = short.astype(np.int64) if np is not None else short.to(torch.int64)
-    if len(long_at):
+    short = raw[:words]
+    long_at = (torch.from_numpy(np.flatnonzero(short.numpy() == LONG)) if np is not None
+               else (short == LONG).nonzero().flatten())
+    if raw.numel() != words + 4 * long_at.numel():
+        raise DeltaError(f"segment {j}: {raw.numel() - words} bytes of long gaps for {long_at.numel()} of them")
+    gaps = short.to(torch.int64)
+    if long_at.numel():
         longs = raw[words:].clone().view(torch.int32).to(torch.int64)
         if int(longs.min()) < LONG:
             raise DeltaError(f"segment {j}: a long gap under {LONG}")
-        gaps[long_at] = longs.numpy() if np is not None else longs
-    gaps += 1
-    pos = lib.cumsum(gaps, 0)
-    pos -= 1
-    return torch.from_numpy(pos) if np is not None else pos
+        gaps[long_at] = longs
+    return torch.cumsum(gaps + 1, 0) - 1
 
 
 def encode(cur: torch.Tensor, base: torch.Tensor, segs: Sequence[Segment], *, auto: bool) -> Encoded:
@@ -345,7 +340,7 @@ def encode(cur: torch.Tensor, base: torch.Tensor, segs: Sequence[Segment], *, au
         elif dense:
             xor = torch.bitwise_xor(c.view(dtype), b.view(dtype))
             k = int(torch.count_nonzero(xor))
-            mode, parts = XOR, [_bytes(_planes(xor))]
+            mode, parts = XOR, [_planes(xor)]
         else:
             k, words, parts = _sparse(c, b, seg.size)
             mode = SPARSE if k else SAME

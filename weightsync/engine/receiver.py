@@ -431,6 +431,7 @@ class Receiver:
             began = time.monotonic()
             bucket = wire.wire[i][:64].clone() if faulty else wire.wire[i]
             self._hooks.after_bucket(announce.version, i, bucket, began - last[0])
+            decoding = time.monotonic()  # the fault hooks' time is not the decode's
             if decode is not None:
                 decode(i)
             decoded = time.monotonic()
@@ -438,7 +439,7 @@ class Receiver:
                 sums.append(ahead.digest_and_write(*ranges[i], kind) if buckets[i].numel() else 0)
             elif verify:
                 sums.append(checksum(buckets[i], kind) if buckets[i].numel() else 0)
-            self.tally.spent(decoded - began if decode is not None else 0.0, time.monotonic() - decoded)
+            self.tally.spent(decoded - decoding if decode is not None else 0.0, time.monotonic() - decoded)
             if placer is not None:
                 placer.place(i)
             if ahead is not None:

@@ -494,9 +494,10 @@ class Publisher:
         self._tally.put_returned(handle.version, time.perf_counter() - began)
         return handle
 
-    def _refuse_formats(self, fmt: str) -> None:
-        """A version in a format a member's engine does not load is refused before anything is made
-        (its engine would refuse it at the load, after the wire), naming the member."""
+    def _refuse_formats(self, quantize: str | None) -> None:
+        """A format weightsync does not write, or one a member's engine does not load, is refused
+        before anything is made (its engine would refuse it at the load, after the wire)."""
+        fmt = "" if quantize is None else quantization.format_of(quantize).name
         assert self._control is not None
         other = {member: loads for member, loads in self._control.formats().items() if loads != fmt}
         if other:
@@ -513,9 +514,7 @@ class Publisher:
         self._check_running()
         assert self._put_lock is not None and self._loop is not None
         items = layout.as_items(tensors, sharded=self.world_size > 1)
-        if quantize is not None:
-            quantization.format_of(quantize)
-        self._refuse_formats(quantize or "")
+        self._refuse_formats(quantize)
         if quantize is not None:
             # off the event loop: a large version's quantization on the host takes seconds
             if self.world_size > 1:  # each rank its own shards, the scales agreed over the weights' meshes
