@@ -48,10 +48,12 @@ env: $(STAMP)
 env-vllm: $(VLLM_STAMP)
 
 # twice: the engine's workers on the trainer's host copy out of its shared memory (the default),
-# and through the group, as engines on other hosts receive
+# and through the group, as engines on other hosts receive; each pass on two workers, a driver's engines
+# on a core of each (docs/testing.md), and what must run alone after them
 test-vllm: $(VLLM_STAMP)
-	$(VLLM_VENV)/bin/python -m pytest -m vllm -n 2 --dist loadgroup --transport auto $(PYTEST_ARGS)
-	$(VLLM_VENV)/bin/python -m pytest -m vllm -n 2 --dist loadgroup --transport group $(PYTEST_ARGS)
+	$(VLLM_VENV)/bin/python -m pytest -m "vllm and not alone" -n 2 --dist loadgroup --transport auto $(PYTEST_ARGS)
+	$(VLLM_VENV)/bin/python -m pytest -m "vllm and alone" --transport auto $(PYTEST_ARGS)
+	$(VLLM_VENV)/bin/python -m pytest -m "vllm and not alone" -n 2 --dist loadgroup --transport group $(PYTEST_ARGS)
 
 demo-vllm: $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/python -m rl_examples.vllm_grpo

@@ -593,3 +593,35 @@ def test_an_engine_refuses_a_version_in_another_format_before_loading() -> None:
     assert checks.format_problem(int8, quantized) is None
     assert "unquantized" in (checks.format_problem(config(None), quantized) or "")
     assert checks.format_problem(config("awq", {}), bf16) is None  # a format weightsync does not write: not checked
+
+
+def test_a_load_recorder_names_the_box_each_loader_reads_from_views_of_one_slot() -> None:
+    """issue 58: what a vLLM worker's loaders read of each checkpoint tensor, recorded as they run
+    (integrations/vllm/plan.py, torch only): a column-parallel narrow, a row-parallel narrow, a
+    conversion, a read through a reshape across rows (the whole tensor), a tensor never read (no
+    box); the tensors are views of one receive slot, sliced while the recorder runs, and the slot
+    itself is no read of its first tensor."""
+    from weightsync.integrations.vllm.plan import LoadRecorder
+
+    slot = torch.arange(24 + 24 + 5 + 12 + 3, dtype=torch.float32)
+    spans = {"col": (0, (4, 6)), "row": (24, (4, 6)), "norm": (48, (5,)), "reshaped": (53, (3, 4)),
+             "unread": (65, (3,))}
+    rows, cols, norm = torch.empty(2, 6), torch.empty(4, 3), torch.empty(5, dtype=torch.bfloat16)
+    with LoadRecorder() as rec:
+        pairs = ((n, slot[a:a + int(torch.tensor(sh).prod())].view(sh)) for n, (a, sh) in spans.items())
+        for name, t in rec.watch(pairs):
+            if name == "col":
+                rows.copy_(t.narrow(0, 2, 2))  # rank 1 of 2: the second half of the rows
+            elif name == "row":
+                cols.copy_(t.narrow(1, 3, 3))  # rank 1 of 2: the second half of the columns
+            elif name == "norm":
+                norm.copy_(t.to(torch.bfloat16))
+            elif name == "reshaped":
+                t.view(2, 6).sum()
+            assert t.shape == spans[name][1]  # metadata reads are no reads
+    plan = rec.plan()
+    boxes = {name: spec["box"] for name, spec in plan["tensors"].items()}
+    assert boxes == {"col": [[2, 0], [2, 6]], "row": [[0, 3], [4, 3]], "norm": [[0], [5]],
+                     "reshaped": [[0, 0], [3, 4]], "unread": None}
+    assert plan["version_bytes"] == 68 * 4 and plan["needed_bytes"] == (12 + 12 + 5 + 12) * 4
+    assert torch.equal(rows, slot[12:24].view(2, 6)) and torch.equal(cols, slot[24:48].view(4, 6)[:, 3:])

@@ -160,6 +160,7 @@ class TensorParallelReport(msgspec.Struct):
     lora_pushed: Generation  # an adapter pushed in memory, requested as math@1
     lora_disk: Generation  # the same adapter read by vLLM from its PEFT directory
     lora_held: list[dict]  # each worker's engine_info adapters
+    plans: list[dict]  # engine_plans: what each worker's loaders read of each tensor in version 1's load
 
 
 def tensor_parallel(result: Path, work: Path) -> None:
@@ -171,7 +172,14 @@ def tensor_parallel(result: Path, work: Path) -> None:
 
     import weightsync as ws
     from rl_examples import _llama
-    from weightsync.integrations.vllm import engine_info, init_adapters, lora_request, update, update_adapters
+    from weightsync.integrations.vllm import (
+        engine_info,
+        engine_plans,
+        init_adapters,
+        lora_request,
+        update,
+        update_adapters,
+    )
 
     peft = peft_adapter(_llama.build(work / "A", seed=0), seed=1)
     peft.save_pretrained(str(work / "L1"))
@@ -186,7 +194,7 @@ def tensor_parallel(result: Path, work: Path) -> None:
                                                        "transport": TRANSPORT}})
         trainer.put(1)
         version = update(llm, 1, timeout=60)
-        info, after = engine_info(llm), generate(llm)
+        info, after, plans = engine_info(llm), generate(llm), engine_plans(llm)
         with ws.BlockingAdapterPublisher("lora", timeout=30.0, activation="all") as pub:
             init_adapters(llm, pub.address, "lora", timeout=30, transport=TRANSPORT)
             pub.put("math", adapter, version=1).delivered(timeout=60)
@@ -194,7 +202,7 @@ def tensor_parallel(result: Path, work: Path) -> None:
             pushed = generate(llm, lora_request("math", 1))
             held = [w["adapters"] for w in engine_info(llm)]
         disk = generate(llm, LoRARequest("disk", 9001, str(work / "L1")))
-        report = TensorParallelReport(version, info, before, after, pushed, disk, held)
+        report = TensorParallelReport(version, info, before, after, pushed, disk, held, plans)
     finally:
         trainer.kill()
     result.write_bytes(msgspec.json.encode(report))

@@ -21,7 +21,8 @@ from typing import Any
 
 BACKEND = "weightsync"
 
-__all__ = ["BACKEND", "LLMClient", "engine_digests", "engine_info", "init_adapters", "lora_request", "register",
+__all__ = ["BACKEND", "LLMClient", "engine_digests", "engine_info", "engine_plans", "init_adapters", "lora_request",
+           "register",
            "update", "update_adapters", "update_merged", "verify"]
 
 
@@ -114,6 +115,15 @@ def engine_digests(llm: Any) -> list[dict[str, str]]:
     parameter (docs/vllm.md). Two engines of the same model and layout that serve the same weights
     give the same digests: compare an updated engine with one loaded from the same checkpoint."""
     return list(llm.collective_rpc("weight_transfer_engine", args=("digests",)))
+
+
+def engine_plans(llm: Any) -> list[dict[str, Any] | None]:
+    """Per worker: what its own loaders read of each checkpoint tensor in its last full load (None
+    before one), recorded as they ran (``plan.py``): ``{"tensors": {name: {"shape", "box"}},
+    "needed_bytes", "version_bytes"}``, a box being ``[offset, shape]`` per dimension and None for a
+    tensor the worker never read. A tensor-parallel worker's ``needed_bytes`` is about its share of
+    the version (docs/vllm.md, "What each worker reads")."""
+    return list(llm.collective_rpc("weight_transfer_engine", args=("plan",)))
 
 
 def verify(llm: Any, reference: Any, *, min_version: int, timeout: float | None = None) -> int:

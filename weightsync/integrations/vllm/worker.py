@@ -41,7 +41,7 @@ from vllm.distributed.weight_transfer.base import (
 from weightsync.control.engines import disagrees
 from weightsync.errors import EngineMismatch, Superseded, SyncTimeout, WeightSyncError
 from weightsync.format import adapters as adapter_format
-from weightsync.integrations.vllm import checks, replica
+from weightsync.integrations.vllm import checks, plan, replica
 from weightsync.integrations.vllm.adapters import AdapterChannel, AdapterInitInfo
 from weightsync.integrations.vllm.replica import GRACE
 from weightsync.options import Deadlines
@@ -126,6 +126,7 @@ class UpdateStats:
     load_s: float  # model.load_weights plus finalizing the layerwise reload (or the sparse patches)
     nbytes: int
     patched: tuple[int, int] | None = None  # loaded as sparse patches: (tensors, elements); None: in full
+    received_bytes: int = 0  # what this worker's member received of it (the whole version: no sliced receive yet)
 
 
 class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdateInfo]):
@@ -162,6 +163,7 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         self._layout = ""
         self.adapters: AdapterChannel | None = None  # the adapter channel this worker follows, if any
         self.merged: str | None = None  # merged mode: the adapter version merged into the weights served
+        self.plan: dict[str, Any] | None = None  # what the last full load's loaders read of each tensor (plan.py)
 
     def __call__(self, what: str = "info", payload: dict[str, Any] | None = None) -> Any:
         """What ``collective_rpc("weight_transfer_engine", args=(what,))`` returns per worker, as plain
@@ -175,15 +177,19 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
             return self._adapter_call(what, payload or {})
         if what == "digests":
             return checks.engine_parameter_digests(self.model)
+        if what == "plan":
+            return self.plan
         if what == "zero":  # the engine no longer holds any version: the next update loads in full
             self.version = None
             return checks.zero_parameters(self.model)
         if what != "info":
-            raise ValueError(f"weightsync engine: unknown request {what!r} (info, digests, zero)")
+            raise ValueError(f"weightsync engine: unknown request {what!r} (info, digests, plan, zero)")
         last = self.last
         return {"backend": "weightsync", "version": self.version, "member": self._member,
                 "wait_s": None if last is None else last.wait_s, "load_s": None if last is None else last.load_s,
                 "nbytes": None if last is None else last.nbytes,
+                "received_bytes": None if last is None else last.received_bytes,
+                "plan_bytes": None if self.plan is None else self.plan["needed_bytes"],
                 "patched": None if last is None else last.patched, "patch_fallbacks": self.patch_fallbacks,
                 "failed": self.failed, "refreshed": self.refreshed, "reloads": self.reloads,
                 "agreement": self.agreement, "compare_s": self.compare_s,
@@ -341,7 +347,9 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
             self._reloading, self._full = True, True
             with _no_mtp_check():
                 pairs = self._tensors(weights) if tensors is None else tensors
-                loaded = self.model.load_weights(iter(pairs))  # type: ignore[operator]
+                with plan.LoadRecorder() as recorder:  # what this worker's loaders read of each tensor
+                    loaded = self.model.load_weights(recorder.watch(pairs))  # type: ignore[operator]
+            self.plan = recorder.plan()
             self._loaded = None if loaded is None else set(loaded)
         except BaseException:
             self._release()  # finalizes the reload: layers that loaded nothing keep their old tensors
@@ -364,7 +372,7 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         self.failed = None
         self.version = weights.version
         self.last = UpdateStats(weights.version, self._wait_s, time.monotonic() - self._load_began, weights.nbytes,
-                                self._patched)
+                                self._patched, weights.nbytes)
         log.info("vLLM worker %s now serves version %d (waited %.3fs, loaded %.3fs)", self._member, self.version,
                  self.last.wait_s, self.last.load_s)
 
