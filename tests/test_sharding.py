@@ -368,8 +368,9 @@ async def test_fsdp2_ranks_to_a_sliced_tensor_parallel_generator(procs: Procs, t
 
 @pytest.mark.asyncio
 async def test_a_want_that_does_not_fit_stops_that_member_with_the_reason_and_nobody_else() -> None:
-    """A sliced member asking for a box the version does not have gets ManifestMismatch naming the
-    tensor; the publisher delivers to the others. want= never rides shared memory."""
+    """A sliced member asking for a box the version does not have, or a tensor it does not carry,
+    gets ManifestMismatch naming the tensor; the publisher delivers to the others. want= never
+    rides shared memory."""
     with pytest.raises(ws.TransportUnavailable):
         ws.Subscriber("misfit", address="127.0.0.1:1", want={"w": torch.empty(2)}, transport="shm")
     async with ws.Publisher("misfit", timeout=5.0, heartbeat_interval=0.25) as pub:
@@ -377,14 +378,18 @@ async def test_a_want_that_does_not_fit_stops_that_member_with_the_reason_and_no
                 ws.Subscriber("misfit", address=pub.address, member_id="wrong", timeout=5.0,
                               want={"w": torch.empty(5, 3)}) as wrong, \
                 ws.Subscriber("misfit", address=pub.address, member_id="part", timeout=5.0,
-                              want={"b": torch.empty(2, dtype=torch.int16)}) as part:
+                              want={"b": torch.empty(2, dtype=torch.int16)}) as part, \
+                ws.Subscriber("misfit", address=pub.address, member_id="ghost", timeout=5.0,
+                              want={"b": torch.empty(2, dtype=torch.int16), "ghost": torch.empty(3)}) as ghost:
             assert wrong.transport == "group" and part.transport == "group"
-            await pub.wait_subscribers(3, timeout=30)
+            await pub.wait_subscribers(4, timeout=30)
             sd = {"w": torch.arange(12.0).reshape(4, 3), "b": torch.tensor([7, 8], dtype=torch.int16)}
             report = await (await pub.put(sd, version=1)).delivered(timeout=30)
             assert set(report.members) == {"whole", "part"}
             with pytest.raises(ws.ManifestMismatch, match="'w'.*does not fit"):
                 await wrong.get(min_version=1, timeout=10)
+            with pytest.raises(ws.ManifestMismatch, match="'ghost' is wanted but not in the version"):
+                await ghost.get(min_version=1, timeout=10)
             got = await whole.get(min_version=1, timeout=10)
             assert torch.equal(got["w"], sd["w"]) and torch.equal(got["b"], sd["b"])
             mine = await part.get(min_version=1, timeout=10)
@@ -606,7 +611,8 @@ def test_a_want_that_does_not_fit_the_version_is_refused_by_name() -> None:
         slicing.sliced_manifest(manifest, [_wire.Want("w", (2, 0), (3, 3))])
     with pytest.raises(ValueError, match="twice"):
         slicing.sliced_manifest(manifest, [_wire.Want("w", (0, 0), (1, 3))] * 2)
-    assert slicing.sliced_manifest(manifest, [_wire.Want("other", (0,), (1,))]).tensors == ()
+    with pytest.raises(ValueError, match="'other' is wanted but not in the version"):  # issue 58's bad input
+        slicing.sliced_manifest(manifest, [_wire.Want("w", (0, 0), (1, 3)), _wire.Want("other", (0,), (1,))])
     with pytest.raises(TypeError):
         slicing.wants_of({"w": [1, 2]})
 

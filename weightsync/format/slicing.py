@@ -56,12 +56,18 @@ def wants_of(dest: Mapping[str, Any]) -> tuple[_wire.Want, ...]:
 
 def sliced_manifest(full: _wire.Manifest, wants: Sequence[_wire.Want]) -> _wire.Manifest:
     """A sliced member's slot layout: its boxes of ``full``'s tensors, packed in ``full``'s order.
-    Raises ValueError for a box that does not fit its tensor; names ``full`` lacks are left out."""
+    Raises ValueError for a box that does not fit its tensor, a name wanted twice, or a name
+    ``full`` does not hold (a member would otherwise wait for a tensor no version carries)."""
     boxes: dict[str, _wire.Want] = {}
     for want in wants:
         if want.name in boxes:
             raise ValueError(f"{want.name!r} is wanted twice")
         boxes[want.name] = want
+    unknown = sorted(set(boxes) - {spec.name for spec in full.tensors})
+    if unknown:
+        raise ValueError(f"{', '.join(map(repr, unknown[:6]))}{' ...' if len(unknown) > 6 else ''} "
+                         f"{'is' if len(unknown) == 1 else 'are'} wanted but not in the version "
+                         f"(it holds {len(full.tensors)} tensors)")
     specs = []
     for spec in full.tensors:
         box = boxes.get(spec.name)
