@@ -615,6 +615,11 @@ def test_a_want_that_does_not_fit_the_version_is_refused_by_name() -> None:
         slicing.sliced_manifest(manifest, [_wire.Want("w", (0, 0), (1, 3)), _wire.Want("other", (0,), (1,))])
     with pytest.raises(TypeError):
         slicing.wants_of({"w": [1, 2]})
+    # a box as (offset, shape): what a vLLM worker's loaders read (integrations/vllm/plan.py)
+    assert slicing.wants_of({"w": ((2, 0), (2, 3))}) == (_wire.Want("w", (2, 0), (2, 3)),)
+    for bad in (((2,), (2, 3)), ((-1, 0), (2, 3)), ((0, 0), (2, True))):
+        with pytest.raises(ValueError, match="a box is"):
+            slicing.wants_of({"w": bad})
 
 
 def test_a_placement_outside_the_full_layout_is_a_protocol_error_not_a_write() -> None:

@@ -239,6 +239,20 @@ def test_each_tensor_parallel_worker_reads_its_share_of_each_tensor_through_its_
     assert sliced_dims == {0, 1}  # column-parallel rows and row-parallel columns, from the loaders alone
 
 
+def test_tensor_parallel_workers_receive_only_what_their_loaders_read_and_serve_the_same_weights(
+        tp_report: driver.TensorParallelReport) -> None:
+    """issue 58: with ``sliced=True`` each worker joins again after its first full load wanting only
+    the boxes its loaders read; its parameters are zeroed and the next version (the same weights)
+    arrives as those boxes, about half of it per worker: every engine parameter's digest is what
+    the whole load left, and the engine generates the same tokens and logprobs."""
+    for info, plan in zip(tp_report.sliced_info, tp_report.plans, strict=True):
+        assert info["version"] == 2 and info["member"].endswith("-sliced") and info["failed"] is None, info
+        assert info["nbytes"] == plan["version_bytes"] and info["received_bytes"] == plan["needed_bytes"], info
+        assert 0.49 < info["received_bytes"] / info["nbytes"] < 0.51
+    assert tp_report.digests_sliced == tp_report.digests_whole
+    assert tp_report.sliced == tp_report.after
+
+
 def test_vllm_trainer_api_switches_backend_by_name(report: driver.Report) -> None:
     # checkpoint A sent back through WeightTransferTrainerFactory: the engine's first outputs return
     assert report.trainer_api_version == 1

@@ -161,18 +161,25 @@ class TensorParallelReport(msgspec.Struct):
     lora_disk: Generation  # the same adapter read by vLLM from its PEFT directory
     lora_held: list[dict]  # each worker's engine_info adapters
     plans: list[dict]  # engine_plans: what each worker's loaders read of each tensor in version 1's load
+    sliced_info: list[dict]  # engine_info after version 2, received as each worker's boxes into a zeroed engine
+    sliced: Generation
+    digests_whole: list[dict]  # engine_digests after version 1 (whole) and version 2 (sliced): the same weights
+    digests_sliced: list[dict]
 
 
 def tensor_parallel(result: Path, work: Path) -> None:
     """A TP=2 engine with LoRA on (two workers, two subscribers of each channel) takes version 1:
     each loads full tensors and its ``load_weights`` slices them; both must serve the same version.
-    Then an adapter pushed in memory, which each worker registers whole (vLLM's LoRA layers slice
-    it per rank), against the same adapter read from its PEFT directory on this engine."""
+    With ``sliced`` on, each worker then joins again wanting only what its loaders read of version
+    1 (issue 58), its parameters are zeroed, and version 2 (the same weights) arrives as those
+    boxes. Then an adapter pushed in memory, which each worker registers whole (vLLM's LoRA layers
+    slice it per rank), against the same adapter read from its PEFT directory on this engine."""
     from vllm.lora.request import LoRARequest
 
     import weightsync as ws
     from rl_examples import _llama
     from weightsync.integrations.vllm import (
+        engine_digests,
         engine_info,
         engine_plans,
         init_adapters,
@@ -191,10 +198,14 @@ def tensor_parallel(result: Path, work: Path) -> None:
         before = generate(llm)
         llm.init_weight_transfer_engine({"init_info": {"address": trainer.address, "channel": CHANNEL,
                                                        "secret": secret, "timeout": 30,
-                                                       "transport": TRANSPORT}})
+                                                       "transport": TRANSPORT, "sliced": True}})
         trainer.put(1)
         version = update(llm, 1, timeout=60)
-        info, after, plans = engine_info(llm), generate(llm), engine_plans(llm)
+        info, after, plans, digests_whole = engine_info(llm), generate(llm), engine_plans(llm), engine_digests(llm)
+        llm.collective_rpc("weight_transfer_engine", args=("zero",))  # what the slices do not write shows
+        trainer.put(2)
+        update(llm, 2, timeout=60)
+        sliced_info, sliced, digests_sliced = engine_info(llm), generate(llm), engine_digests(llm)
         with ws.BlockingAdapterPublisher("lora", timeout=30.0, activation="all") as pub:
             init_adapters(llm, pub.address, "lora", timeout=30, transport=TRANSPORT)
             pub.put("math", adapter, version=1).delivered(timeout=60)
@@ -202,7 +213,8 @@ def tensor_parallel(result: Path, work: Path) -> None:
             pushed = generate(llm, lora_request("math", 1))
             held = [w["adapters"] for w in engine_info(llm)]
         disk = generate(llm, LoRARequest("disk", 9001, str(work / "L1")))
-        report = TensorParallelReport(version, info, before, after, pushed, disk, held, plans)
+        report = TensorParallelReport(version, info, before, after, pushed, disk, held, plans, sliced_info, sliced,
+                                      digests_whole, digests_sliced)
     finally:
         trainer.kill()
     result.write_bytes(msgspec.json.encode(report))

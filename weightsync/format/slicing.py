@@ -29,9 +29,9 @@ Run = tuple[int, int, int]  # (offset in the bucket, offset in the member's slot
 
 def wants_of(dest: Mapping[str, Any]) -> tuple[_wire.Want, ...]:
     """What a generator holding ``dest`` receives: each DTensor's local box (nothing where this
-    rank is not in its mesh), each plain tensor whole."""
+    rank is not in its mesh), each plain tensor whole, each ``(offset, shape)`` pair that box."""
     if not isinstance(dest, Mapping) or not dest:
-        raise ValueError("want must be a non-empty mapping of names to tensors or DTensors (the engine's own)")
+        raise ValueError("want must be a non-empty mapping of names to tensors, DTensors or (offset, shape) boxes")
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     out = []
@@ -49,8 +49,15 @@ def wants_of(dest: Mapping[str, Any]) -> tuple[_wire.Want, ...]:
             out.append(_wire.Want(name, tuple(int(o) for o in offset), tuple(int(n) for n in shape)))
         elif isinstance(value, torch.Tensor):
             out.append(_wire.Want(name, (0,) * value.dim(), tuple(value.shape)))
+        elif isinstance(value, tuple) and len(value) == 2 and all(isinstance(v, (tuple, list)) for v in value):
+            offset, shape = (tuple(v) for v in value)
+            if len(offset) != len(shape) or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0
+                                                    for n in offset + shape):
+                raise ValueError(f"{name!r}: a box is (offset, shape), ints >= 0 of one length each, got {value!r}")
+            out.append(_wire.Want(name, offset, shape))
         else:
-            raise TypeError(f"{name!r}: want's values must be tensors or DTensors, got {type(value).__name__}")
+            raise TypeError(f"{name!r}: want's values must be tensors, DTensors or (offset, shape) boxes, "
+                            f"got {type(value).__name__}")
     return tuple(out)
 
 

@@ -12,8 +12,10 @@ cannot be described as a box counts as the whole tensor (read whole). A tensor t
 read (another rank's experts, a buffer the model recomputes) has no box.
 
 This module imports torch only (no vLLM): the worker wraps its full loads in a recorder and
-reports the plan (:meth:`LoadRecorder.plan`) in ``engine_info``; docs/vllm.md, "What each
-worker reads".
+reports the plan (:meth:`LoadRecorder.plan`) in ``engine_info``; with ``sliced=True`` it then
+joins the channel wanting only those boxes (:func:`boxes`) and hands its loaders each received box
+inside a tensor of the checkpoint's shape (:func:`expanded`); docs/vllm.md, "What each worker
+reads".
 """
 
 from __future__ import annotations
@@ -139,3 +141,25 @@ def _box(view: torch.Tensor, base: torch.Tensor) -> Box:
     if any(b + e >= size for b, e, size in zip(start, extent, base.shape, strict=True)):
         return whole  # the view runs past a row: its elements are not one box
     return tuple(start), tuple(e + 1 for e in extent)
+
+
+def boxes(plan: dict[str, Any]) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
+    """A plan's boxes as ``Subscriber(want=)`` takes them; tensors never read are not wanted."""
+    return {name: (tuple(spec["box"][0]), tuple(spec["box"][1])) for name, spec in plan["tensors"].items()
+            if spec["box"] is not None}
+
+
+def expanded(pairs: Iterable[tuple[str, torch.Tensor]], plan: dict[str, Any]
+             ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each received box as the loaders expect it: in a tensor of the checkpoint tensor's shape,
+    zeros around it (the loaders read only the box: that is how it was recorded). One such tensor
+    is alive at a time while the loader consumes the pairs one by one."""
+    for name, part in pairs:
+        spec = plan["tensors"].get(name)
+        if spec is None or spec["box"] is None or list(part.shape) == spec["shape"]:
+            yield name, part
+            continue
+        whole = part.new_zeros(spec["shape"])
+        offset, shape = spec["box"]
+        whole[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))].copy_(part)
+        yield name, whole

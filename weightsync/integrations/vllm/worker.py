@@ -84,6 +84,9 @@ class WeightsyncInitInfo(WeightTransferInitInfo):
         compare_replicas: after each load, report a digest of what the engine holds to the
             publisher and compare it with the other engines of the same layout that loaded the
             version; one that disagrees loads the version again once, then fails (docs/vllm.md).
+        sliced: after the first full load, join again wanting only what this worker's loaders
+            read of each tensor (recorded during that load, ``plan.py``), so a tensor-parallel
+            worker receives about its share of each later version (over the group). Default off.
     """
 
     address: str
@@ -95,6 +98,7 @@ class WeightsyncInitInfo(WeightTransferInitInfo):
     transport: str = "auto"
     patches: bool | None = None
     compare_replicas: bool = True
+    sliced: bool = False
 
     def __post_init__(self) -> None:
         replica.check_join(self.address, self.channel, self.timeout)
@@ -126,7 +130,7 @@ class UpdateStats:
     load_s: float  # model.load_weights plus finalizing the layerwise reload (or the sparse patches)
     nbytes: int
     patched: tuple[int, int] | None = None  # loaded as sparse patches: (tensors, elements); None: in full
-    received_bytes: int = 0  # what this worker's member received of it (the whole version: no sliced receive yet)
+    received_bytes: int = 0  # what this worker's member received of it (its boxes, when sliced)
 
 
 class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdateInfo]):
@@ -164,6 +168,8 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         self.adapters: AdapterChannel | None = None  # the adapter channel this worker follows, if any
         self.merged: str | None = None  # merged mode: the adapter version merged into the weights served
         self.plan: dict[str, Any] | None = None  # what the last full load's loaders read of each tensor (plan.py)
+        self._init: WeightsyncInitInfo | None = None
+        self._sliced: dict[str, Any] | None = None  # the plan whose boxes this worker's member wants
 
     def __call__(self, what: str = "info", payload: dict[str, Any] | None = None) -> Any:
         """What ``collective_rpc("weight_transfer_engine", args=(what,))`` returns per worker, as plain
@@ -252,10 +258,8 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         member = f"{base}-dp{dp}-r{rank}"
         self._timeout = float(init_info.timeout)
         self._bridge = LoopThread(f"ws-vllm-{member}")
-        device = self.device if self.device.type == "cuda" and init_info.backend != "gloo" else "cpu"
-        sub = Subscriber(init_info.channel, address=init_info.address, secret=init_info.secret,
-                         timeout=self._timeout, member_id=member, backend=init_info.backend, device=device,
-                         transport=init_info.transport, accepts=checks.engine_format(self.model_config))
+        self._init, self._sliced = init_info, None
+        sub = self._subscriber(member)
         try:
             self._bridge.run(sub.start(), Deadlines.joining(self._timeout) + GRACE,
                              f"joining channel {init_info.channel!r}")
@@ -272,6 +276,43 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         # into a parameter in checkpoint format would not reach what the kernel reads
         self.patches = self.device.type == "cuda" if init_info.patches is None else bool(init_info.patches)
         log.info("vLLM worker %s joined channel %r at %s", member, init_info.channel, init_info.address)
+
+    def _subscriber(self, member: str, want: dict[str, Any] | None = None) -> Subscriber:
+        init = self._init
+        assert init is not None
+        device = self.device if self.device.type == "cuda" and init.backend != "gloo" else "cpu"
+        return Subscriber(init.channel, address=init.address, secret=init.secret, timeout=self._timeout,
+                          member_id=member, backend=init.backend, device=device,
+                          transport="group" if want is not None else init.transport, want=want,
+                          accepts=checks.engine_format(self.model_config))
+
+    def _join_sliced(self) -> None:
+        """Leave as a whole member, then join again wanting only the boxes the last full load's
+        loaders read (leaving first: a whole member of the group that stayed would be asked to the
+        generation its own sliced member joins while it waits on that join). Where the sliced join
+        fails, join whole again (logged); where that fails too, the next update says so."""
+        assert self._bridge is not None and self._sub is not None and self.plan is not None
+        if self.plan["needed_bytes"] >= self.plan["version_bytes"]:
+            return  # this worker reads every byte: nothing to slice
+        whole, member = self._member or "", f"{self._member}-sliced"
+        old, self._sub = self._sub, None
+        try:
+            self._bridge.run(old.aclose(), old.timeout + GRACE, "leaving as a whole member")
+        except (WeightSyncError, OSError, RuntimeError):
+            pass  # best effort: the publisher evicts a silent member on its own
+        for name, want in ((member, plan.boxes(self.plan)), (whole, None)):
+            sub = self._subscriber(name, want)
+            try:
+                self._bridge.run(sub.start(), Deadlines.joining(self._timeout) + GRACE, f"joining as {name}")
+            except (WeightSyncError, OSError) as err:
+                log.warning("vLLM worker %s: joining as %s failed: %s", whole, name, err)
+                continue
+            self._sub, self._member = sub, name
+            if want is not None:
+                self._sliced, self.patches = self.plan, False  # a patch would be of the box, not the tensor
+                log.info("vLLM worker %s receives %d of each version's %d bytes", name, self.plan["needed_bytes"],
+                         self.plan["version_bytes"])
+            return
 
     def shutdown(self) -> None:
         """Leave the channel; the model keeps whatever weights it has."""
@@ -371,16 +412,19 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
             self._fail(problem, weights.version)
         self.failed = None
         self.version = weights.version
-        self.last = UpdateStats(weights.version, self._wait_s, time.monotonic() - self._load_began, weights.nbytes,
+        nbytes = weights.nbytes if self._sliced is None else self._sliced["version_bytes"]
+        self.last = UpdateStats(weights.version, self._wait_s, time.monotonic() - self._load_began, nbytes,
                                 self._patched, weights.nbytes)
         log.info("vLLM worker %s now serves version %d (waited %.3fs, loaded %.3fs)", self._member, self.version,
                  self.last.wait_s, self.last.load_s)
+        if self._init is not None and self._init.sliced and self._sliced is None and self._full and self.plan:
+            self._join_sliced()
 
     # helpers ------------------------------------------------------------------------------
     def _tensors(self, weights: WeightStream) -> Iterable[tuple[str, torch.Tensor]]:
         """The ``(name, tensor)`` pairs a full load hands ``model.load_weights`` (a subclass may
         rename or filter them, as a custom mapping would)."""
-        return weights
+        return weights if self._sliced is None else plan.expanded(weights, self._sliced)
 
     def _coverage(self, version: int) -> str | None:
         """After a full load: every engine parameter written by it? The failure, or None."""
