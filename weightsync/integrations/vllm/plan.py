@@ -20,6 +20,7 @@ reads".
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -47,8 +48,9 @@ class LoadRecorder(TorchFunctionMode):
 
     def __init__(self) -> None:
         super().__init__()
-        self._tensors: dict[str, torch.Tensor] = {}
-        self._ranges: list[tuple[int, int, str]] = []  # (first byte, past the last, name)
+        self._tensors: dict[str, torch.Tensor] = {}  # held: their addresses cannot be reused while recording
+        self._starts: list[int] = []  # each tensor's first byte, ascending (the tensors do not overlap)
+        self._ranges: list[tuple[int, str]] = []  # (past its last byte, name), in the order of _starts
         self.read: dict[str, Box] = {}
 
     def watch(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -56,7 +58,9 @@ class LoadRecorder(TorchFunctionMode):
             if tensor.is_contiguous() and tensor.numel() > 0 and name not in self._tensors:
                 self._tensors[name] = tensor
                 first = tensor.data_ptr()
-                self._ranges.append((first, first + tensor.numel() * tensor.element_size(), name))
+                at = bisect.bisect(self._starts, first)
+                self._starts.insert(at, first)
+                self._ranges.insert(at, (first + tensor.numel() * tensor.element_size(), name))
             yield name, tensor
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -83,10 +87,10 @@ class LoadRecorder(TorchFunctionMode):
         first_byte = t.data_ptr()
         past_byte = first_byte + (sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride(), strict=True)) + 1) \
             * t.element_size()
-        for first, past, name in self._ranges:
-            if first <= first_byte and past_byte <= past:
-                return name
-        return None
+        at = bisect.bisect(self._starts, first_byte) - 1  # the one tensor that can hold its first byte
+        if at < 0 or self._ranges[at][0] < past_byte:
+            return None
+        return self._ranges[at][1]
 
     def _add(self, name: str, box: Box) -> None:
         held = self.read.get(name)

@@ -388,9 +388,12 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
             self._reloading, self._full = True, True
             with _no_mtp_check():
                 pairs = self._tensors(weights) if tensors is None else tensors
-                with plan.LoadRecorder() as recorder:  # what this worker's loaders read of each tensor
-                    loaded = self.model.load_weights(recorder.watch(pairs))  # type: ignore[operator]
-            self.plan = recorder.plan()
+                if tensors is None and self._sliced is None:  # whole, out of the slot: record what is read
+                    with plan.LoadRecorder() as recorder:  # (it holds the tensors: views of the slot, free)
+                        loaded = self.model.load_weights(recorder.watch(pairs))  # type: ignore[operator]
+                    self.plan = recorder.plan()
+                else:  # a sliced worker's expanded boxes are made one at a time: no recorder holds them
+                    loaded = self.model.load_weights(iter(pairs))  # type: ignore[operator]
             self._loaded = None if loaded is None else set(loaded)
         except BaseException:
             self._release()  # finalizes the reload: layers that loaded nothing keep their old tensors
