@@ -368,26 +368,32 @@ async def test_fsdp2_ranks_to_a_sliced_tensor_parallel_generator(procs: Procs, t
 
 @pytest.mark.asyncio
 async def test_a_want_that_does_not_fit_stops_that_member_with_the_reason_and_nobody_else() -> None:
-    """A sliced member asking for a box the version does not have, or a tensor it does not carry,
-    gets ManifestMismatch naming the tensor; the publisher delivers to the others. want= never
-    rides shared memory."""
+    """A sliced member asking for a tensor of another shape than the version's (a plan made for
+    another model: even one whose box would fit), a box the version does not have, or a tensor it
+    does not carry, gets ManifestMismatch naming the tensor; the publisher delivers to the others.
+    want= never rides shared memory."""
     with pytest.raises(ws.TransportUnavailable):
         ws.Subscriber("misfit", address="127.0.0.1:1", want={"w": torch.empty(2)}, transport="shm")
     async with ws.Publisher("misfit", timeout=5.0, heartbeat_interval=0.25) as pub:
         async with ws.Subscriber("misfit", address=pub.address, member_id="whole", timeout=5.0) as whole, \
                 ws.Subscriber("misfit", address=pub.address, member_id="wrong", timeout=5.0,
-                              want={"w": torch.empty(5, 3)}) as wrong, \
+                              want={"w": torch.empty(2, 3)}) as wrong, \
+                ws.Subscriber("misfit", address=pub.address, member_id="boxed", timeout=5.0,
+                              want={"w": ((2, 0), (3, 3))}) as boxed, \
                 ws.Subscriber("misfit", address=pub.address, member_id="part", timeout=5.0,
                               want={"b": torch.empty(2, dtype=torch.int16)}) as part, \
                 ws.Subscriber("misfit", address=pub.address, member_id="ghost", timeout=5.0,
                               want={"b": torch.empty(2, dtype=torch.int16), "ghost": torch.empty(3)}) as ghost:
             assert wrong.transport == "group" and part.transport == "group"
-            await pub.wait_subscribers(4, timeout=30)
+            await pub.wait_subscribers(5, timeout=30)
             sd = {"w": torch.arange(12.0).reshape(4, 3), "b": torch.tensor([7, 8], dtype=torch.int16)}
             report = await (await pub.put(sd, version=1)).delivered(timeout=30)
             assert set(report.members) == {"whole", "part"}
-            with pytest.raises(ws.ManifestMismatch, match="'w'.*does not fit"):
+            with pytest.raises(ws.ManifestMismatch, match=r"'w': wanted as a box of a tensor of shape \(2, 3\), "
+                                                          r"but the version's is \(4, 3\)"):
                 await wrong.get(min_version=1, timeout=10)
+            with pytest.raises(ws.ManifestMismatch, match=r"'w': the wanted box \(3, 3\) at \(2, 0\) does not fit"):
+                await boxed.get(min_version=1, timeout=10)
             with pytest.raises(ws.ManifestMismatch, match="'ghost' is wanted but not in the version"):
                 await ghost.get(min_version=1, timeout=10)
             got = await whole.get(min_version=1, timeout=10)
@@ -617,7 +623,14 @@ def test_a_want_that_does_not_fit_the_version_is_refused_by_name() -> None:
         slicing.wants_of({"w": [1, 2]})
     # a box as (offset, shape): what a vLLM worker's loaders read (integrations/vllm/plan.py)
     assert slicing.wants_of({"w": ((2, 0), (2, 3))}) == (_wire.Want("w", (2, 0), (2, 3)),)
-    for bad in (((2,), (2, 3)), ((-1, 0), (2, 3)), ((0, 0), (2, True))):
+    # with the tensor's whole shape (a vLLM plan's boxes), which a version of another shape must match
+    assert slicing.wants_of({"w": ((2, 0), (2, 3), (4, 3))}) == (_wire.Want("w", (2, 0), (2, 3), (4, 3)),)
+    manifest = sharding.global_manifest([("w", torch.float32, (4, 3))])
+    mine = slicing.sliced_manifest(manifest, slicing.wants_of({"w": ((2, 0), (2, 3), (4, 3))}))
+    assert [t.shape for t in mine.tensors] == [(2, 3)]
+    with pytest.raises(ValueError, match="shape \\(5, 3\\), but the version's is \\(4, 3\\)"):
+        slicing.sliced_manifest(manifest, slicing.wants_of({"w": ((2, 0), (2, 3), (5, 3))}))
+    for bad in (((2,), (2, 3)), ((-1, 0), (2, 3)), ((0, 0), (2, True)), ((0, 0), (2, 3), (4,))):
         with pytest.raises(ValueError, match="a box is"):
             slicing.wants_of({"w": bad})
 

@@ -625,3 +625,49 @@ def test_a_load_recorder_names_the_box_each_loader_reads_from_views_of_one_slot(
                      "reshaped": [[0, 0], [3, 4]], "unread": None}
     assert plan["version_bytes"] == 68 * 4 and plan["needed_bytes"] == (12 + 12 + 5 + 12) * 4
     assert torch.equal(rows, slot[12:24].view(2, 6)) and torch.equal(cols, slot[24:48].view(4, 6)[:, 3:])
+
+
+def test_a_load_recorder_on_meta_tensors_names_each_box_and_proves_each_parameter_written_once() -> None:
+    """issue 58, the bake before any version: meta checkpoint tensors (no bytes, no addresses) into
+    meta parameters through each parameter's loader (``writing``): the boxes read are those of the
+    real load, and coverage tells a parameter written exactly once from one written twice over a
+    part, one written in part, and one never written; a non-box read says why it is whole."""
+    from weightsync.integrations.vllm.plan import LoadRecorder
+
+    meta = torch.device("meta")
+    params = {"qkv": torch.empty(6, 4, device=meta), "o": torch.empty(4, 2, device=meta),
+              "twice": torch.empty(4, device=meta), "half": torch.empty(4, device=meta),
+              "never": torch.empty(2, device=meta)}
+    checkpoint = [("q", torch.empty(4, 4, device=meta)), ("k", torch.empty(8, 4, device=meta)),
+                  ("o", torch.empty(4, 4, device=meta)), ("n", torch.empty(4, device=meta)),
+                  ("r", torch.empty(2, 6, device=meta)), ("unread", torch.empty(3, device=meta))]
+
+    def qkv(param: torch.Tensor, loaded: torch.Tensor, shard: str) -> None:  # rank 1 of 2, stacked q then k
+        at, rows = (0, 2) if shard == "q" else (2, 4)
+        param.data.narrow(0, at, rows).copy_(loaded.narrow(0, rows, rows))
+
+    rec = LoadRecorder()
+    loaders = {name: rec.writing(name, param, fn) for name, param, fn in (
+        ("qkv", params["qkv"], qkv),
+        ("o", params["o"], lambda p, w: p.data.copy_(w.narrow(1, 2, 2))),
+        ("twice", params["twice"], lambda p, w: (p.data.copy_(w), p.data[1:3].mul_(2))),
+        ("half", params["half"], lambda p, w: p.data[:2].copy_(w.reshape(3, 4)[1:, 0])))}
+    with rec:
+        for name, t in rec.watch(checkpoint):
+            if name in ("q", "k"):
+                loaders["qkv"](params["qkv"], t, name)
+            elif name == "o":
+                loaders["o"](params["o"], t)
+            elif name == "n":
+                loaders["twice"](params["twice"], t)
+            elif name == "r":
+                loaders["half"](params["half"], t)
+    plan = rec.plan(params, source="meta")
+    tensors = plan["tensors"]
+    assert {n: spec["box"] for n, spec in tensors.items()} == {
+        "q": [[2, 0], [2, 4]], "k": [[4, 0], [4, 4]], "o": [[0, 2], [4, 2]], "n": [[0], [4]],
+        "r": [[0, 0], [2, 6]], "unread": None}
+    assert "whole_because" in tensors["r"] and "whole_because" not in tensors["q"]
+    assert plan["source"] == "meta" and plan["needed_bytes"] == (8 + 16 + 8 + 4 + 12) * 4
+    assert plan["coverage"] == {"parameters": 5, "exact": 2, "uncovered": ["never"], "overlapping": ["twice"],
+                                "partly_written": ["half"]}

@@ -239,13 +239,27 @@ def test_each_tensor_parallel_worker_reads_its_share_of_each_tensor_through_its_
     assert sliced_dims == {0, 1}  # column-parallel rows and row-parallel columns, from the loaders alone
 
 
+def test_each_worker_makes_its_plan_before_any_version_on_meta_tensors_and_it_is_what_a_load_reads(
+        tp_report: driver.TensorParallelReport) -> None:
+    """issue 58: joining with ``sliced=True``, each worker runs its own loaders once on meta tensors
+    shaped as its checkpoint files (plan.bake), before any version: the boxes are those its real
+    load read, every engine parameter is written exactly once by them, and the worker's weights are
+    untouched (it generated version 1's tokens until it was zeroed on purpose)."""
+    for baked, loaded in zip(tp_report.baked, tp_report.plans, strict=True):
+        assert baked["source"] == "meta" and loaded["source"] == "load"
+        assert {n: s["box"] for n, s in baked["tensors"].items()} == {n: s["box"] for n, s in loaded["tensors"].items()}
+        assert baked["needed_bytes"] == loaded["needed_bytes"] and baked["version_bytes"] == loaded["version_bytes"]
+        cover = baked["coverage"]
+        assert cover["parameters"] > 0 and cover["exact"] == cover["parameters"], cover
+
+
 def test_tensor_parallel_workers_receive_only_what_their_loaders_read_and_serve_the_same_weights(
         tp_report: driver.TensorParallelReport) -> None:
-    """issue 58: with ``sliced=True`` each worker joins again after its first full load wanting only
-    the boxes its loaders read; its parameters are zeroed and the next version (the same weights)
-    arrives as those boxes, about half of it per worker: every engine parameter's digest is what
-    the whole load left, and the engine generates the same tokens and logprobs."""
-    for info, plan in zip(tp_report.sliced_info, tp_report.plans, strict=True):
+    """issue 58: with ``sliced=True`` each worker joins with its plan made before any version,
+    wanting only the boxes its loaders read; its parameters are zeroed and the next version (the
+    same weights) arrives as those boxes, about half of it per worker: every engine parameter's
+    digest is what the whole load left, and the engine generates the same tokens and logprobs."""
+    for info, plan in zip(tp_report.sliced_info, tp_report.baked, strict=True):
         assert info["version"] == 2 and info["member"].endswith("-sliced") and info["failed"] is None, info
         assert info["nbytes"] == plan["version_bytes"] and info["received_bytes"] == plan["needed_bytes"], info
         assert 0.49 < info["received_bytes"] / info["nbytes"] < 0.51

@@ -161,6 +161,7 @@ class TensorParallelReport(msgspec.Struct):
     lora_disk: Generation  # the same adapter read by vLLM from its PEFT directory
     lora_held: list[dict]  # each worker's engine_info adapters
     plans: list[dict]  # engine_plans: what each worker's loaders read of each tensor in version 1's load
+    baked: list[dict]  # engine_plans once joined again with sliced on: made on meta tensors before version 2
     sliced_info: list[dict]  # engine_info after version 2, received as each worker's boxes into a zeroed engine
     sliced: Generation
     digests_whole: list[dict]  # engine_digests after version 1 (whole) and version 2 (sliced): the same weights
@@ -169,11 +170,12 @@ class TensorParallelReport(msgspec.Struct):
 
 def tensor_parallel(result: Path, work: Path) -> None:
     """A TP=2 engine with LoRA on (two workers, two subscribers of each channel) takes version 1:
-    each loads full tensors and its ``load_weights`` slices them; both must serve the same version.
-    With ``sliced`` on, each worker then joins again wanting only what its loaders read of version
-    1 (issue 58), its parameters are zeroed, and version 2 (the same weights) arrives as those
-    boxes. Then an adapter pushed in memory, which each worker registers whole (vLLM's LoRA layers
-    slice it per rank), against the same adapter read from its PEFT directory on this engine."""
+    each loads full tensors and its ``load_weights`` slices them (recording what they read); both
+    must serve the same version. Then the engine joins again with ``sliced`` on (issue 58): each
+    worker makes its plan on meta tensors before any version, its parameters are zeroed, and
+    version 2 (the same weights) arrives as its boxes alone. Then an adapter pushed in memory, which
+    each worker registers whole (vLLM's LoRA layers slice it per rank), against the same adapter
+    read from its PEFT directory on this engine."""
     from vllm.lora.request import LoRARequest
 
     import weightsync as ws
@@ -196,12 +198,14 @@ def tensor_parallel(result: Path, work: Path) -> None:
         llm = engine(str(work / "A"), tensor_parallel_size=2, weight_transfer_config={"backend": "weightsync"},
                      **LORA_ENGINE)
         before = generate(llm)
-        llm.init_weight_transfer_engine({"init_info": {"address": trainer.address, "channel": CHANNEL,
-                                                       "secret": secret, "timeout": 30,
-                                                       "transport": TRANSPORT, "sliced": True}})
+        init_info = {"address": trainer.address, "channel": CHANNEL, "secret": secret, "timeout": 30,
+                     "transport": TRANSPORT}
+        llm.init_weight_transfer_engine({"init_info": init_info})
         trainer.put(1)
         version = update(llm, 1, timeout=60)
         info, after, plans, digests_whole = engine_info(llm), generate(llm), engine_plans(llm), engine_digests(llm)
+        llm.init_weight_transfer_engine({"init_info": {**init_info, "sliced": True}})
+        baked = engine_plans(llm)
         llm.collective_rpc("weight_transfer_engine", args=("zero",))  # what the slices do not write shows
         trainer.put(2)
         update(llm, 2, timeout=60)
@@ -213,8 +217,8 @@ def tensor_parallel(result: Path, work: Path) -> None:
             pushed = generate(llm, lora_request("math", 1))
             held = [w["adapters"] for w in engine_info(llm)]
         disk = generate(llm, LoRARequest("disk", 9001, str(work / "L1")))
-        report = TensorParallelReport(version, info, before, after, pushed, disk, held, plans, sliced_info, sliced,
-                                      digests_whole, digests_sliced)
+        report = TensorParallelReport(version, info, before, after, pushed, disk, held, plans, baked, sliced_info,
+                                      sliced, digests_whole, digests_sliced)
     finally:
         trainer.kill()
     result.write_bytes(msgspec.json.encode(report))

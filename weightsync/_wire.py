@@ -121,11 +121,14 @@ class Assembly(msgspec.Struct, frozen=True):
 
 
 class Want(msgspec.Struct, frozen=True, array_like=True):
-    """A sliced member wants only this box of tensor ``name``: ``shape`` elements from ``offset``."""
+    """A sliced member wants only this box of tensor ``name``: ``shape`` elements from ``offset``;
+    ``of``, where the member knows it, the tensor's whole shape (a version whose tensor has another
+    shape is refused for that member: its box would be of another layout)."""
 
     name: str
     offset: tuple[int, ...]
     shape: tuple[int, ...]
+    of: tuple[int, ...] | None = None
 
 
 class Challenge(msgspec.Struct, frozen=True, tag="challenge"):

@@ -29,7 +29,9 @@ Run = tuple[int, int, int]  # (offset in the bucket, offset in the member's slot
 
 def wants_of(dest: Mapping[str, Any]) -> tuple[_wire.Want, ...]:
     """What a generator holding ``dest`` receives: each DTensor's local box (nothing where this
-    rank is not in its mesh), each plain tensor whole, each ``(offset, shape)`` pair that box."""
+    rank is not in its mesh), each plain tensor whole, each ``(offset, shape)`` pair that box, each
+    ``(offset, shape, of)`` triple that box of a tensor of shape ``of``. A tensor, a DTensor and a
+    triple say the whole shape: a version whose tensor has another is refused for this member."""
     if not isinstance(dest, Mapping) or not dest:
         raise ValueError("want must be a non-empty mapping of names to tensors, DTensors or (offset, shape) boxes")
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -46,17 +48,19 @@ def wants_of(dest: Mapping[str, Any]) -> tuple[_wire.Want, ...]:
                 continue
             shape, offset = compute_local_shape_and_global_offset(tuple(value.shape), value.device_mesh,
                                                                   value.placements)
-            out.append(_wire.Want(name, tuple(int(o) for o in offset), tuple(int(n) for n in shape)))
+            out.append(_wire.Want(name, tuple(int(o) for o in offset), tuple(int(n) for n in shape),
+                                  tuple(int(n) for n in value.shape)))
         elif isinstance(value, torch.Tensor):
-            out.append(_wire.Want(name, (0,) * value.dim(), tuple(value.shape)))
-        elif isinstance(value, tuple) and len(value) == 2 and all(isinstance(v, (tuple, list)) for v in value):
-            offset, shape = (tuple(v) for v in value)
-            if len(offset) != len(shape) or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0
-                                                    for n in offset + shape):
-                raise ValueError(f"{name!r}: a box is (offset, shape), ints >= 0 of one length each, got {value!r}")
-            out.append(_wire.Want(name, offset, shape))
+            out.append(_wire.Want(name, (0,) * value.dim(), tuple(value.shape), tuple(value.shape)))
+        elif isinstance(value, tuple) and len(value) in (2, 3) and all(isinstance(v, (tuple, list)) for v in value):
+            dims = [tuple(v) for v in value]
+            if len({len(d) for d in dims}) != 1 or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0
+                                                          for d in dims for n in d):
+                raise ValueError(f"{name!r}: a box is (offset, shape) or (offset, shape, of), ints >= 0 of one "
+                                 f"length each, got {value!r}")
+            out.append(_wire.Want(name, dims[0], dims[1], dims[2] if len(dims) == 3 else None))
         else:
-            raise TypeError(f"{name!r}: want's values must be tensors, DTensors or (offset, shape) boxes, "
+            raise TypeError(f"{name!r}: want's values must be tensors, DTensors or (offset, shape[, of]) boxes, "
                             f"got {type(value).__name__}")
     return tuple(out)
 
@@ -81,6 +85,9 @@ def sliced_manifest(full: _wire.Manifest, wants: Sequence[_wire.Want]) -> _wire.
         if box is None:
             continue
         want = box
+        if want.of is not None and tuple(want.of) != tuple(spec.shape):
+            raise ValueError(f"{spec.name!r}: wanted as a box of a tensor of shape {tuple(want.of)}, but the version's "
+                             f"is {tuple(spec.shape)} (a plan made for another model or layout)")
         if len(want.offset) != len(spec.shape) or len(want.shape) != len(spec.shape) or any(
                 o < 0 or n < 0 or o + n > g for o, n, g in zip(want.offset, want.shape, spec.shape, strict=True)):
             raise ValueError(f"{spec.name!r}: the wanted box {tuple(want.shape)} at {tuple(want.offset)} does not "

@@ -118,11 +118,13 @@ def engine_digests(llm: Any) -> list[dict[str, str]]:
 
 
 def engine_plans(llm: Any) -> list[dict[str, Any] | None]:
-    """Per worker: what its own loaders read of each checkpoint tensor in its last full load (None
-    before one), recorded as they ran (``plan.py``): ``{"tensors": {name: {"shape", "box"}},
-    "needed_bytes", "version_bytes"}``, a box being ``[offset, shape]`` per dimension and None for a
-    tensor the worker never read. A tensor-parallel worker's ``needed_bytes`` is about its share of
-    the version (docs/vllm.md, "What each worker reads")."""
+    """Per worker: what its own loaders read of each checkpoint tensor, recorded as they ran
+    (``plan.py``): with ``sliced`` on, on meta tensors when the worker joined (``"source": "meta"``,
+    with ``"coverage"``: the engine parameters its loaders wrote exactly once, and those they did
+    not); else in its last full load (``"load"``; None before one). ``{"tensors": {name: {"shape",
+    "box"}}, "needed_bytes", "version_bytes", "source"}``, a box being ``[offset, shape]`` per
+    dimension and None for a tensor the worker never read. A tensor-parallel worker's
+    ``needed_bytes`` is about its share of the version (docs/vllm.md, "What each worker reads")."""
     return list(llm.collective_rpc("weight_transfer_engine", args=("plan",)))
 
 

@@ -259,7 +259,10 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         self._timeout = float(init_info.timeout)
         self._bridge = LoopThread(f"ws-vllm-{member}")
         self._init, self._sliced = init_info, None
-        sub = self._subscriber(member)
+        made = self._bake() if init_info.sliced else None
+        if made is not None:
+            member = f"{member}-sliced"
+        sub = self._subscriber(member, None if made is None else plan.boxes(made))
         try:
             self._bridge.run(sub.start(), Deadlines.joining(self._timeout) + GRACE,
                              f"joining channel {init_info.channel!r}")
@@ -268,13 +271,16 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
             self._bridge = None
             raise
         self._sub, self._member, self._channel = sub, member, init_info.channel
+        if made is not None:
+            self._sliced = made
         self.compare = bool(init_info.compare_replicas)
         world = getattr(self.vllm_config.parallel_config, "world_size", 1)
         self._layout = (f"{type(self.model).__name__}|{self.vllm_config.model_config.dtype}|rank {rank} of {world}|"
                         f"{self.device.type}")
         # vLLM's CPU backend packs linear weights for its GEMM kernels (oneDNN, sgl): a patch written
         # into a parameter in checkpoint format would not reach what the kernel reads
-        self.patches = self.device.type == "cuda" if init_info.patches is None else bool(init_info.patches)
+        self.patches = self._sliced is None and (self.device.type == "cuda" if init_info.patches is None
+                                                 else bool(init_info.patches))
         log.info("vLLM worker %s joined channel %r at %s", member, init_info.channel, init_info.address)
 
     def _subscriber(self, member: str, want: dict[str, Any] | None = None) -> Subscriber:
@@ -285,6 +291,25 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
                           member_id=member, backend=init.backend, device=device,
                           transport="group" if want is not None else init.transport, want=want,
                           accepts=checks.engine_format(self.model_config))
+
+    def _bake(self) -> dict[str, Any] | None:
+        """This worker's plan before any version: its own loaders run on meta tensors shaped as the
+        engine's checkpoint files (``plan.bake``). None where it cannot be made, or where it does not
+        write every engine parameter exactly once or needs every byte (logged): the worker then
+        joins whole, and its first load records the plan."""
+        try:
+            made = plan.bake(self.model, plan.checkpoint_specs(self.model_config.model))
+        except Exception as err:  # noqa: BLE001 - whatever a loader does on meta tensors: fall back
+            log.warning("vLLM worker: no plan before the first version (%s: %s); the first load records it",
+                        type(err).__name__, err)
+            return None
+        self.plan, cover = made, made["coverage"]
+        if cover["exact"] != cover["parameters"] or made["needed_bytes"] >= made["version_bytes"]:
+            log.warning("vLLM worker: the plan made before the first version is not used (%d of %d parameters "
+                        "written exactly once; %d of %d bytes needed); the first load records it", cover["exact"],
+                        cover["parameters"], made["needed_bytes"], made["version_bytes"])
+            return None
+        return made
 
     def _join_sliced(self) -> None:
         """Leave as a whole member, then join again wanting only the boxes the last full load's
