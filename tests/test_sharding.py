@@ -369,9 +369,11 @@ async def test_fsdp2_ranks_to_a_sliced_tensor_parallel_generator(procs: Procs, t
 @pytest.mark.asyncio
 async def test_a_want_that_does_not_fit_stops_that_member_with_the_reason_and_nobody_else() -> None:
     """A sliced member asking for a tensor of another shape than the version's (a plan made for
-    another model: even one whose box would fit), a box the version does not have, or a tensor it
-    does not carry, gets ManifestMismatch naming the tensor; the publisher delivers to the others.
-    want= never rides shared memory."""
+    another model: even one whose box would fit), a box the version does not have, boxes of one
+    tensor that overlap, or a tensor it does not carry, gets ManifestMismatch naming the tensor;
+    the publisher delivers to the others, among them one wanting two disjoint boxes of one tensor
+    (a fused weight's two halves), which get each box under its own name. want= never rides
+    shared memory."""
     with pytest.raises(ws.TransportUnavailable):
         ws.Subscriber("misfit", address="127.0.0.1:1", want={"w": torch.empty(2)}, transport="shm")
     async with ws.Publisher("misfit", timeout=5.0, heartbeat_interval=0.25) as pub:
@@ -380,20 +382,30 @@ async def test_a_want_that_does_not_fit_stops_that_member_with_the_reason_and_no
                               want={"w": torch.empty(2, 3)}) as wrong, \
                 ws.Subscriber("misfit", address=pub.address, member_id="boxed", timeout=5.0,
                               want={"w": ((2, 0), (3, 3))}) as boxed, \
+                ws.Subscriber("misfit", address=pub.address, member_id="overlap", timeout=5.0,
+                              want={"w": [((0, 0), (2, 3)), ((1, 1), (2, 2))]}) as overlap, \
+                ws.Subscriber("misfit", address=pub.address, member_id="halves", timeout=5.0,
+                              want={"w": [((3, 1), (1, 2), (4, 3)), ((0, 1), (2, 2), (4, 3))]}) as halves, \
                 ws.Subscriber("misfit", address=pub.address, member_id="part", timeout=5.0,
                               want={"b": torch.empty(2, dtype=torch.int16)}) as part, \
                 ws.Subscriber("misfit", address=pub.address, member_id="ghost", timeout=5.0,
                               want={"b": torch.empty(2, dtype=torch.int16), "ghost": torch.empty(3)}) as ghost:
             assert wrong.transport == "group" and part.transport == "group"
-            await pub.wait_subscribers(5, timeout=30)
+            await pub.wait_subscribers(7, timeout=30)
             sd = {"w": torch.arange(12.0).reshape(4, 3), "b": torch.tensor([7, 8], dtype=torch.int16)}
             report = await (await pub.put(sd, version=1)).delivered(timeout=30)
-            assert set(report.members) == {"whole", "part"}
+            assert set(report.members) == {"whole", "part", "halves"}
             with pytest.raises(ws.ManifestMismatch, match=r"'w': wanted as a box of a tensor of shape \(2, 3\), "
                                                           r"but the version's is \(4, 3\)"):
                 await wrong.get(min_version=1, timeout=10)
             with pytest.raises(ws.ManifestMismatch, match=r"'w': the wanted box \(3, 3\) at \(2, 0\) does not fit"):
                 await boxed.get(min_version=1, timeout=10)
+            with pytest.raises(ws.ManifestMismatch, match=r"'w': the wanted boxes \(2, 3\) at \(0, 0\) and "
+                                                          r"\(2, 2\) at \(1, 1\) overlap"):
+                await overlap.get(min_version=1, timeout=10)
+            two = await halves.get(min_version=1, timeout=10)  # by ascending offset: rows 0-1, then row 3
+            assert list(two) == ["w[0]", "w[1]"], list(two)
+            assert torch.equal(two["w[0]"], sd["w"][0:2, 1:3]) and torch.equal(two["w[1]"], sd["w"][3:4, 1:3])
             with pytest.raises(ws.ManifestMismatch, match="'ghost' is wanted but not in the version"):
                 await ghost.get(min_version=1, timeout=10)
             got = await whole.get(min_version=1, timeout=10)
@@ -630,7 +642,14 @@ def test_a_want_that_does_not_fit_the_version_is_refused_by_name() -> None:
     assert [t.shape for t in mine.tensors] == [(2, 3)]
     with pytest.raises(ValueError, match="shape \\(5, 3\\), but the version's is \\(4, 3\\)"):
         slicing.sliced_manifest(manifest, slicing.wants_of({"w": ((2, 0), (2, 3), (5, 3))}))
-    for bad in (((2,), (2, 3)), ((-1, 0), (2, 3)), ((0, 0), (2, True)), ((0, 0), (2, 3), (4,))):
+    # several boxes of one tensor (a fused weight's halves): each a want of its own, in the slot as name[i]
+    assert slicing.wants_of({"w": [((2, 0), (1, 3)), ((0, 0), (1, 3))]}) == (_wire.Want("w", (2, 0), (1, 3)),
+                                                                            _wire.Want("w", (0, 0), (1, 3)))
+    assert [t.name for t in slicing.sliced_manifest(manifest, slicing.wants_of(
+        {"w": [((2, 0), (1, 3)), ((0, 0), (1, 3))]})).tensors] == ["w[0]", "w[1]"]
+    with pytest.raises(TypeError):
+        slicing.wants_of({"w": []})
+    for bad in (((2,), (2, 3)), ((-1, 0), (2, 3)), ((0, 0), (2, True)), ((0, 0), (2, 3), (4,)), ((0, 0),)):
         with pytest.raises(ValueError, match="a box is"):
             slicing.wants_of({"w": bad})
 

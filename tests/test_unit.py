@@ -620,11 +620,44 @@ def test_a_load_recorder_names_the_box_each_loader_reads_from_views_of_one_slot(
                 t.view(2, 6).sum()
             assert t.shape == spans[name][1]  # metadata reads are no reads
     plan = rec.plan()
-    boxes = {name: spec["box"] for name, spec in plan["tensors"].items()}
-    assert boxes == {"col": [[2, 0], [2, 6]], "row": [[0, 3], [4, 3]], "norm": [[0], [5]],
-                     "reshaped": [[0, 0], [3, 4]], "unread": None}
+    boxes = {name: spec["boxes"] for name, spec in plan["tensors"].items()}
+    assert boxes == {"col": [[[2, 0], [2, 6]]], "row": [[[0, 3], [4, 3]]], "norm": [[[0], [5]]],
+                     "reshaped": [[[0, 0], [3, 4]]], "unread": None}
     assert plan["version_bytes"] == 68 * 4 and plan["needed_bytes"] == (12 + 12 + 5 + 12) * 4
     assert torch.equal(rows, slot[12:24].view(2, 6)) and torch.equal(cols, slot[24:48].view(4, 6)[:, 3:])
+
+
+def test_a_fused_weight_read_in_two_halves_per_expert_is_two_boxes_received_and_expanded_as_one_tensor() -> None:
+    """issue 58: a TP rank's loader reads its share of a fused gate_up weight [E, 2I, H] expert by
+    expert, its gate rows and its up rows: the recorder merges the 2E reads into two boxes (not
+    the one box around them, 3/4 of the tensor at TP=2), the plan wants both, and the two pieces a
+    sliced member receives (``w[0]``, ``w[1]``) reach the loader as one tensor of the checkpoint's
+    shape holding both, zeros elsewhere."""
+    from weightsync.format import sharding, slicing
+    from weightsync.integrations.vllm.plan import LoadRecorder, boxes, expanded
+
+    experts, inter, hidden, rank = 3, 4, 2, 1
+    fused = torch.arange(experts * 2 * inter * hidden, dtype=torch.float32).reshape(experts, 2 * inter, hidden)
+    mine = torch.empty(experts, inter, hidden)
+    with LoadRecorder() as rec:
+        for _name, t in rec.watch([("gate_up", fused)]):
+            for e in range(experts):
+                half = inter // 2
+                mine[e, :half].copy_(t[e].narrow(0, rank * half, half))  # gate rows of this rank
+                mine[e, half:].copy_(t[e].narrow(0, inter + rank * half, half))  # up rows of this rank
+    plan = rec.plan()
+    assert plan["tensors"]["gate_up"]["boxes"] == [[[0, 2, 0], [3, 2, 2]], [[0, 6, 0], [3, 2, 2]]]
+    assert plan["needed_bytes"] * 2 == plan["version_bytes"]
+    want = boxes(plan)
+    full = sharding.global_manifest([("gate_up", torch.float32, tuple(fused.shape))])
+    pieces = [(spec.name, fused[tuple(slice(o, o + n) for o, n in zip(w.offset, w.shape, strict=True))].clone())
+              for spec, w in zip(slicing.sliced_manifest(full, slicing.wants_of(want)).tensors,
+                                 sorted(slicing.wants_of(want), key=lambda w: w.offset), strict=True)]
+    assert [name for name, _ in pieces] == ["gate_up[0]", "gate_up[1]"]
+    ((name, whole),) = list(expanded(iter(pieces), plan))
+    keep = torch.zeros_like(fused, dtype=torch.bool)
+    keep[:, 2:4], keep[:, 6:8] = True, True
+    assert name == "gate_up" and torch.equal(whole, torch.where(keep, fused, torch.zeros_like(fused)))
 
 
 def test_a_load_recorder_on_meta_tensors_names_each_box_and_proves_each_parameter_written_once() -> None:
@@ -664,9 +697,9 @@ def test_a_load_recorder_on_meta_tensors_names_each_box_and_proves_each_paramete
                 loaders["half"](params["half"], t)
     plan = rec.plan(params, source="meta")
     tensors = plan["tensors"]
-    assert {n: spec["box"] for n, spec in tensors.items()} == {
-        "q": [[2, 0], [2, 4]], "k": [[4, 0], [4, 4]], "o": [[0, 2], [4, 2]], "n": [[0], [4]],
-        "r": [[0, 0], [2, 6]], "unread": None}
+    assert {n: spec["boxes"] for n, spec in tensors.items()} == {
+        "q": [[[2, 0], [2, 4]]], "k": [[[4, 0], [4, 4]]], "o": [[[0, 2], [4, 2]]], "n": [[[0], [4]]],
+        "r": [[[0, 0], [2, 6]]], "unread": None}
     assert "whole_because" in tensors["r"] and "whole_because" not in tensors["q"]
     assert plan["source"] == "meta" and plan["needed_bytes"] == (8 + 16 + 8 + 4 + 12) * 4
     assert plan["coverage"] == {"parameters": 5, "exact": 2, "uncovered": ["never"], "overlapping": ["twice"],

@@ -71,16 +71,27 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> driver.Report:
     return msgspec.json.decode(run_driver("scenario", tmp_path_factory.mktemp("vllm")), type=driver.Report)
 
 
-@pytest.fixture(scope="module")
-def tp_report(tmp_path_factory: pytest.TempPathFactory) -> driver.TensorParallelReport:
+def both_cores() -> dict[str, str]:
+    """A TP=2 engine's binding: vLLM's CPU workers bind their threads per NUMA node and refuse two
+    workers on one node unless told which cores each takes."""
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
         pytest.skip("a TP=2 engine needs two cores (one per worker)")
-    # vLLM's CPU workers bind their threads per NUMA node and refuse two workers on one node
-    # unless told which cores each takes
-    bind = {"VLLM_CPU_OMP_THREADS_BIND": f"{cores[0]}|{cores[1]}"}
-    data = run_driver("tensor-parallel", tmp_path_factory.mktemp("vllm-tp"), bind)
+    return {"VLLM_CPU_OMP_THREADS_BIND": f"{cores[0]}|{cores[1]}"}
+
+
+@pytest.fixture(scope="module")
+def tp_report(tmp_path_factory: pytest.TempPathFactory) -> driver.TensorParallelReport:
+    data = run_driver("tensor-parallel", tmp_path_factory.mktemp("vllm-tp"), both_cores())
     return msgspec.json.decode(data, type=driver.TensorParallelReport)
+
+
+@pytest.fixture(scope="module")
+def moe_tp_report(tmp_path_factory: pytest.TempPathFactory, run_transport: str) -> driver.MoeSlicedReport:
+    # a sliced worker always receives over the group: the auto pass's whole load is the only difference
+    once_per_suite(run_transport)
+    data = run_driver("moe-sliced", tmp_path_factory.mktemp("vllm-moe-tp"), both_cores())
+    return msgspec.json.decode(data, type=driver.MoeSlicedReport)
 
 
 @pytest.fixture(scope="module")
@@ -129,6 +140,10 @@ def kill_group(pgid: int) -> None:
         os.killpg(pgid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+
+
+def read_boxes(plan: dict) -> dict:
+    return {name: spec["boxes"] for name, spec in plan["tensors"].items()}
 
 
 def max_diff(a: driver.Generation, b: driver.Generation) -> float:
@@ -191,9 +206,9 @@ def test_killed_publisher_fails_the_update_in_bound_and_old_weights_stay(report:
 
 def test_tensor_parallel_workers_each_subscribe_and_serve_one_version(report: driver.Report,
                                                                      tp_report: driver.TensorParallelReport) -> None:
-    # two workers, two members of the channel, both on version 1
-    assert tp_report.version == 1
-    assert [w["version"] for w in tp_report.info] == [1, 1]
+    # two workers, two members of the channel, both on version 2
+    assert tp_report.version == 2
+    assert [w["version"] for w in tp_report.info] == [2, 2]
     assert len({w["member"] for w in tp_report.info}) == 2
     # the same weights (checkpoint B) as the TP=1 reference engine: load_weights sliced them right
     assert tp_report.before.tokens == report.before.tokens
@@ -226,28 +241,27 @@ def test_each_tensor_parallel_worker_reads_its_share_of_each_tensor_through_its_
     sliced_dims = set()
     for name, spec in plans[0]["tensors"].items():
         count = torch.zeros(spec["shape"], dtype=torch.int32)
-        boxes = [p["tensors"][name]["box"] for p in plans]
-        assert all(box is not None for box in boxes), f"{name} was read by no worker's loader"
-        for offset, shape in boxes:
+        boxes = [p["tensors"][name]["boxes"] for p in plans]  # per worker, the disjoint boxes it read
+        assert all(read is not None for read in boxes), f"{name} was read by no worker's loader"
+        for offset, shape in (box for read in boxes for box in read):
             count[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))] += 1
-        whole = [list(shape) == spec["shape"] for _, shape in boxes]
+        whole = [read == [[[0] * len(spec["shape"]), spec["shape"]]] for read in boxes]
         if all(whole):
             assert bool((count == 2).all()), name  # replicated: each worker reads all of it
         else:
             assert not any(whole) and bool((count == 1).all()), (name, boxes)  # sliced: each element once
-            sliced_dims |= {d for d, n in enumerate(boxes[0][1]) if n != spec["shape"][d]}
+            sliced_dims |= {d for d, n in enumerate(boxes[0][0][1]) if n != spec["shape"][d]}
     assert sliced_dims == {0, 1}  # column-parallel rows and row-parallel columns, from the loaders alone
 
 
 def test_each_worker_makes_its_plan_before_any_version_on_meta_tensors_and_it_is_what_a_load_reads(
         tp_report: driver.TensorParallelReport) -> None:
     """issue 58: joining with ``sliced=True``, each worker runs its own loaders once on meta tensors
-    shaped as its checkpoint files (plan.bake), before any version: the boxes are those its real
-    load read, every engine parameter is written exactly once by them, and the worker's weights are
-    untouched (it generated version 1's tokens until it was zeroed on purpose)."""
+    shaped as its checkpoint files (plan.bake), before any version: the boxes are those a real
+    whole load read later, and every engine parameter is written exactly once by them."""
     for baked, loaded in zip(tp_report.baked, tp_report.plans, strict=True):
         assert baked["source"] == "meta" and loaded["source"] == "load"
-        assert {n: s["box"] for n, s in baked["tensors"].items()} == {n: s["box"] for n, s in loaded["tensors"].items()}
+        assert read_boxes(baked) == read_boxes(loaded)
         assert baked["needed_bytes"] == loaded["needed_bytes"] and baked["version_bytes"] == loaded["version_bytes"]
         cover = baked["coverage"]
         assert cover["parameters"] > 0 and cover["exact"] == cover["parameters"], cover
@@ -256,15 +270,46 @@ def test_each_worker_makes_its_plan_before_any_version_on_meta_tensors_and_it_is
 def test_tensor_parallel_workers_receive_only_what_their_loaders_read_and_serve_the_same_weights(
         tp_report: driver.TensorParallelReport) -> None:
     """issue 58: with ``sliced=True`` each worker joins with its plan made before any version,
-    wanting only the boxes its loaders read; its parameters are zeroed and the next version (the
-    same weights) arrives as those boxes, about half of it per worker: every engine parameter's
-    digest is what the whole load left, and the engine generates the same tokens and logprobs."""
+    wanting only the boxes its loaders read; the first version arrives as those boxes, about half
+    of it per worker, into the engine started from another checkpoint: every engine parameter's
+    digest is what a whole load of the same weights into a zeroed engine leaves, and the engine
+    generates the same tokens and logprobs."""
     for info, plan in zip(tp_report.sliced_info, tp_report.baked, strict=True):
-        assert info["version"] == 2 and info["member"].endswith("-sliced") and info["failed"] is None, info
+        assert info["version"] == 1 and info["member"].endswith("-sliced") and info["failed"] is None, info
         assert info["nbytes"] == plan["version_bytes"] and info["received_bytes"] == plan["needed_bytes"], info
         assert 0.49 < info["received_bytes"] / info["nbytes"] < 0.51
     assert tp_report.digests_sliced == tp_report.digests_whole
     assert tp_report.sliced == tp_report.after
+
+
+def test_a_tensor_parallel_moe_engines_workers_receive_only_their_experts_slices_and_serve_the_same(
+        moe_tp_report: driver.MoeSlicedReport) -> None:
+    """issue 58 on Qwen3-MoE at TP=2: a plan made from the checkpoint files, whose experts are
+    named otherwise than the trainer's, is refused by the first version before any byte moves, and
+    each worker takes that version whole within the same update (then joins sliced again). A plan
+    made on meta tensors named as that version has the boxes its real load read (experts,
+    attention, vocabulary sliced by the loaders) and writes every engine parameter exactly once;
+    zeroed, then sent only those boxes, each worker receives about half the version and the engine
+    holds every parameter's bytes the whole load gave it and generates the same tokens and logprobs."""
+    rep = moe_tp_report
+    for files, info in zip(rep.files, rep.info, strict=True):
+        assert files["source"] == "meta" and any(".experts.0." in n for n in files["tensors"]), files["tensors"].keys()
+        assert info["version"] == 1 and info["failed"] is None and info["received_bytes"] == info["nbytes"], info
+        assert info["member"].endswith("-sliced"), info  # joined sliced again after the whole load
+    for baked, loaded, info in zip(rep.baked, rep.plans, rep.sliced_info, strict=True):
+        assert baked["source"] == "meta" and loaded["source"] == "load"
+        assert read_boxes(baked) == read_boxes(loaded)
+        cover = baked["coverage"]
+        assert cover["parameters"] > 0 and cover["exact"] == cover["parameters"], cover
+        experts = [s for n, s in baked["tensors"].items() if ".mlp.experts." in n and "down_proj" in n]
+        assert experts and all(b[1] != s["shape"] for s in experts for b in s["boxes"]), experts  # not whole
+        fused = [s for n, s in baked["tensors"].items() if ".mlp.experts." in n and "gate_up" in n]
+        assert fused and all(len(s["boxes"]) == 2 for s in fused), fused  # its gate and up halves, not one box
+        assert info["version"] == 2 and info["member"].endswith("-sliced") and info["failed"] is None, info
+        assert info["received_bytes"] == baked["needed_bytes"] and 0.45 < info["received_bytes"] / info["nbytes"] < 0.55
+    assert [i["version"] for i in rep.info] == [1, 1]
+    assert rep.digests_sliced == rep.digests_whole
+    assert rep.sliced == rep.whole
 
 
 def test_vllm_trainer_api_switches_backend_by_name(report: driver.Report) -> None:

@@ -160,22 +160,23 @@ class TensorParallelReport(msgspec.Struct):
     lora_pushed: Generation  # an adapter pushed in memory, requested as math@1
     lora_disk: Generation  # the same adapter read by vLLM from its PEFT directory
     lora_held: list[dict]  # each worker's engine_info adapters
-    plans: list[dict]  # engine_plans: what each worker's loaders read of each tensor in version 1's load
-    baked: list[dict]  # engine_plans once joined again with sliced on: made on meta tensors before version 2
-    sliced_info: list[dict]  # engine_info after version 2, received as each worker's boxes into a zeroed engine
+    plans: list[dict]  # engine_plans: what each worker's loaders read of each tensor in version 2's whole load
+    baked: list[dict]  # engine_plans on joining with sliced on: made on meta tensors, before any version
+    sliced_info: list[dict]  # engine_info after version 1, received as each worker's boxes
     sliced: Generation
-    digests_whole: list[dict]  # engine_digests after version 1 (whole) and version 2 (sliced): the same weights
-    digests_sliced: list[dict]
+    digests_whole: list[dict]  # engine_digests after version 2 (whole, into a zeroed engine) and version 1
+    digests_sliced: list[dict]  # (sliced, into the engine started from checkpoint A): the same weights, B
 
 
 def tensor_parallel(result: Path, work: Path) -> None:
-    """A TP=2 engine with LoRA on (two workers, two subscribers of each channel) takes version 1:
-    each loads full tensors and its ``load_weights`` slices them (recording what they read); both
-    must serve the same version. Then the engine joins again with ``sliced`` on (issue 58): each
-    worker makes its plan on meta tensors before any version, its parameters are zeroed, and
-    version 2 (the same weights) arrives as its boxes alone. Then an adapter pushed in memory, which
-    each worker registers whole (vLLM's LoRA layers slice it per rank), against the same adapter
-    read from its PEFT directory on this engine."""
+    """A TP=2 engine with LoRA on (two workers, two subscribers of each channel) joins with
+    ``sliced`` on (issue 58): each worker makes its plan on meta tensors shaped as its checkpoint
+    files, before any version, and version 1 (checkpoint B) arrives as its boxes alone. Then it
+    joins again whole, its parameters are zeroed, and version 2 (B again) arrives whole: each
+    worker loads full tensors and its ``load_weights`` slices them (recording what they read); both
+    must serve the same version, and the same weights as the sliced load. Then an adapter pushed
+    in memory, which each worker registers whole (vLLM's LoRA layers slice it per rank), against
+    the same adapter read from its PEFT directory on this engine."""
     from vllm.lora.request import LoRARequest
 
     import weightsync as ws
@@ -200,16 +201,16 @@ def tensor_parallel(result: Path, work: Path) -> None:
         before = generate(llm)
         init_info = {"address": trainer.address, "channel": CHANNEL, "secret": secret, "timeout": 30,
                      "transport": TRANSPORT}
-        llm.init_weight_transfer_engine({"init_info": init_info})
-        trainer.put(1)
-        version = update(llm, 1, timeout=60)
-        info, after, plans, digests_whole = engine_info(llm), generate(llm), engine_plans(llm), engine_digests(llm)
         llm.init_weight_transfer_engine({"init_info": {**init_info, "sliced": True}})
         baked = engine_plans(llm)
-        llm.collective_rpc("weight_transfer_engine", args=("zero",))  # what the slices do not write shows
-        trainer.put(2)
-        update(llm, 2, timeout=60)
+        trainer.put(1)
+        update(llm, 1, timeout=60)
         sliced_info, sliced, digests_sliced = engine_info(llm), generate(llm), engine_digests(llm)
+        llm.init_weight_transfer_engine({"init_info": init_info})
+        llm.collective_rpc("weight_transfer_engine", args=("zero",))  # what the whole load does not write shows
+        trainer.put(2)
+        version = update(llm, 2, timeout=60)
+        info, after, plans, digests_whole = engine_info(llm), generate(llm), engine_plans(llm), engine_digests(llm)
         with ws.BlockingAdapterPublisher("lora", timeout=30.0, activation="all") as pub:
             init_adapters(llm, pub.address, "lora", timeout=30, transport=TRANSPORT)
             pub.put("math", adapter, version=1).delivered(timeout=60)
@@ -299,6 +300,52 @@ def moe(result: Path, work: Path, family: str) -> None:
 
 
 _CHECKPOINTS = {1: "B", 2: "C", 3: "D"}  # the checkpoint the trainer saves for each version it puts
+
+
+class MoeSlicedReport(msgspec.Struct):
+    files: list[dict]  # engine_plans on the first join: made from the checkpoint files
+    info: list[dict]  # engine_info after version 1, loaded whole (checkpoint B)
+    plans: list[dict]  # engine_plans: what version 1's load read
+    baked: list[dict]  # engine_plans once joined again with sliced on: made on meta tensors
+    sliced_info: list[dict]  # engine_info after version 2 (B again), received as boxes into a zeroed engine
+    whole: Generation
+    sliced: Generation
+    digests_whole: list[dict]
+    digests_sliced: list[dict]
+
+
+def moe_sliced(result: Path, work: Path) -> None:
+    """A Qwen3-MoE engine at TP=2 (issue 58) joins with ``sliced`` on: each worker's plan, made
+    from its checkpoint files (experts one tensor each), does not fit the trainer's version 1
+    (transformers' state dict names each layer's experts as one fused tensor), which is refused
+    for it before any byte moves; it joins whole within the same update, its load of version 1
+    (checkpoint B) records the plan, and it joins sliced again. Then it joins anew: the plan is
+    made on meta tensors named as that version, its parameters are zeroed, and version 2 (B again)
+    arrives as its boxes alone. Its experts, attention and vocabulary are each sliced by the
+    loaders; the engine must hold and serve what the whole load gave it."""
+    from weightsync.integrations.vllm import engine_digests, engine_info, engine_plans, update
+
+    build_moe("qwen3_moe", work / "A")
+    trainer = Trainer(work, secret := "s3cret-" + os.urandom(4).hex())
+    try:
+        llm = engine(str(work / "A"), tensor_parallel_size=2, weight_transfer_config={"backend": "weightsync"})
+        init_info = {"address": trainer.address, "channel": CHANNEL, "secret": secret, "timeout": 30,
+                     "transport": TRANSPORT}
+        llm.init_weight_transfer_engine({"init_info": {**init_info, "sliced": True}})
+        files = engine_plans(llm)
+        trainer.put(1)
+        update(llm, 1, timeout=60)
+        info, whole, plans, digests_whole = engine_info(llm), generate(llm), engine_plans(llm), engine_digests(llm)
+        llm.init_weight_transfer_engine({"init_info": {**init_info, "sliced": True}})
+        baked = engine_plans(llm)
+        llm.collective_rpc("weight_transfer_engine", args=("zero",))
+        trainer.put(2)
+        update(llm, 2, timeout=60)
+        report = MoeSlicedReport(files, info, plans, baked, engine_info(llm), whole, generate(llm), digests_whole,
+                                 engine_digests(llm))
+    finally:
+        trainer.kill()
+    result.write_bytes(msgspec.json.encode(report))
 
 
 class ChecksReport(msgspec.Struct):
@@ -809,6 +856,8 @@ if __name__ == "__main__":
         check_loads(Path(sys.argv[2]), Path(sys.argv[3]))
     elif role == "moe":
         moe(Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[4])
+    elif role == "moe-sliced":
+        moe_sliced(Path(sys.argv[2]), Path(sys.argv[3]))
     elif role == "quantized":
         quantized(Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[4])
     elif role == "lora":

@@ -30,8 +30,10 @@ Run = tuple[int, int, int]  # (offset in the bucket, offset in the member's slot
 def wants_of(dest: Mapping[str, Any]) -> tuple[_wire.Want, ...]:
     """What a generator holding ``dest`` receives: each DTensor's local box (nothing where this
     rank is not in its mesh), each plain tensor whole, each ``(offset, shape)`` pair that box, each
-    ``(offset, shape, of)`` triple that box of a tensor of shape ``of``. A tensor, a DTensor and a
-    triple say the whole shape: a version whose tensor has another is refused for this member."""
+    ``(offset, shape, of)`` triple that box of a tensor of shape ``of``, each list of such boxes
+    (disjoint) all of them, each arriving as a tensor of its own (:func:`box_name`). A tensor, a
+    DTensor and a triple say the whole shape: a version whose tensor has another is refused for
+    this member."""
     if not isinstance(dest, Mapping) or not dest:
         raise ValueError("want must be a non-empty mapping of names to tensors, DTensors or (offset, shape) boxes")
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -52,48 +54,84 @@ def wants_of(dest: Mapping[str, Any]) -> tuple[_wire.Want, ...]:
                                   tuple(int(n) for n in value.shape)))
         elif isinstance(value, torch.Tensor):
             out.append(_wire.Want(name, (0,) * value.dim(), tuple(value.shape), tuple(value.shape)))
-        elif isinstance(value, tuple) and len(value) in (2, 3) and all(isinstance(v, (tuple, list)) for v in value):
-            dims = [tuple(v) for v in value]
-            if len({len(d) for d in dims}) != 1 or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0
-                                                          for d in dims for n in d):
-                raise ValueError(f"{name!r}: a box is (offset, shape) or (offset, shape, of), ints >= 0 of one "
-                                 f"length each, got {value!r}")
-            out.append(_wire.Want(name, dims[0], dims[1], dims[2] if len(dims) == 3 else None))
+        elif isinstance(value, tuple):
+            out.append(_box_want(name, value))
+        elif isinstance(value, list) and value and all(isinstance(v, tuple) for v in value):
+            out.extend(_box_want(name, v) for v in value)
         else:
-            raise TypeError(f"{name!r}: want's values must be tensors, DTensors or (offset, shape[, of]) boxes, "
-                            f"got {type(value).__name__}")
+            raise TypeError(f"{name!r}: want's values must be tensors, DTensors, (offset, shape[, of]) boxes or "
+                            f"lists of boxes, got {type(value).__name__}")
     return tuple(out)
 
 
-def sliced_manifest(full: _wire.Manifest, wants: Sequence[_wire.Want]) -> _wire.Manifest:
-    """A sliced member's slot layout: its boxes of ``full``'s tensors, packed in ``full``'s order.
-    Raises ValueError for a box that does not fit its tensor, a name wanted twice, or a name
+def _box_want(name: str, value: tuple[Any, ...]) -> _wire.Want:
+    dims = [tuple(v) for v in value] if all(isinstance(v, (tuple, list)) for v in value) else []
+    if len(dims) not in (2, 3) or len({len(d) for d in dims}) != 1 or not all(
+            isinstance(n, int) and not isinstance(n, bool) and n >= 0 for d in dims for n in d):
+        raise ValueError(f"{name!r}: a box is (offset, shape) or (offset, shape, of), ints >= 0 of one length each, "
+                         f"got {value!r}")
+    return _wire.Want(name, dims[0], dims[1], dims[2] if len(dims) == 3 else None)
+
+
+def box_name(name: str, index: int, count: int) -> str:
+    """The name a wanted box arrives under: the tensor's own where it is its only box, else
+    ``name[index]`` (the boxes of one tensor in ascending order of their offsets)."""
+    return name if count == 1 else f"{name}[{index}]"
+
+
+def _entries(full: _wire.Manifest, wants: Sequence[_wire.Want]) -> list[tuple[str, int, _wire.Want]]:
+    """Each wanted box as ``(its name in the member's slot, the index of its tensor in full, the
+    want)``, in ``full``'s order, a tensor's boxes by ascending offset. Raises ValueError for a box
+    that does not fit its tensor, boxes of one tensor that overlap, a box wanted twice, or a name
     ``full`` does not hold (a member would otherwise wait for a tensor no version carries)."""
-    boxes: dict[str, _wire.Want] = {}
+    boxes: dict[str, list[_wire.Want]] = {}
     for want in wants:
-        if want.name in boxes:
-            raise ValueError(f"{want.name!r} is wanted twice")
-        boxes[want.name] = want
-    unknown = sorted(set(boxes) - {spec.name for spec in full.tensors})
+        boxes.setdefault(want.name, []).append(want)
+    index = {spec.name: i for i, spec in enumerate(full.tensors)}
+    unknown = sorted(set(boxes) - set(index))
     if unknown:
         raise ValueError(f"{', '.join(map(repr, unknown[:6]))}{' ...' if len(unknown) > 6 else ''} "
                          f"{'is' if len(unknown) == 1 else 'are'} wanted but not in the version "
                          f"(it holds {len(full.tensors)} tensors)")
-    specs = []
-    for spec in full.tensors:
-        box = boxes.get(spec.name)
-        if box is None:
-            continue
-        want = box
-        if want.of is not None and tuple(want.of) != tuple(spec.shape):
-            raise ValueError(f"{spec.name!r}: wanted as a box of a tensor of shape {tuple(want.of)}, but the version's "
-                             f"is {tuple(spec.shape)} (a plan made for another model or layout)")
-        if len(want.offset) != len(spec.shape) or len(want.shape) != len(spec.shape) or any(
-                o < 0 or n < 0 or o + n > g for o, n, g in zip(want.offset, want.shape, spec.shape, strict=True)):
-            raise ValueError(f"{spec.name!r}: the wanted box {tuple(want.shape)} at {tuple(want.offset)} does not "
-                             f"fit the published shape {tuple(spec.shape)}")
-        specs.append((spec.name, layout.dtype_from_name(spec.dtype), tuple(want.shape)))
-    return global_manifest(specs)
+    out: list[tuple[str, int, _wire.Want]] = []
+    for name in sorted(boxes, key=index.__getitem__):
+        spec, mine = full.tensors[index[name]], sorted(boxes[name], key=lambda w: w.offset)
+        for want in mine:
+            _check_fits(spec, want)
+        for a, b in zip(mine, mine[1:], strict=False):
+            if a.offset == b.offset and a.shape == b.shape:
+                raise ValueError(f"{name!r} is wanted twice")
+        for i, a in enumerate(mine):
+            for b in mine[i + 1:]:
+                if all(oa < ob + nb and ob < oa + na for oa, na, ob, nb in zip(a.offset, a.shape, b.offset, b.shape,
+                                                                             strict=True)):
+                    raise ValueError(f"{name!r}: the wanted boxes {tuple(a.shape)} at {tuple(a.offset)} and "
+                                     f"{tuple(b.shape)} at {tuple(b.offset)} overlap")
+        out.extend((box_name(name, i, len(mine)), index[name], want) for i, want in enumerate(mine))
+    taken = {entry for entry, _i, _w in out}
+    clash = sorted(taken & set(index) - set(boxes))
+    if clash:
+        raise ValueError(f"{clash[0]!r} names both a tensor of the version and a box of another")
+    return out
+
+
+def _check_fits(spec: _wire.TensorSpec, want: _wire.Want) -> None:
+    if want.of is not None and tuple(want.of) != tuple(spec.shape):
+        raise ValueError(f"{spec.name!r}: wanted as a box of a tensor of shape {tuple(want.of)}, but the version's "
+                         f"is {tuple(spec.shape)} (a plan made for another model or layout)")
+    if len(want.offset) != len(spec.shape) or len(want.shape) != len(spec.shape) or any(
+            o < 0 or n < 0 or o + n > g for o, n, g in zip(want.offset, want.shape, spec.shape, strict=True)):
+        raise ValueError(f"{spec.name!r}: the wanted box {tuple(want.shape)} at {tuple(want.offset)} does not "
+                         f"fit the published shape {tuple(spec.shape)}")
+
+
+def sliced_manifest(full: _wire.Manifest, wants: Sequence[_wire.Want]) -> _wire.Manifest:
+    """A sliced member's slot layout: its boxes of ``full``'s tensors, packed in ``full``'s order
+    (several boxes of one tensor by ascending offset, each under :func:`box_name`). Raises
+    ValueError for a box that does not fit its tensor, boxes of one tensor that overlap, a box
+    wanted twice, or a name ``full`` does not hold."""
+    return global_manifest([(entry, layout.dtype_from_name(full.tensors[i].dtype), tuple(want.shape))
+                            for entry, i, want in _entries(full, wants)])
 
 
 def _runs(blocks: Sequence[tuple[int, int, int, int]]) -> list[tuple[int, int]]:
@@ -106,20 +144,19 @@ def routes(source: _wire.Manifest, pieces: Sequence[_wire.Piece] | None, full: _
     """Per bucket (``ranges`` of ``source``, the sender's packed layout), the runs a sliced member
     wanting ``wants`` of ``full`` gets. ``pieces``: where ``source``'s tensors lie in ``full`` (a
     sharded lane); None when ``source`` is ``full`` itself. Raises ValueError where a box does not fit."""
+    entries = _entries(full, wants)
     mine = sliced_manifest(full, wants)
-    index = {spec.name: i for i, spec in enumerate(full.tensors)}
-    boxes = {want.name: want for want in wants}
     # per full tensor: the wanted bytes as (global start, global end, slot offset), ascending
     wanted: dict[int, list[tuple[int, int, int]]] = {}
-    for spec in mine.tensors:
-        whole = full.tensors[index[spec.name]]
-        want = boxes[spec.name]
+    for spec, (_entry, i, want) in zip(mine.tensors, entries, strict=True):
+        whole = full.tensors[i]
         size = layout.dtype_from_name(whole.dtype).itemsize
-        at, spans = spec.offset, []
+        at, spans = spec.offset, wanted.setdefault(i, [])
         for start, n in _runs(blocks_of(whole.shape, want.shape, want.offset, size, whole.offset)):
             spans.append((start, start + n, at))
             at += n
-        wanted[index[spec.name]] = spans
+    for spans in wanted.values():
+        spans.sort()  # a tensor's boxes interleave in its bytes (a fused weight's two halves per expert)
     if pieces is None:
         pieces = [_wire.Piece(i, ((spec.offset, spec.nbytes, 1, spec.nbytes),) if spec.nbytes else ())
                   for i, spec in enumerate(full.tensors)]

@@ -122,9 +122,10 @@ def engine_plans(llm: Any) -> list[dict[str, Any] | None]:
     (``plan.py``): with ``sliced`` on, on meta tensors when the worker joined (``"source": "meta"``,
     with ``"coverage"``: the engine parameters its loaders wrote exactly once, and those they did
     not); else in its last full load (``"load"``; None before one). ``{"tensors": {name: {"shape",
-    "box"}}, "needed_bytes", "version_bytes", "source"}``, a box being ``[offset, shape]`` per
-    dimension and None for a tensor the worker never read. A tensor-parallel worker's
-    ``needed_bytes`` is about its share of the version (docs/vllm.md, "What each worker reads")."""
+    "dtype", "boxes"}}, "needed_bytes", "version_bytes", "source"}``, the boxes a list of disjoint
+    ``[offset, shape]`` pairs (one entry per dimension each), None for a tensor the worker never
+    read. A tensor-parallel worker's ``needed_bytes`` is about its share of the version
+    (docs/vllm.md, "What each worker reads")."""
     return list(llm.collective_rpc("weight_transfer_engine", args=("plan",)))
 
 

@@ -39,6 +39,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
+from weightsync.format.slicing import box_name
+
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offset, shape), one entry per dimension
 
 # calls that only read a tensor's metadata, never its elements
@@ -63,7 +65,7 @@ class LoadRecorder(TorchFunctionMode):
         self._starts: list[int] = []  # each tensor's first byte, ascending (the tensors do not overlap)
         self._ranges: list[tuple[int, str]] = []  # (past its last byte, name), in the order of _starts
         self._meta: dict[int, str] = {}  # a meta tensor's storage (each has its own) -> its name
-        self.read: dict[str, Box] = {}
+        self.read: dict[str, list[Box]] = {}  # per tensor, the disjoint boxes read of it
         self.not_boxes: set[str] = set()  # tensors read whole because a view of them was not a box
         self._target: tuple[str, torch.Tensor] | None = None  # the parameter whose loader runs (a bake)
         self.wrote: dict[str, list[Box]] = {}  # per parameter, each write its loader made into it
@@ -142,27 +144,22 @@ class LoadRecorder(TorchFunctionMode):
         return self._ranges[at][1]
 
     def _add(self, name: str, box: Box) -> None:
-        held = self.read.get(name)
-        if held is None:
-            self.read[name] = box
-            return
-        lo = tuple(min(a, b) for a, b in zip(held[0], box[0], strict=True))
-        hi = tuple(max(a + n, b + m) for a, n, b, m in zip(held[0], held[1], box[0], box[1], strict=True))
-        self.read[name] = (lo, tuple(h - lo_ for h, lo_ in zip(hi, lo, strict=True)))
+        self.read[name] = _merged(self.read.get(name, []), box)
 
     def plan(self, params: dict[str, torch.Tensor] | None = None, source: str = "load") -> dict[str, Any]:
-        """Plain data: per checkpoint tensor its shape and the box read (``None``: never read;
-        ``"whole_because"`` where a view of it was not a box), the bytes read against the bytes
+        """Plain data: per checkpoint tensor its shape, dtype and the disjoint boxes read, by
+        ascending offset (``None``: never read; ``"whole_because"`` where a view of it was not a
+        box), the bytes read against the bytes
         handed to the loader, where the plan came from (``"load"``: a real load; ``"meta"``: the
         bake) and, given the engine's ``params`` (a bake), their ``coverage``."""
         tensors: dict[str, dict[str, Any]] = {}
         needed, total = 0, 0
         for name, t in self._tensors.items():
-            box = self.read.get(name)
+            read = sorted(self.read.get(name, []))
             total += t.numel() * t.element_size()
-            if box is not None:
-                needed += _volume(box[1]) * t.element_size()
-            tensors[name] = {"shape": list(t.shape), "box": None if box is None else [list(box[0]), list(box[1])]}
+            needed += sum(_volume(b[1]) for b in read) * t.element_size()
+            tensors[name] = {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."),
+                             "boxes": [[list(b[0]), list(b[1])] for b in read] or None}
             if name in self.not_boxes:
                 tensors[name]["whole_because"] = "a view its loader read was not a box"
         out: dict[str, Any] = {"tensors": tensors, "needed_bytes": needed, "version_bytes": total, "source": source}
@@ -187,6 +184,48 @@ def coverage(params: dict[str, torch.Tensor], wrote: dict[str, list[Box]]) -> di
     exact = len(params) - len(uncovered) - len(overlapping) - len(short)
     return {"parameters": len(params), "exact": exact, "uncovered": uncovered, "overlapping": overlapping,
             "partly_written": short}
+
+
+def _merged(boxes: list[Box], box: Box) -> list[Box]:
+    """``boxes`` (disjoint) with ``box`` read too: boxes inside another dropped, boxes that differ
+    in one dimension only and touch there made one, and where two still overlap in part, all of
+    them as the one box around them (no element is wanted twice)."""
+    if any(_inside(box, b) for b in boxes):
+        return boxes
+    out = [b for b in boxes if not _inside(b, box)] + [box]
+    merged = True
+    while merged:
+        merged = False
+        for i, a in enumerate(out):
+            for j in range(i + 1, len(out)):
+                union = _union(a, out[j])
+                if union is not None:
+                    out[i], merged = union, True
+                    del out[j]
+                    break
+            if merged:
+                break
+    if any(_overlap(a, b) for i, a in enumerate(out) for b in out[i + 1:]):
+        lo = tuple(min(b[0][d] for b in out) for d in range(len(box[0])))
+        hi = tuple(max(b[0][d] + b[1][d] for b in out) for d in range(len(box[0])))
+        return [(lo, tuple(h - o for h, o in zip(hi, lo, strict=True)))]
+    return out
+
+
+def _inside(a: Box, b: Box) -> bool:
+    return all(ob <= oa and oa + na <= ob + nb for oa, na, ob, nb in zip(a[0], a[1], b[0], b[1], strict=True))
+
+
+def _union(a: Box, b: Box) -> Box | None:
+    """The one box that is ``a`` and ``b`` together, where they differ in one dimension and touch there."""
+    differ = [d for d in range(len(a[0])) if (a[0][d], a[1][d]) != (b[0][d], b[1][d])]
+    if len(differ) != 1:
+        return None
+    d = differ[0]
+    if a[0][d] > b[0][d] + b[1][d] or b[0][d] > a[0][d] + a[1][d]:
+        return None
+    lo, hi = min(a[0][d], b[0][d]), max(a[0][d] + a[1][d], b[0][d] + b[1][d])
+    return (a[0][:d] + (lo,) + a[0][d + 1:], a[1][:d] + (hi - lo,) + a[1][d + 1:])
 
 
 def _volume(shape: Iterable[int]) -> int:
@@ -238,33 +277,59 @@ def _box(view: torch.Tensor, base: torch.Tensor) -> tuple[Box, bool]:
     return (tuple(start), tuple(e + 1 for e in extent)), True
 
 
-def boxes(plan: dict[str, Any]) -> dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]:
+def boxes(plan: dict[str, Any]) -> dict[str, Any]:
     """A plan's boxes as ``Subscriber(want=)`` takes them, each with its tensor's whole shape (a
-    version shaped otherwise is refused); tensors never read are not wanted."""
-    return {name: (tuple(spec["box"][0]), tuple(spec["box"][1]), tuple(spec["shape"]))
-            for name, spec in plan["tensors"].items() if spec["box"] is not None}
+    version shaped otherwise is refused): one box, or a list of them where the loaders read
+    several of one tensor (a fused weight's halves); tensors never read are not wanted."""
+    out: dict[str, Any] = {}
+    for name, spec in plan["tensors"].items():
+        read = [(tuple(o), tuple(n), tuple(spec["shape"])) for o, n in spec["boxes"] or ()]
+        if read:
+            out[name] = read[0] if len(read) == 1 else read
+    return out
 
 
 def expanded(pairs: Iterable[tuple[str, torch.Tensor]], plan: dict[str, Any]
              ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Each received box as the loaders expect it: in a tensor of the checkpoint tensor's shape,
-    zeros around it (the loaders read only the box: that is how it was recorded). One such tensor
-    is alive at a time while the loader consumes the pairs one by one."""
-    for name, part in pairs:
-        spec = plan["tensors"].get(name)
-        if spec is None or spec["box"] is None or list(part.shape) == spec["shape"]:
+    """Each received tensor's boxes as the loaders expect them: in a tensor of the checkpoint
+    tensor's shape, zeros around them (the loaders read only the boxes: that is how they were
+    recorded), handed on once its last box arrived (a tensor's boxes arrive one after the other,
+    ``name[i]`` where there are several: ``slicing.box_name``). One such tensor is alive at a time
+    while the loader consumes the pairs one by one."""
+    lookup: dict[str, tuple[str, list[int], list[int], int]] = {}
+    for name, spec in plan["tensors"].items():
+        read = spec["boxes"] or []
+        for i, (offset, shape) in enumerate(read):
+            lookup[box_name(name, i, len(read))] = (name, offset, shape, len(read))
+    held: dict[str, tuple[torch.Tensor, int]] = {}
+    for entry, part in pairs:
+        hit = lookup.get(entry)
+        if hit is None:
+            yield entry, part
+            continue
+        name, offset, shape, count = hit
+        whole_shape = plan["tensors"][name]["shape"]
+        if count == 1 and list(part.shape) == whole_shape:
             yield name, part
             continue
-        whole = part.new_zeros(spec["shape"])
-        offset, shape = spec["box"]
+        got = held.pop(name, None)
+        whole, left = got if got is not None else (part.new_zeros(whole_shape), count)
         whole[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))].copy_(part)
-        yield name, whole
+        if left > 1:
+            held[name] = (whole, left - 1)
+        else:
+            yield name, whole
 
 
 _SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
                        "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
                        "U8": torch.uint8, "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn,
                        "F8_E5M2": torch.float8_e5m2}
+
+
+def specs(plan: dict[str, Any]) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """The names, shapes and dtypes of the tensors a plan was recorded from (a version's)."""
+    return [(name, tuple(spec["shape"]), getattr(torch, spec["dtype"])) for name, spec in plan["tensors"].items()]
 
 
 def checkpoint_specs(model_dir: str | Path) -> list[tuple[str, tuple[int, ...], torch.dtype]]:

@@ -39,9 +39,9 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from weightsync.control.engines import disagrees
-from weightsync.errors import EngineMismatch, Superseded, SyncTimeout, WeightSyncError
+from weightsync.errors import EngineMismatch, ManifestMismatch, Superseded, SyncTimeout, WeightSyncError
 from weightsync.format import adapters as adapter_format
-from weightsync.integrations.vllm import checks, plan, replica
+from weightsync.integrations.vllm import checks, plan, replica, sliced
 from weightsync.integrations.vllm.adapters import AdapterChannel, AdapterInitInfo
 from weightsync.integrations.vllm.replica import GRACE
 from weightsync.options import Deadlines
@@ -259,7 +259,7 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         self._timeout = float(init_info.timeout)
         self._bridge = LoopThread(f"ws-vllm-{member}")
         self._init, self._sliced = init_info, None
-        made = self._bake() if init_info.sliced else None
+        made = sliced.bake(self) if init_info.sliced else None
         if made is not None:
             member = f"{member}-sliced"
         sub = self._subscriber(member, None if made is None else plan.boxes(made))
@@ -291,53 +291,6 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
                           member_id=member, backend=init.backend, device=device,
                           transport="group" if want is not None else init.transport, want=want,
                           accepts=checks.engine_format(self.model_config))
-
-    def _bake(self) -> dict[str, Any] | None:
-        """This worker's plan before any version: its own loaders run on meta tensors shaped as the
-        engine's checkpoint files (``plan.bake``). None where it cannot be made, or where it does not
-        write every engine parameter exactly once or needs every byte (logged): the worker then
-        joins whole, and its first load records the plan."""
-        try:
-            made = plan.bake(self.model, plan.checkpoint_specs(self.model_config.model))
-        except Exception as err:  # noqa: BLE001 - whatever a loader does on meta tensors: fall back
-            log.warning("vLLM worker: no plan before the first version (%s: %s); the first load records it",
-                        type(err).__name__, err)
-            return None
-        self.plan, cover = made, made["coverage"]
-        if cover["exact"] != cover["parameters"] or made["needed_bytes"] >= made["version_bytes"]:
-            log.warning("vLLM worker: the plan made before the first version is not used (%d of %d parameters "
-                        "written exactly once; %d of %d bytes needed); the first load records it", cover["exact"],
-                        cover["parameters"], made["needed_bytes"], made["version_bytes"])
-            return None
-        return made
-
-    def _join_sliced(self) -> None:
-        """Leave as a whole member, then join again wanting only the boxes the last full load's
-        loaders read (leaving first: a whole member of the group that stayed would be asked to the
-        generation its own sliced member joins while it waits on that join). Where the sliced join
-        fails, join whole again (logged); where that fails too, the next update says so."""
-        assert self._bridge is not None and self._sub is not None and self.plan is not None
-        if self.plan["needed_bytes"] >= self.plan["version_bytes"]:
-            return  # this worker reads every byte: nothing to slice
-        whole, member = self._member or "", f"{self._member}-sliced"
-        old, self._sub = self._sub, None
-        try:
-            self._bridge.run(old.aclose(), old.timeout + GRACE, "leaving as a whole member")
-        except (WeightSyncError, OSError, RuntimeError):
-            pass  # best effort: the publisher evicts a silent member on its own
-        for name, want in ((member, plan.boxes(self.plan)), (whole, None)):
-            sub = self._subscriber(name, want)
-            try:
-                self._bridge.run(sub.start(), Deadlines.joining(self._timeout) + GRACE, f"joining as {name}")
-            except (WeightSyncError, OSError) as err:
-                log.warning("vLLM worker %s: joining as %s failed: %s", whole, name, err)
-                continue
-            self._sub, self._member = sub, name
-            if want is not None:
-                self._sliced, self.patches = self.plan, False  # a patch would be of the box, not the tensor
-                log.info("vLLM worker %s receives %d of each version's %d bytes", name, self.plan["needed_bytes"],
-                         self.plan["version_bytes"])
-            return
 
     def shutdown(self) -> None:
         """Leave the channel; the model keeps whatever weights it has."""
@@ -446,7 +399,7 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         log.info("vLLM worker %s now serves version %d (waited %.3fs, loaded %.3fs)", self._member, self.version,
                  self.last.wait_s, self.last.load_s)
         if self._init is not None and self._init.sliced and self._sliced is None and self._full and self.plan:
-            self._join_sliced()
+            sliced.join(self)
 
     # helpers ------------------------------------------------------------------------------
     def _tensors(self, weights: WeightStream) -> Iterable[tuple[str, torch.Tensor]]:
@@ -545,14 +498,22 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
 
     def _pin(self, min_version: int, timeout: float) -> int:
         assert self._sub is not None and self._bridge is not None
-        sub = self._sub
         since = self.version if self.patches else None  # the engine's version: what changed since loads as patches
+        deadline = time.monotonic() + timeout
 
         async def enter() -> tuple[contextlib.AbstractAsyncContextManager[WeightStream], WeightStream]:
-            manager = sub.stream(min_version=min_version, timeout=timeout, since=since)
+            assert self._sub is not None
+            left = max(deadline - time.monotonic(), 0.001)
+            manager = self._sub.stream(min_version=min_version, timeout=left, since=since)
             return manager, await manager.__aenter__()
 
-        self._pinned = self._bridge.run(enter(), timeout + GRACE, f"waiting for version >= {min_version}")
+        try:
+            self._pinned = self._bridge.run(enter(), timeout + GRACE, f"waiting for version >= {min_version}")
+        except ManifestMismatch as err:
+            if not sliced.unslice(self, err):
+                raise
+            self._pinned = self._bridge.run(enter(), max(deadline - time.monotonic(), 0.001) + GRACE,
+                                            f"waiting for version >= {min_version} as a whole member")
         return self._pinned[1].version
 
     def _finalize(self) -> None:
