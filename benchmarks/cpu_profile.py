@@ -235,7 +235,9 @@ async def profile(mode: str, mib: int, n: int, versions: int, bucket_mib: int = 
 def show(profiles: list[Profile]) -> None:
     naive = next((p for p in profiles if p.mode == "naive"), None)
     for p in profiles:
-        ratio = f"  ({p.total_cpu_ms / naive.total_cpu_ms:.2f}x naive's CPU)" if naive and p is not naive else ""
+        # a toy run's naive loop can read 0 ms: the kernel counts CPU time in ticks (10 ms here)
+        ratio = f"  ({p.total_cpu_ms / naive.total_cpu_ms:.2f}x naive's CPU)" \
+            if naive and p is not naive and naive.total_cpu_ms > 0 else ""
         print(f"{p.mode}: to all {p.to_all_ms:.0f} ms; CPU {p.total_cpu_ms:.0f} ms per version over "
               f"{p.wall_ms:.0f} ms ({p.cores_busy:.2f} cores busy){ratio}")
         for who, threads in p.cpu_ms.items():

