@@ -372,8 +372,8 @@ async def test_a_want_that_does_not_fit_stops_that_member_with_the_reason_and_no
     another model: even one whose box would fit), a box the version does not have, boxes of one
     tensor that overlap, or a tensor it does not carry, gets ManifestMismatch naming the tensor;
     the publisher delivers to the others, among them one wanting two disjoint boxes of one tensor
-    (a fused weight's two halves), which get each box under its own name. want= never rides
-    shared memory."""
+    (a fused weight's two halves), which get each box under its own name. Once a version is out,
+    a want that does not fit it is refused at the door. want= never rides shared memory."""
     with pytest.raises(ws.TransportUnavailable):
         ws.Subscriber("misfit", address="127.0.0.1:1", want={"w": torch.empty(2)}, transport="shm")
     async with ws.Publisher("misfit", timeout=5.0, heartbeat_interval=0.25) as pub:
@@ -412,6 +412,17 @@ async def test_a_want_that_does_not_fit_stops_that_member_with_the_reason_and_no
             assert torch.equal(got["w"], sd["w"]) and torch.equal(got["b"], sd["b"])
             mine = await part.get(min_version=1, timeout=10)
             assert list(mine) == ["b"] and torch.equal(mine["b"], sd["b"])
+            # once a version is out, a want that does not fit it is refused at the door, by name
+            with pytest.raises(ws.ManifestMismatch, match=r"join refused: want= does not fit version 1: 'w': wanted "
+                                                          r"as a box of a tensor of shape \(4, 4\)"):
+                async with ws.Subscriber("misfit", address=pub.address, member_id="late", timeout=5.0,
+                                         want={"w": torch.empty(4, 4)}):
+                    pass
+            async with ws.Subscriber("misfit", address=pub.address, member_id="late", timeout=5.0,
+                                     want={"w": ((1, 0), (2, 3), (4, 3))}) as late:
+                await pub.put(sd, version=2)
+                got = await late.get(min_version=2, timeout=20)  # in the version or sent it as a newcomer
+                assert torch.equal(got["w"], sd["w"][1:3])
 
 
 @pytest.mark.asyncio

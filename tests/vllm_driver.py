@@ -303,46 +303,63 @@ _CHECKPOINTS = {1: "B", 2: "C", 3: "D"}  # the checkpoint the trainer saves for 
 
 
 class MoeSlicedReport(msgspec.Struct):
-    files: list[dict]  # engine_plans on the first join: made from the checkpoint files
-    info: list[dict]  # engine_info after version 1, loaded whole (checkpoint B)
-    plans: list[dict]  # engine_plans: what version 1's load read
-    baked: list[dict]  # engine_plans once joined again with sliced on: made on meta tensors
-    sliced_info: list[dict]  # engine_info after version 2 (B again), received as boxes into a zeroed engine
-    whole: Generation
+    files: list[dict]  # engine_plans on joining: made from the checkpoint files (experts one tensor each)
+    joined: list[dict]  # engine_info then: the channel's version 1 refused that plan at the door
+    info1: list[dict]  # after version 1 (checkpoint B, the trainer's fused names), loaded whole
+    plans1: list[dict]  # what that load read
+    info2: list[dict]  # after version 2 (B again), zeroed first, received as the recorded plan's boxes
+    baked: list[dict]  # engine_plans once joined anew: made on meta tensors named as version 1
+    info3: list[dict]  # after version 3 (B named as its checkpoint files): refused by the plan, loaded whole
+    info4: list[dict]  # after version 4 (B, files' names), zeroed first, received as boxes again
+    whole: Generation  # after version 1, 2 and 4
     sliced: Generation
-    digests_whole: list[dict]
-    digests_sliced: list[dict]
+    sliced4: Generation
+    digests1: list[dict]
+    digests2: list[dict]
+    digests4: list[dict]
 
 
 def moe_sliced(result: Path, work: Path) -> None:
-    """A Qwen3-MoE engine at TP=2 (issue 58) joins with ``sliced`` on: each worker's plan, made
-    from its checkpoint files (experts one tensor each), does not fit the trainer's version 1
-    (transformers' state dict names each layer's experts as one fused tensor), which is refused
-    for it before any byte moves; it joins whole within the same update, its load of version 1
-    (checkpoint B) records the plan, and it joins sliced again. Then it joins anew: the plan is
-    made on meta tensors named as that version, its parameters are zeroed, and version 2 (B again)
-    arrives as its boxes alone. Its experts, attention and vocabulary are each sliced by the
-    loaders; the engine must hold and serve what the whole load gave it."""
+    """A Qwen3-MoE engine at TP=2 with ``sliced`` on (issue 58), whose trainer names tensors
+    otherwise than the engine's checkpoint files: transformers' state dict holds each layer's
+    experts as two fused tensors, its saved checkpoint one tensor per expert (vLLM loads both).
+    The plan made from the files is refused at the door (version 1 is out); each worker joins
+    whole, its load of version 1 records the plan and it joins sliced again; version 2 arrives as
+    boxes (each fused gate_up as its two halves) into a zeroed engine. Joined anew, the plan is
+    made on meta tensors named as version 1. Then the trainer sends B under the files' names:
+    version 3 is refused by that plan as it is announced and loaded whole in the same update, and
+    version 4 arrives as boxes again. Every sliced load must leave what the whole load did."""
     from weightsync.integrations.vllm import engine_digests, engine_info, engine_plans, update
 
     build_moe("qwen3_moe", work / "A")
     trainer = Trainer(work, secret := "s3cret-" + os.urandom(4).hex())
+
+    def zero() -> None:
+        llm.collective_rpc("weight_transfer_engine", args=("zero",))
+
     try:
         llm = engine(str(work / "A"), tensor_parallel_size=2, weight_transfer_config={"backend": "weightsync"})
-        init_info = {"address": trainer.address, "channel": CHANNEL, "secret": secret, "timeout": 30,
-                     "transport": TRANSPORT}
-        llm.init_weight_transfer_engine({"init_info": {**init_info, "sliced": True}})
-        files = engine_plans(llm)
+        init = {"init_info": {"address": trainer.address, "channel": CHANNEL, "secret": secret, "timeout": 30,
+                              "transport": TRANSPORT, "sliced": True}}
         trainer.put(1)
+        llm.init_weight_transfer_engine(init)
+        files, joined = engine_plans(llm), engine_info(llm)
         update(llm, 1, timeout=60)
-        info, whole, plans, digests_whole = engine_info(llm), generate(llm), engine_plans(llm), engine_digests(llm)
-        llm.init_weight_transfer_engine({"init_info": {**init_info, "sliced": True}})
-        baked = engine_plans(llm)
-        llm.collective_rpc("weight_transfer_engine", args=("zero",))
+        info1, plans1, whole, digests1 = engine_info(llm), engine_plans(llm), generate(llm), engine_digests(llm)
+        zero()
         trainer.put(2)
         update(llm, 2, timeout=60)
-        report = MoeSlicedReport(files, info, plans, baked, engine_info(llm), whole, generate(llm), digests_whole,
-                                 engine_digests(llm))
+        info2, sliced, digests2 = engine_info(llm), generate(llm), engine_digests(llm)
+        llm.init_weight_transfer_engine(init)
+        baked = engine_plans(llm)
+        trainer.put(3, "files")
+        update(llm, 3, timeout=60)
+        info3 = engine_info(llm)
+        zero()
+        trainer.put(4, "files")
+        update(llm, 4, timeout=60)
+        report = MoeSlicedReport(files, joined, info1, plans1, info2, baked, info3, engine_info(llm), whole, sliced,
+                                 generate(llm), digests1, digests2, engine_digests(llm))
     finally:
         trainer.kill()
     result.write_bytes(msgspec.json.encode(report))
@@ -839,6 +856,12 @@ async def publisher(work: Path, secret: str, address: str) -> None:
                 _llama.save(model, work / _CHECKPOINTS[int(version)])
             if command in ("put", "sparse", "next"):
                 await pub.put(weights, version=int(version))
+                print(f"{command} {version} done", flush=True)
+            if command == "files":  # checkpoint B under its files' names (per-expert, where the model has experts)
+                from safetensors.torch import load_file
+
+                named = {k: v for f in sorted((work / "B").glob("*.safetensors")) for k, v in load_file(f).items()}
+                await pub.put(named, version=int(version))
                 print(f"{command} {version} done", flush=True)
 
 

@@ -196,7 +196,7 @@ class Admit(msgspec.Struct, frozen=True, tag="admit"):
 
 class Deny(msgspec.Struct, frozen=True, tag="deny"):
     reason: str
-    kind: str  # "token" | "handshake" | "closed" | "duplicate" | "busy" (at the door, before any Challenge)
+    kind: str  # "token" | "handshake" | "closed" | "duplicate" | "want" | "busy" (at the door, before any Challenge)
 
 
 class Go(msgspec.Struct, frozen=True, tag="go"):

@@ -18,7 +18,15 @@ from typing import Any
 
 from weightsync import _wire
 from weightsync._errors import ControlFailure, NotListening, PeerFailure, ProtocolError, PublisherBusy
-from weightsync.errors import AdmissionDenied, Closed, HandshakeMismatch, PublisherGone, SyncTimeout, WeightSyncError
+from weightsync.errors import (
+    AdmissionDenied,
+    Closed,
+    HandshakeMismatch,
+    ManifestMismatch,
+    PublisherGone,
+    SyncTimeout,
+    WeightSyncError,
+)
 from weightsync.planes.dataplane import GenerationSpec
 
 CONNECT_BACKOFF = (0.05, 1.0)  # first and longest pause between tries to reach a publisher not up yet
@@ -69,7 +77,8 @@ def admitted(reply: Any, entry: Any, channel: str, member: str) -> _wire.Admit:
         raise Closed("closed while joining", channel=channel, member=member)
     if isinstance(reply, _wire.Deny):
         entry.fail(reply.reason)
-        kinds: dict[str, type[WeightSyncError]] = {"handshake": HandshakeMismatch, "closed": PublisherGone}
+        kinds: dict[str, type[WeightSyncError]] = {"handshake": HandshakeMismatch, "closed": PublisherGone,
+                                                   "want": ManifestMismatch}
         raise kinds.get(reply.kind, AdmissionDenied)(f"join refused: {reply.reason}", channel=channel, member=member)
     if not isinstance(reply, _wire.Admit):
         entry.fail(f"unexpected {type(reply).__name__}")

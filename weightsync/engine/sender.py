@@ -231,6 +231,12 @@ class Sender:
     def _apply(self, event: Event) -> None:
         assert self._gens is not None
         if isinstance(event, Join):
+            assert self.side is not None
+            refused = self.side.refusal(event.transport, event.want, self.staging.published)
+            if refused is not None:  # its boxes do not fit what this channel publishes
+                self.control.send(event.incarnation, _wire.Deny(reason=refused, kind="want"))
+                self._rec.record("admit", peers=(event.member_id,)).fail(refused)
+                return
             if not self.membership.request_join(event.member_id):
                 self.control.send(event.incarnation, _wire.Deny(
                     reason=f"member id {event.member_id!r} is already in the channel", kind="duplicate"))

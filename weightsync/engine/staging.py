@@ -7,9 +7,8 @@ Three roles a put can hold, and the buffers they pin::
     retained   the newest version sent; re-sent to newcomers and after a failed generation
 
 The sender moves pending -> in_flight -> retained; starting to send a newer version frees the
-previous retained buffer, so at most two buffers exist however many puts come and however
-slow the subscribers are. ``copy=False`` puts pin no buffer (they borrow the caller's
-tensors until released) and are not retained.
+previous retained buffer, so at most two buffers exist however many puts come and however slow the
+subscribers are. ``copy=False`` puts pin no buffer (they borrow the caller's tensors) and are not retained.
 
 With deltas (``keep_base``) the retained buffer is kept while the next version is in flight, as
 ``base``: the version a delta is relative to. It is freed once that version is retained (or
@@ -345,13 +344,13 @@ class Staging:
                  reuse: Callable[[torch.Tensor], None] = lambda _b: None, keep_base: bool = False) -> None:
         if max_snapshots < 2:
             raise ValueError(f"max_snapshots must be >= 2 (one in flight, one pending), got {max_snapshots}")
-        self.max_snapshots = max_snapshots
-        self.lock = threading.Condition()
+        self.max_snapshots, self.lock = max_snapshots, threading.Condition()
         self.pending: Job | None = None
         self.in_flight: Job | None = None
         self.retained: Job | None = None
         self.keep_base = keep_base
         self.base: Job | None = None  # keep_base: the retained version while the next one is in flight
+        self.published: tuple[int, Manifest] | None = None  # the newest version taken: number, full layout
         self._free: list[torch.Tensor] = []
         self.parked: list[Job] = []  # let go of, but a same-host member still reads it in place
         self.peak_buffers = 0
@@ -456,6 +455,7 @@ class Staging:
             if job is None:
                 return None
             self.in_flight = job
+            self.published = (job.version, job.manifest if job.assembly is None else job.assembly.manifest)
             old, self.retained = self.retained, None
             if self.keep_base and old is not None and old.flat is not None:
                 earlier, self.base = self.base, old  # a delta of the job is against it: kept until the job is done

@@ -278,6 +278,12 @@ class SendPart(Protocol):
 
     def admit(self, member: str, want: Any) -> None: ...
 
+    def refusal(self, want: Any, published: tuple[int, _wire.Manifest]) -> str | None:
+        """Optional: why a member joining with ``want`` cannot be served the newest version put
+        (``published``: its number and full layout), so it is refused at the door
+        (``ManifestMismatch`` on its side), or None; default: None (a version refuses it, if any)."""
+        return None
+
     def forget(self, member: str) -> None: ...
 
     def prepare(self, out: Outgoing, members: tuple[str, ...]) -> Prepared:
@@ -300,8 +306,8 @@ class SendPart(Protocol):
 
 
 #: what the send side asks of every part (``SendPart``'s members)
-SEND_PART_MEMBERS = ("name", "in_group", "moves_alone", "drives", "plane", "reads_in_place", "admit", "forget",
-                     "prepare", "move", "digests", "wire_of", "close")
+SEND_PART_MEMBERS = ("name", "in_group", "moves_alone", "drives", "plane", "reads_in_place", "admit", "refusal",
+                     "forget", "prepare", "move", "digests", "wire_of", "close")
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from typing import Any
 
 import msgspec
 
+from weightsync import _wire
 from weightsync._errors import InternalError, own_hook
 from weightsync.planes.dataplane import SEND_PART_MEMBERS, Outgoing, Prepared, PublisherContext, SendPart, plane_spec
 
@@ -48,6 +49,12 @@ class SendSide:
             old.forget(member)
         self._of[member] = part
         part.admit(member, want)
+
+    def refusal(self, transport: str, want: Any, published: tuple[int, _wire.Manifest] | None) -> str | None:
+        """Why a member joining on ``transport`` with ``want`` is refused at the door, given the
+        newest version put (its number and full layout), or None."""
+        part = self.parts.get(transport)
+        return None if part is None or want is None or published is None else part.refusal(want, published)
 
     def forget(self, member: str) -> None:
         part = self._of.pop(member, None)

@@ -252,15 +252,15 @@ def _in_place(func: Any) -> bool:
 def _box(view: torch.Tensor, base: torch.Tensor) -> tuple[Box, bool]:
     """The box of ``base`` (contiguous) that ``view`` (in the same storage) covers, and True; the
     whole of ``base`` and False where the view's elements are not a box (a reshape across rows)."""
-    whole: Box = ((0,) * base.dim(), tuple(base.shape))
+    whole: Box = ((0,) * base.dim(), tuple(int(n) for n in base.shape))
     if base.dim() == 0:
         return whole, True
-    offset = (view.storage_offset() * view.element_size() - base.storage_offset() * base.element_size()) \
-        // base.element_size()
+    offset = int((view.storage_offset() * view.element_size() - base.storage_offset() * base.element_size())
+                 // base.element_size())
     if offset < 0 or view.element_size() != base.element_size():
         return whole, False
-    strides = base.stride()
-    start = []
+    strides = [int(s) for s in base.stride()]
+    start: list[int] = []
     for s in strides:
         start.append(offset // s)
         offset %= s

@@ -1,11 +1,12 @@
 """A vLLM worker that receives only what its own loaders read (``init_info`` ``sliced``, issue 58).
 
-Three moves on the worker's membership, each called by the worker at one point of its lifecycle:
-:func:`bake` when it joins (its plan before any version, ``plan.bake``: then it joins as
-``<member>-sliced`` wanting those boxes), :func:`join` after a whole load recorded the plan
-(leave, join again sliced), and :func:`unslice` when a version refuses a plan made on meta tensors
-(join whole within the same update). ``worker`` is the worker's ``WeightsyncEngine`` (not
-imported here: it imports this module). docs/vllm.md, "What each worker reads".
+The moves on the worker's membership, each called by the worker at one point of its lifecycle:
+:func:`bake` when it joins (its plan before any version, ``plan.bake``), :func:`first_join` (as
+``<member>-sliced`` wanting those boxes, whole where the channel refuses them at the door),
+:func:`join` after a whole load recorded the plan (leave, join again sliced), and
+:func:`unslice` when a version refuses a plan made on meta tensors (join whole within the same
+update). ``worker`` is the worker's ``WeightsyncEngine`` (not imported here: it imports this
+module). docs/vllm.md, "What each worker reads".
 """
 
 from __future__ import annotations
@@ -24,13 +25,14 @@ log = logging.getLogger("weightsync.vllm")
 
 def bake(worker: Any) -> dict[str, Any] | None:
     """This worker's plan before any version: its own loaders run on meta tensors named and
-    shaped as the last version it loaded whole, or before any as the engine's checkpoint files
+    shaped as the plan it holds (made from the last version it loaded, or from the names a plan
+    before that was made from), or before any plan as the engine's checkpoint files
     (``plan.bake``). None where it cannot be made, or where it does not write every engine
     parameter exactly once or needs every byte (logged): the worker then joins whole, and its
     first load records the plan."""
     try:
-        seen = worker.plan if worker.plan is not None and worker.plan.get("source") == "load" else None
-        specs = plan.specs(seen) if seen is not None else plan.checkpoint_specs(worker.model_config.model)
+        held = worker.plan  # made from the names of the last version it loaded, or the files' before any
+        specs = plan.specs(held) if held is not None else plan.checkpoint_specs(worker.model_config.model)
         made = plan.bake(worker.model, specs)
     except Exception as err:  # noqa: BLE001 - whatever a loader does on meta tensors: fall back
         log.warning("vLLM worker: no plan before the first version (%s: %s); the first load records it",
@@ -43,6 +45,25 @@ def bake(worker: Any) -> dict[str, Any] | None:
                     cover["parameters"], made["needed_bytes"], made["version_bytes"])
         return None
     return made
+
+
+def first_join(worker: Any, member: str, made: dict[str, Any] | None) -> tuple[Any, str, dict[str, Any] | None]:
+    """Join the channel as ``member``, or with a plan ``made`` as ``<member>-sliced`` wanting its
+    boxes; where the channel refuses those at the door (its last version lacks a wanted tensor or
+    shapes one otherwise: ``ManifestMismatch``), join whole (logged): the first load records the
+    plan from the version's own names. (subscriber, member, the plan joined with or None)."""
+    timeout = Deadlines.joining(worker._timeout) + GRACE
+    if made is not None:
+        sub = worker._subscriber(f"{member}-sliced", plan.boxes(made))
+        try:
+            worker._bridge.run(sub.start(), timeout, f"joining channel {worker._init.channel!r} as {member}-sliced")
+            return sub, f"{member}-sliced", made
+        except ManifestMismatch as err:
+            log.warning("vLLM worker %s: the channel refuses the plan made before its first version (%s); joining "
+                        "whole, its first load records the plan", member, err)
+    sub = worker._subscriber(member)
+    worker._bridge.run(sub.start(), timeout, f"joining channel {worker._init.channel!r}")
+    return sub, member, None
 
 
 def join(worker: Any) -> None:

@@ -44,7 +44,6 @@ from weightsync.format import adapters as adapter_format
 from weightsync.integrations.vllm import checks, plan, replica, sliced
 from weightsync.integrations.vllm.adapters import AdapterChannel, AdapterInitInfo
 from weightsync.integrations.vllm.replica import GRACE
-from weightsync.options import Deadlines
 from weightsync.recorder.recorder import process_recorder
 from weightsync.transport.loopthread import LoopThread
 from weightsync.transport.subscriber import Subscriber
@@ -260,12 +259,8 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         self._bridge = LoopThread(f"ws-vllm-{member}")
         self._init, self._sliced = init_info, None
         made = sliced.bake(self) if init_info.sliced else None
-        if made is not None:
-            member = f"{member}-sliced"
-        sub = self._subscriber(member, None if made is None else plan.boxes(made))
         try:
-            self._bridge.run(sub.start(), Deadlines.joining(self._timeout) + GRACE,
-                             f"joining channel {init_info.channel!r}")
+            sub, member, made = sliced.first_join(self, member, made)
         except BaseException:
             self._bridge.close()
             self._bridge = None

@@ -60,6 +60,16 @@ class GroupSend(SendPart):
     def forget(self, member: str) -> None:
         self.wants.pop(member, None)
 
+    def refusal(self, want: Any, published: tuple[int, _wire.Manifest]) -> str | None:
+        """A sliced member's boxes that do not fit the newest version put (a tensor it lacks,
+        another shape, boxes that overlap): refused at the door, before it waits for a version."""
+        version, full = published
+        try:
+            slicing.sliced_manifest(full, want)
+        except ValueError as err:
+            return f"want= does not fit version {version}: {err}"
+        return None
+
     def prepare(self, out: Outgoing, members: tuple[str, ...]) -> Prepared:
         plans = {m: self._plan(m, out) for m in members if m in self.wants}
         self._fanout = None
