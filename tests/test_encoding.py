@@ -71,7 +71,7 @@ async def test_an_encoder_or_a_send_part_without_a_member_of_its_seam_is_refused
 
     register_plane(PlaneSpec("bare", send_part=lambda _context: Bare(), member_plane=lambda _context: None))
     try:
-        with pytest.raises(TypeError, match=r"send part Bare has no \['reads_in_place', 'wire_of'\]"):
+        with pytest.raises(TypeError, match=r"send part Bare has no \['reads_in_place', 'refusal', 'wire_of'\]"):
             SendSide(("bare",), None)
     finally:
         unregister_plane("bare")
