@@ -103,8 +103,7 @@ def _entries(full: _wire.Manifest, wants: Sequence[_wire.Want]) -> list[tuple[st
                 raise ValueError(f"{name!r} is wanted twice")
         for i, a in enumerate(mine):
             for b in mine[i + 1:]:
-                if all(oa < ob + nb and ob < oa + na for oa, na, ob, nb in zip(a.offset, a.shape, b.offset, b.shape,
-                                                                             strict=True)):
+                if overlap((a.offset, a.shape), (b.offset, b.shape)):
                     raise ValueError(f"{name!r}: the wanted boxes {tuple(a.shape)} at {tuple(a.offset)} and "
                                      f"{tuple(b.shape)} at {tuple(b.offset)} overlap")
         out.extend((box_name(name, i, len(mine)), index[name], want) for i, want in enumerate(mine))
@@ -113,6 +112,11 @@ def _entries(full: _wire.Manifest, wants: Sequence[_wire.Want]) -> list[tuple[st
     if clash:
         raise ValueError(f"{clash[0]!r} names both a tensor of the version and a box of another")
     return out
+
+
+def overlap(a: tuple[Sequence[int], Sequence[int]], b: tuple[Sequence[int], Sequence[int]]) -> bool:
+    """Whether two ``(offset, shape)`` boxes of one tensor share an element."""
+    return all(oa < ob + nb and ob < oa + na for oa, na, ob, nb in zip(a[0], a[1], b[0], b[1], strict=True))
 
 
 def _check_fits(spec: _wire.TensorSpec, want: _wire.Want) -> None:
@@ -130,8 +134,12 @@ def sliced_manifest(full: _wire.Manifest, wants: Sequence[_wire.Want]) -> _wire.
     (several boxes of one tensor by ascending offset, each under :func:`box_name`). Raises
     ValueError for a box that does not fit its tensor, boxes of one tensor that overlap, a box
     wanted twice, or a name ``full`` does not hold."""
+    return _slot(full, _entries(full, wants))
+
+
+def _slot(full: _wire.Manifest, entries: list[tuple[str, int, _wire.Want]]) -> _wire.Manifest:
     return global_manifest([(entry, layout.dtype_from_name(full.tensors[i].dtype), tuple(want.shape))
-                            for entry, i, want in _entries(full, wants)])
+                            for entry, i, want in entries])
 
 
 def _runs(blocks: Sequence[tuple[int, int, int, int]]) -> list[tuple[int, int]]:
@@ -145,7 +153,7 @@ def routes(source: _wire.Manifest, pieces: Sequence[_wire.Piece] | None, full: _
     wanting ``wants`` of ``full`` gets. ``pieces``: where ``source``'s tensors lie in ``full`` (a
     sharded lane); None when ``source`` is ``full`` itself. Raises ValueError where a box does not fit."""
     entries = _entries(full, wants)
-    mine = sliced_manifest(full, wants)
+    mine = _slot(full, entries)
     # per full tensor: the wanted bytes as (global start, global end, slot offset), ascending
     wanted: dict[int, list[tuple[int, int, int]]] = {}
     for spec, (_entry, i, want) in zip(mine.tensors, entries, strict=True):

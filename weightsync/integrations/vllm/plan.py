@@ -11,10 +11,11 @@ whatever the loaders narrow, transpose or split is what is recorded, and a view 
 cannot be described as a box counts as the whole tensor (read whole). A tensor the loaders never
 read (another rank's experts, a buffer the model recomputes) has no box.
 
-The same recorder runs once per engine start, before any version (:func:`bake`): the model's
-layers are put back in checkpoint format on the meta device (vLLM's reload metadata), its loaders
-run on meta tensors of the names and shapes in the engine's own checkpoint files
-(:func:`checkpoint_specs`), and nothing is read or written but shapes. There each parameter's
+The same recorder runs each time a sliced worker joins, before any version (:func:`bake`): the
+model's layers are put back in checkpoint format on the meta device (vLLM's reload metadata), its
+loaders run on meta tensors named and shaped as the last version the worker knows of, or before
+any as the engine's own checkpoint files (:func:`checkpoint_specs`), and nothing is read or
+written but shapes. There each parameter's
 loader is also watched for what it writes of its parameter, and the plan says whether every engine
 parameter element is written exactly once (its ``coverage``). Where that bake cannot run (no
 checkpoint files, a loader that needs values), the first whole load records the plan instead.
@@ -30,6 +31,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import json
+import math
 import struct
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -39,7 +41,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-from weightsync.format.slicing import box_name
+from weightsync.format.slicing import box_name, overlap
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offset, shape), one entry per dimension
 
@@ -157,7 +159,7 @@ class LoadRecorder(TorchFunctionMode):
         for name, t in self._tensors.items():
             read = sorted(self.read.get(name, []))
             total += t.numel() * t.element_size()
-            needed += sum(_volume(b[1]) for b in read) * t.element_size()
+            needed += sum(math.prod(b[1]) for b in read) * t.element_size()
             tensors[name] = {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."),
                              "boxes": [[list(b[0]), list(b[1])] for b in read] or None}
             if name in self.not_boxes:
@@ -177,9 +179,9 @@ def coverage(params: dict[str, torch.Tensor], wrote: dict[str, list[Box]]) -> di
         if not boxes:
             uncovered.append(name)
             continue
-        if any(_overlap(a, b) for i, a in enumerate(boxes) for b in boxes[i + 1:]):
+        if any(overlap(a, b) for i, a in enumerate(boxes) for b in boxes[i + 1:]):
             overlapping.append(name)
-        elif sum(_volume(b[1]) for b in boxes) != param.numel():
+        elif sum(math.prod(b[1]) for b in boxes) != param.numel():
             short.append(name)
     exact = len(params) - len(uncovered) - len(overlapping) - len(short)
     return {"parameters": len(params), "exact": exact, "uncovered": uncovered, "overlapping": overlapping,
@@ -205,7 +207,7 @@ def _merged(boxes: list[Box], box: Box) -> list[Box]:
                     break
             if merged:
                 break
-    if any(_overlap(a, b) for i, a in enumerate(out) for b in out[i + 1:]):
+    if any(overlap(a, b) for i, a in enumerate(out) for b in out[i + 1:]):
         lo = tuple(min(b[0][d] for b in out) for d in range(len(box[0])))
         hi = tuple(max(b[0][d] + b[1][d] for b in out) for d in range(len(box[0])))
         return [(lo, tuple(h - o for h, o in zip(hi, lo, strict=True)))]
@@ -226,17 +228,6 @@ def _union(a: Box, b: Box) -> Box | None:
         return None
     lo, hi = min(a[0][d], b[0][d]), max(a[0][d] + a[1][d], b[0][d] + b[1][d])
     return (a[0][:d] + (lo,) + a[0][d + 1:], a[1][:d] + (hi - lo,) + a[1][d + 1:])
-
-
-def _volume(shape: Iterable[int]) -> int:
-    count = 1
-    for n in shape:
-        count *= n
-    return count
-
-
-def _overlap(a: Box, b: Box) -> bool:
-    return all(oa < ob + nb and ob < oa + na for oa, na, ob, nb in zip(a[0], a[1], b[0], b[1], strict=True))
 
 
 def _storage(t: torch.Tensor) -> int:
