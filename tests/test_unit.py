@@ -595,6 +595,53 @@ def test_an_engine_refuses_a_version_in_another_format_before_loading() -> None:
     assert checks.format_problem(config("awq", {}), bf16) is None  # a format weightsync does not write: not checked
 
 
+def test_a_vllm_worker_that_is_not_the_last_rank_answers_its_error_and_the_driver_raises_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM 0.32's executor reads the workers' replies in rank order and raises at the first error,
+    leaving the later ranks' replies for the next call (vllm#58242): a weightsync call that fails
+    raises on the last rank only; another rank keeps its error and answers it, and the driver's
+    helpers raise it as its own type (a worker's failed check as EngineMismatch)."""
+    from types import SimpleNamespace
+
+    from weightsync import integrations
+    from weightsync.integrations.vllm import replica
+
+    def fails() -> None:
+        raise ws.PublisherGone("channel failed: the publisher closed the connection")
+
+    worker = SimpleNamespace(error=None, _member="w0")
+    monkeypatch.setattr(replica, "last_rank", lambda: False)
+    assert replica.replied(worker, fails) == {replica.ERROR: worker.error}
+    assert worker.error == "PublisherGone: channel failed: the publisher closed the connection"
+    assert replica.replied(worker, lambda x: x + 1, 1) == 2
+    monkeypatch.setattr(replica, "last_rank", lambda: True)
+    with pytest.raises(ws.PublisherGone):
+        replica.replied(worker, fails)
+
+    raise_errors = integrations.vllm._raise_workers_errors
+    with pytest.raises(ws.PublisherGone, match="closed the connection"):
+        raise_errors([{"error": None}, {"error": worker.error}], RuntimeError("Worker failed with error ..."))
+    with pytest.raises(ws.EngineMismatch, match="w1: version 3 did not write"):
+        raise_errors([{"member": "w1", "failed": "version 3 did not write 2 engine parameters", "error": "x"}], None)
+    with pytest.raises(ValueError, match="rank 64 above"):
+        raise_errors([{"error": "ValueError: rank 64 above max_lora_rank"}], None)
+    with pytest.raises(RuntimeError, match="a worker failed: KeyError"):
+        raise_errors([{"error": "KeyError: 'x'"}], None)
+    raise_errors([{"error": None}], None)  # nobody failed: nothing raised
+    calls = []
+
+    class LLM:  # collective_rpc as vLLM hands it over: one answer per worker
+        def collective_rpc(self, name: str, args: tuple = ()) -> list:
+            calls.append(args)
+            if args == ("zero",):
+                return [3, {replica.ERROR: "SyncTimeout: no version"}]
+            return [{"error": None}, {"error": "SyncTimeout: no version >= 4 within 1s"}]
+
+    with pytest.raises(ws.SyncTimeout, match="no version >= 4"):
+        integrations.vllm._replies(LLM(), "zero")
+    assert calls == [("zero",), ()]  # the answers, then engine_info for the error
+
+
 def test_a_load_recorder_names_the_box_each_loader_reads_from_views_of_one_slot() -> None:
     """issue 58: what a vLLM worker's loaders read of each checkpoint tensor, recorded as they run
     (integrations/vllm/plan.py, torch only): a column-parallel narrow, a row-parallel narrow, a

@@ -79,17 +79,17 @@ def update(llm: Any, min_version: int, *, timeout: float | None = None) -> int:
     info: dict[str, Any] = {"min_version": min_version}
     if timeout is not None:
         info["timeout"] = timeout
-    llm.start_weight_update()
+    raised: Exception | None = None
     try:
+        llm.start_weight_update()
         llm.update_weights({"update_info": info})
+    except Exception as err:  # noqa: BLE001 - raised by the last worker only (replica.replied); re-raised below
+        raised = err
+    try:  # every worker's session ends (one that failed without raising kept it open)
         llm.finish_weight_update()
-    except Exception as err:  # vLLM hands a worker's error over as its own type: say which it was
-        failed = [f"{w.get('member')}: {w['failed']}" for w in engine_info(llm) if w.get("failed")]
-        if failed:
-            from weightsync.errors import EngineMismatch
-
-            raise EngineMismatch("; ".join(failed)) from err
-        raise
+    except Exception as err:  # noqa: BLE001 - re-raised below
+        raised = raised or err
+    _raise_workers_errors(engine_info(llm), raised)
     llm.reset_prefix_cache()
     versions = {w["version"] for w in engine_info(llm)}
     if len(versions) != 1 or None in versions:
@@ -97,6 +97,41 @@ def update(llm: Any, min_version: int, *, timeout: float | None = None) -> int:
     version = int(versions.pop())
     llm.update_weight_version(str(version))
     return version
+
+
+def _raise_workers_errors(infos: list[dict[str, Any]], raised: Exception | None) -> None:
+    """Raise what the workers failed with: a failed check as EngineMismatch naming the workers, else
+    the first worker's error as its own weightsync type (vLLM hands the last worker's over as a
+    RuntimeError; the others answered with theirs: ``replica.replied``), else ``raised``."""
+    import builtins
+
+    from weightsync import errors
+
+    failed = [f"{w.get('member')}: {w['failed']}" for w in infos if w.get("failed")]
+    if failed:
+        raise errors.EngineMismatch("; ".join(failed)) from raised
+    said = [w["error"] for w in infos if w.get("error")]
+    if said:
+        name, _, message = said[0].partition(": ")
+        kind = getattr(errors, name, None) or getattr(builtins, name, None)
+        if isinstance(kind, type) and issubclass(kind, (errors.WeightSyncError, ValueError, TypeError)):
+            raise kind(message) from raised
+        raise RuntimeError(f"weightsync: a worker failed: {said[0]}") from raised
+    if raised is not None:
+        raise raised
+
+
+def _replies(llm: Any, *args: Any) -> list[Any]:
+    """``collective_rpc("weight_transfer_engine", args=args)``'s per-worker answers, raising what a
+    worker failed with (a worker other than the last answers its error: ``replica.replied``)."""
+    try:
+        answers = list(llm.collective_rpc("weight_transfer_engine", args=args))
+    except Exception as err:
+        _raise_workers_errors(engine_info(llm), err)
+        raise
+    if any(isinstance(a, dict) and "weightsync_error" in a for a in answers):
+        _raise_workers_errors(engine_info(llm), None)
+    return answers
 
 
 def engine_info(llm: Any) -> list[dict[str, Any]]:
@@ -114,7 +149,7 @@ def engine_digests(llm: Any) -> list[dict[str, str]]:
     its kernels, fused, sliced), keyed by the engine's parameter names. Costs one read of every
     parameter (docs/vllm.md). Two engines of the same model and layout that serve the same weights
     give the same digests: compare an updated engine with one loaded from the same checkpoint."""
-    return list(llm.collective_rpc("weight_transfer_engine", args=("digests",)))
+    return _replies(llm, "digests")
 
 
 def engine_plans(llm: Any) -> list[dict[str, Any] | None]:
@@ -126,7 +161,7 @@ def engine_plans(llm: Any) -> list[dict[str, Any] | None]:
     ``[offset, shape]`` pairs (one entry per dimension each), None for a tensor the worker never
     read. A tensor-parallel worker's ``needed_bytes`` is about its share of the version
     (docs/vllm.md, "What each worker reads")."""
-    return list(llm.collective_rpc("weight_transfer_engine", args=("plan",)))
+    return _replies(llm, "plan")
 
 
 def verify(llm: Any, reference: Any, *, min_version: int, timeout: float | None = None) -> int:
@@ -144,7 +179,7 @@ def verify(llm: Any, reference: Any, *, min_version: int, timeout: float | None 
     from weightsync.errors import EngineMismatch
 
     expected = reference if isinstance(reference, list) else engine_digests(reference)
-    llm.collective_rpc("weight_transfer_engine", args=("zero",))
+    _replies(llm, "zero")
     version = update(llm, min_version, timeout=timeout)
     served = engine_digests(llm)
     if len(served) != len(expected):
@@ -167,7 +202,7 @@ def init_adapters(llm: Any, address: str, channel: str, *, secret: str | None = 
     adapter. Re-initializing leaves the previous adapter channel (its adapters stay registered)."""
     info = {"address": address, "channel": channel, "secret": secret, "timeout": timeout, "keep": keep,
             "member_id": member_id, "transport": transport}
-    llm.collective_rpc("weight_transfer_engine", args=("adapters_init", info))
+    _replies(llm, "adapters_init", info)
 
 
 def update_adapters(llm: Any, min_versions: dict[str, int] | None = None, *,
@@ -184,8 +219,8 @@ def update_adapters(llm: Any, min_versions: dict[str, int] | None = None, *,
     """
     payload = {"min_versions": dict(min_versions or {}), "timeout": timeout}
     try:
-        held = llm.collective_rpc("weight_transfer_engine", args=("adapters_update", payload))
-    except Exception as err:  # vLLM hands a worker's error over as its own type: say which it was
+        held = _replies(llm, "adapters_update", payload)
+    except Exception as err:  # what the adapter checks said, as its own type
         failed = [f"{(w.get('adapters') or {}).get('failed')}" for w in engine_info(llm)
                   if (w.get("adapters") or {}).get("failed")]
         if failed:
@@ -220,7 +255,7 @@ def update_merged(llm: Any, name: str, min_version: int = 0, *, timeout: float |
     Needs both channels initialized (``init_weight_transfer_engine``, :func:`init_adapters`)."""
     payload = {"name": name, "min_version": min_version, "timeout": timeout}
     try:
-        answers = llm.collective_rpc("weight_transfer_engine", args=("adapters_merge", payload))
+        answers = _replies(llm, "adapters_merge", payload)
     except Exception as err:
         failed = [f"{w.get('member')}: {w['failed']}" for w in engine_info(llm) if w.get("failed")]
         if failed:

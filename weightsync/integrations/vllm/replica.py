@@ -3,6 +3,7 @@ on one version to load."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -11,8 +12,42 @@ import torch
 
 from weightsync.errors import SyncTimeout, WeightSyncError
 
+log = logging.getLogger("weightsync.vllm")
+
 # extra seconds a host-side call may take beyond the weightsync deadline it carries
 GRACE = 5.0
+ERROR = "weightsync_error"  # the key of a worker's answer that stands for the error it did not raise
+
+
+def replied(worker: Any, call: Callable[..., Any], *args: Any) -> Any:
+    """``call(*args)`` on a worker so that vLLM's executor reads every worker's reply.
+
+    vLLM 0.32's executor reads the workers' replies to a collective RPC in rank order and raises at
+    the first error, leaving the replies of the ranks after it queued: the next RPC reads those
+    (another call's answers, silently), and every one after it is off by one (vllm-project/vllm
+    #58242, #57846). So a weightsync call that fails raises only on the executor's last worker;
+    any other keeps the error (``worker.error``, in ``engine_info``) and answers ``{ERROR: ...}``,
+    which the driver's helpers turn back into the error (``weightsync.integrations.vllm``)."""
+    try:
+        return call(*args)
+    except Exception as err:
+        worker.error = f"{type(err).__name__}: {err}"
+        if last_rank():
+            raise
+        log.error("vLLM worker %s: %s (its error goes back in engine_info: only the last rank raises)",
+                  getattr(worker, "_member", None), worker.error)
+        return {ERROR: worker.error}
+
+
+def last_rank() -> bool:
+    """Whether this worker's reply is the last one vLLM's executor reads (its world's last rank)."""
+    try:
+        from vllm.distributed.parallel_state import get_world_group
+
+        world = get_world_group()
+    except (ImportError, AssertionError):
+        return True
+    return bool(world.rank_in_group == world.world_size - 1)
 
 
 def check_join(address: object, channel: object, timeout: object) -> None:

@@ -158,6 +158,7 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         self._loaded: set[str] | None = None  # what this update's full load wrote (load_weights' names)
         self._full = False  # this update loads the whole version (not sparse patches)
         self.failed: str | None = None  # the last update's failed check: the engine serves no known version
+        self.error: str | None = None  # the last update's (or request's) error, where this rank did not raise it
         self.refreshed = 0  # MoE layers whose experts' packed weights the last update refreshed
         self.compare = True  # compare what the engine holds with the other engines of its layout
         self.reloads = 0  # the last update's loads again, after disagreeing with the others
@@ -177,7 +178,13 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         (:func:`~weightsync.integrations.vllm.engine_digests`); ``"zero"`` zeroes every engine
         parameter (the drill, :func:`~weightsync.integrations.vllm.verify`) and returns how many;
         ``"adapters_init"``, ``"adapters_update"`` and ``"adapters_close"`` (with ``payload``) drive
-        this worker's adapter channel (:func:`~weightsync.integrations.vllm.update_adapters`)."""
+        this worker's adapter channel (:func:`~weightsync.integrations.vllm.update_adapters`).
+        A request that fails raises on the last rank only (``replica.replied``)."""
+        if what not in ("info", "plan", "digests"):
+            self.error = None
+        return replica.replied(self, self._answer, what, payload)
+
+    def _answer(self, what: str, payload: dict[str, Any] | None) -> Any:
         if what.startswith("adapters_"):
             return self._adapter_call(what, payload or {})
         if what == "digests":
@@ -198,7 +205,8 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
                 "patched": None if last is None else last.patched, "patch_fallbacks": self.patch_fallbacks,
                 "failed": self.failed, "refreshed": self.refreshed, "reloads": self.reloads,
                 "agreement": self.agreement, "compare_s": self.compare_s,
-                "adapters": None if self.adapters is None else self.adapters.info(), "merged": self.merged}
+                "adapters": None if self.adapters is None else self.adapters.info(), "merged": self.merged,
+                "error": self.error}
 
     def _adapter_call(self, what: str, payload: dict[str, Any]) -> Any:
         if what == "adapters_init":
@@ -243,14 +251,19 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
             finally:
                 self._layout = layout
             self.merged = f"{entry.name}@{entry.version}"
-            self.finish_weight_update()
+            self._finish()
             return [weights.version, entry.version]
         finally:
             self.adapters.release()
 
     # lifecycle ----------------------------------------------------------------------------
     def init_transfer_engine(self, init_info: WeightsyncInitInfo) -> None:
-        """Join the channel (bounded by twice ``timeout``); re-initializing leaves the old one."""
+        """Join the channel (bounded by twice ``timeout``); re-initializing leaves the old one. Each
+        of vLLM's calls into this engine raises on the last rank only (``replica.replied``)."""
+        self.error = None
+        replica.replied(self, self._init_engine, init_info)
+
+    def _init_engine(self, init_info: WeightsyncInitInfo) -> None:
         self.shutdown()
         rank, dp = replica.ranks(self.vllm_config)
         base = init_info.member_id or f"vllm-{socket.gethostname()}-{os.getpid()}"
@@ -304,6 +317,13 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
     # one update ---------------------------------------------------------------------------
     def start_weight_update(self) -> None:
         """Nothing is touched here: the reload starts only once a version is in hand."""
+        self.error = None
+        replica.replied(self, self._start)
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        replica.replied(self, super().update_weights, update_info)
+
+    def _start(self) -> None:
         if self._sub is None:
             raise RuntimeError("weightsync: call init_weight_transfer_engine before start_weight_update")
         self._release()
@@ -380,6 +400,9 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
             self.refreshed = len(checks.refresh_fused_experts(self.model, self._loaded))
 
     def finish_weight_update(self) -> None:
+        replica.replied(self, self._finish)
+
+    def _finish(self) -> None:
         if self._pinned is None:
             return  # nothing was loaded (update_weights failed or was not called)
         weights = self._pinned[1]
