@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from tests import vllm_driver as driver
+from tests import vllm_ep
 
 pytestmark = [
     pytest.mark.vllm,
@@ -92,6 +93,13 @@ def moe_tp_report(tmp_path_factory: pytest.TempPathFactory, run_transport: str) 
     once_per_suite(run_transport)
     data = run_driver("moe-sliced", tmp_path_factory.mktemp("vllm-moe-tp"), both_cores())
     return msgspec.json.decode(data, type=driver.MoeSlicedReport)
+
+
+@pytest.fixture(scope="module")
+def ep_report(tmp_path_factory: pytest.TempPathFactory, run_transport: str) -> vllm_ep.EpReport:
+    once_per_suite(run_transport)  # sliced workers receive over the group whatever the pass
+    data = run_driver("ep", tmp_path_factory.mktemp("vllm-ep"), both_cores())
+    return msgspec.json.decode(data, type=vllm_ep.EpReport)
 
 
 @pytest.fixture(scope="module")
@@ -313,6 +321,64 @@ def test_a_tensor_parallel_moe_engines_workers_receive_only_their_experts_slices
             assert info["version"] == version and 0.45 < share(info) < 0.55, info
     assert rep.digests2 == rep.digests1 and rep.digests4 == rep.digests1
     assert rep.sliced == rep.whole and rep.sliced4 == rep.whole
+
+
+def _sliced_like_whole(step: vllm_ep.Step, whole: vllm_ep.Step, version: int) -> None:
+    """Each worker received about half the version, as boxes, and serves what the whole load did."""
+    for info in step.info:
+        assert info["version"] == version and info["member"].endswith("-sliced") and info["error"] is None, info
+        assert 0.45 < info["received_bytes"] / info["nbytes"] < 0.55, info
+    assert step.digests == whole.digests  # every engine parameter's bytes, both workers
+    assert step.served == whole.served  # tokens and logprobs, exactly
+
+
+def test_expert_parallel_trainer_ranks_push_their_own_experts_to_the_workers_that_serve_them(
+        ep_report: vllm_ep.EpReport) -> None:
+    """issue 58, item 2: a Qwen3-MoE trainer launched by torchrun on 2 ranks (gloo), stacked
+    experts DTensor Shard(0) over the expert mesh, FSDP2 for the rest: each rank puts only its own
+    shards on its own lane (no gather: the lanes add up to the version, each one its rank's
+    shard); a TP=2 engine's workers take about half each, from both lanes, into a zeroed engine,
+    and serve exactly what the same weights loaded whole give. With copy=False a rank's memory
+    grows by its two buckets and the gather buffers of the two sliced workers (1 MiB each), not
+    by its 26 MiB shard."""
+    rep = ep_report
+    two = rep.two
+    assert two.answer is not None and not two.answer.error, two.answer
+    nbytes = two.info[0]["nbytes"]
+    assert sum(two.answer.lane_bytes) == nbytes and two.answer.lane_bytes == two.answer.shard_bytes
+    assert all(growth <= 2 + 2 * 2 + 2 for growth in two.answer.growth_mib), two.answer  # MiB
+    for info in rep.whole.info:  # joined whole: the whole version, from both lanes
+        assert info["version"] == 1 and info["received_bytes"] == info["nbytes"], info
+    for baked in rep.baked:  # made on meta tensors named as version 1: every parameter written once
+        assert baked is not None and baked["source"] == "meta", baked
+        assert baked["coverage"]["exact"] == baked["coverage"]["parameters"] > 0, baked["coverage"]
+        assert any(n.endswith("mlp.experts.gate_up_proj") for n in baked["tensors"])
+    _sliced_like_whole(two, rep.whole, 2)
+
+
+def test_a_trainer_restarted_with_another_world_size_or_expert_placement_keeps_the_engine_exact(
+        ep_report: vllm_ep.EpReport) -> None:
+    """issue 58, item 3: rank 1 killed with -9 as it puts: the update fails within its bound with
+    the publisher's error, no byte of that version is exposed (every parameter's digest as
+    before), and every call after it answers for itself (vLLM's executor reads every worker's
+    reply: only the last rank raises). Restarted on 1 rank, then on 4 with experts replicated
+    over a dp dimension (only the dp=0 ranks send them), the workers join the new trainer, its
+    lanes are routed afresh from their layout, and the first version after each change arrives
+    sliced and bit-exact."""
+    rep = ep_report
+    assert rep.killed is not None and rep.killed.error.startswith("PublisherGone"), rep.killed
+    assert rep.killed.seconds < BOUND
+    assert rep.killed_digests == rep.two.digests
+    one, four = rep.one, rep.four
+    assert one.answer is not None and four.answer is not None
+    nbytes = one.info[0]["nbytes"]
+    assert one.answer.lane_bytes == [nbytes]
+    lanes = four.answer.lane_bytes
+    assert sum(lanes) == nbytes and lanes[0] == lanes[1] > 10 * lanes[2] and lanes[2] == lanes[3], lanes
+    for step, version in ((one, 4), (four, 5)):
+        _sliced_like_whole(step, rep.whole, version)
+        shards = step.answer.shard_bytes if step.answer else []
+        assert all(growth < shard / 2**20 / 2 for growth, shard in zip(step.answer.growth_mib, shards, strict=True))
 
 
 def test_vllm_trainer_api_switches_backend_by_name(report: driver.Report) -> None:

@@ -4,6 +4,7 @@
     python -m tests.vllm_driver tensor-parallel RESULT.json WORKDIR   (a TP=2 engine; an adapter in memory)
     python -m tests.vllm_driver patches RESULT.json WORKDIR   (an update loaded as sparse patches)
     python -m tests.vllm_driver moe RESULT.json WORKDIR FAMILY   (an MoE engine updated three times)
+    python -m tests.vllm_driver ep RESULT.json WORKDIR   (an expert-parallel trainer, restarted: tests/vllm_ep.py)
     python -m tests.vllm_driver checks RESULT.json WORKDIR   (loaders that skip and swap tensors; the drill)
     python -m tests.vllm_driver replicas RESULT.json WORKDIR   (two engines; one corrupted after its load)
     python -m tests.vllm_driver quantized RESULT.json WORKDIR FORMAT   (an engine serving a quantized checkpoint)
@@ -236,8 +237,9 @@ MOE_FAMILIES = {
 }
 
 
-def build_moe(family: str, path: Path, seed: int = 0) -> None:
-    """A random ``family`` model (float32) at ``path``, as small as the Llama of ``rl_examples._llama``."""
+def build_moe(family: str, path: Path, seed: int = 0, **overrides: object) -> None:
+    """A random ``family`` model (float32) at ``path``, as small as the Llama of ``rl_examples._llama``
+    (``overrides``: config fields set otherwise)."""
     import transformers
 
     from rl_examples import _llama
@@ -245,7 +247,7 @@ def build_moe(family: str, path: Path, seed: int = 0) -> None:
     config_name, model_name, extra = MOE_FAMILIES[family]
     sizes = {k: v for k, v in _llama.SIZES.items()}
     torch.manual_seed(seed)
-    config = getattr(transformers, config_name)(**sizes, **extra, torch_dtype="float32")
+    config = getattr(transformers, config_name)(**sizes, **{**extra, **overrides}, torch_dtype="float32")
     model = getattr(transformers, model_name)(config).float()
     _llama.save(model, path)
 
@@ -881,6 +883,10 @@ if __name__ == "__main__":
         moe(Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[4])
     elif role == "moe-sliced":
         moe_sliced(Path(sys.argv[2]), Path(sys.argv[3]))
+    elif role == "ep":
+        from tests.vllm_ep import expert_parallel
+
+        expert_parallel(Path(sys.argv[2]), Path(sys.argv[3]))
     elif role == "quantized":
         quantized(Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[4])
     elif role == "lora":

@@ -96,11 +96,12 @@ def join(worker: Any) -> None:
 
 
 def unslice(worker: Any, err: ManifestMismatch) -> bool:
-    """A plan made on meta tensors that the version refuses (before any byte of it moved: its
-    names or shapes are not those the plan was made from, such as a trainer naming fused
-    experts otherwise than the checkpoint files): join whole within the same update. Its load
-    records the plan, and the worker joins sliced again after it. False where there was no such plan."""
-    if worker._sliced is None or worker._sliced.get("source") != "meta" or worker._bridge is None:
+    """A plan that the version refuses, before any byte of it moved: its names or shapes are not
+    those the plan was made from (a plan made on meta tensors from the checkpoint files while the
+    trainer names fused experts otherwise; a plan recorded from a trainer since restarted with
+    another model). Join whole within the same update: its load records the plan anew, and the
+    worker joins sliced again after it. False where the worker had no plan."""
+    if worker._sliced is None or worker._bridge is None:
         return False
     log.warning("vLLM worker %s: the version does not fit the plan made before it (%s); joining whole, "
                 "its load records the plan", worker._member, err)
