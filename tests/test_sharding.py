@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -255,6 +256,47 @@ async def test_a_sliced_tensor_parallel_generator_receives_only_its_boxes(procs:
         assert {k: got[1] for k, got in result["got"].items()} == result["digests"]  # get() gives the boxes
         mine = sum(t.numel() * t.element_size() for t in boxes.values())
         assert result["received"] == 2 * mine < 2 * total, (result["received"], mine, total)  # two versions
+
+
+@pytest.mark.asyncio
+async def test_generator_ranks_killed_and_restarted_with_another_tensor_parallel_size_get_their_new_boxes(
+        procs: Procs) -> None:
+    """issue 58, item 3, the engine side: two sliced generator ranks (TP=2) killed with -9, then
+    three (TP=3: uneven boxes) started in their place. Nothing of the old plan is used: the
+    publisher evicts the dead (the put between them fails nobody), routes each new rank's boxes
+    from its own want, and every version after the change (the one put between, which a newcomer
+    catches up on, and the next) is exactly each new rank's box, received as nothing more."""
+    from tests.statedicts import digest
+
+    gen = torch.Generator().manual_seed(7)
+
+    def weights(version: int) -> dict[str, torch.Tensor]:
+        return {"w0": torch.randn(301, 6, generator=gen), "b": torch.arange(7, dtype=torch.int64) * version,
+                "w1": torch.randn(50, 91, generator=gen).to(torch.bfloat16)}
+
+    async with ws.Publisher("tp", timeout=5.0, bucket_bytes=4096, encoding="full") as pub:
+        stores = [dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                timeout=dt.timedelta(seconds=60)) for _ in range(2)]
+        old = [procs.spawn("tp_generator", rank=r, world=2, store_port=stores[0].port, channel="tp",
+                           address=pub.address, version=1, last=9, sliced=True) for r in range(2)]
+        await pub.wait_subscribers(2, timeout=60)
+        await (await pub.put(weights(1), version=1)).delivered(timeout=30)
+        for i in old:
+            procs.signal(i, signal.SIGKILL)
+        await (await pub.put(weights(2), version=2)).delivered(timeout=30)  # to whoever is left: nobody
+        new = [procs.spawn("tp_generator", rank=r, world=3, store_port=stores[1].port, channel="tp",
+                           address=pub.address, version=3, sliced=True) for r in range(3)]
+        await pub.wait_subscribers(3, timeout=60)
+        sd = weights(3)
+        report = await (await pub.put(sd, version=3)).delivered(timeout=30)
+        assert set(report.members) == {"tp0", "tp1", "tp2"}
+        results = [await procs.result(i, 90) for i in new]
+    for r, result in enumerate(results):
+        boxes = {"w0": sd["w0"].chunk(3, dim=0)[r], "w1": sd["w1"].chunk(3, dim=1)[r], "b": sd["b"]}
+        assert result["version"] == 3 and result["digests"] == {k: digest(t) for k, t in boxes.items()}
+        mine = sum(t.numel() * t.element_size() for t in boxes.values())
+        # version 2 too, the newest when they joined: once per generation it was sent in, as the three joined
+        assert result["per_version"]["3"] == mine and result["per_version"].get("2", 0) % mine == 0, result
 
 
 @pytest.mark.asyncio
