@@ -562,6 +562,28 @@ async def test_ranks_that_disagree_on_a_version_send_nothing_and_say_why() -> No
         await asyncio.gather(p0.aclose(), p1.aclose())
 
 
+@pytest.mark.asyncio
+async def test_a_sliced_member_slower_than_a_wait_slice_per_bucket_still_gets_every_bucket() -> None:
+    """Point-to-point buckets are waited on whole: a gloo send or receive wait that times out
+    closes every pair of its group, so waiting in 0.25 s slices (as broadcasts are) broke the
+    group as soon as one bucket took longer (a sliced member behind a 100 Mbit/s link; here one
+    that spends 0.4 s on each bucket before it takes the next)."""
+    from weightsync.testing import Faults, inject
+
+    # 4 buckets of 16 MiB, 8 of them the member's: more than a socket's buffers take without a receive
+    sd = {"w": torch.randn(4096, 4096, generator=torch.Generator().manual_seed(1))}
+    async with ws.Publisher("slow", timeout=10.0, bucket_bytes=16 << 20, encoding="full") as pub:
+        sub = ws.Subscriber("slow", address=pub.address, member_id="tp0", timeout=10.0, transport="group",
+                            want={"w": ((0, 0), (4096, 2048), (4096, 4096))})
+        inject(sub, Faults(slow=21))  # each bucket: 20 x at least 20 ms more
+        async with sub:
+            await pub.wait_subscribers(1, timeout=30)
+            report = await (await pub.put(sd, version=1)).delivered(timeout=60)
+            got = await sub.get(min_version=1, timeout=30)
+        assert report.members == ("tp0",) and not pub.evicted
+    assert torch.equal(got["w"], sd["w"][:, :2048])
+
+
 def test_blocks_of_row_column_and_2d_shards() -> None:
     """The byte blocks of a local box match the bytes torch itself would pick out."""
     full = torch.arange(6 * 10 * 4, dtype=torch.int32).reshape(6, 10, 4)

@@ -162,10 +162,12 @@ class DedicatedGroup:
             return works
 
         # rank 0 sends each member its own: a bucket's deadline covers all of them
-        self._run(transfer, op, depth, issue, fan=self.size - 1 if self.rank == 0 else 1)
+        self._run(transfer, op, depth, issue, fan=self.size - 1 if self.rank == 0 else 1, whole=True)
 
     def _run(self, transfer: Transfer, op: str, depth: int,
-             issue: Callable[[int, torch.Tensor, float], list[Any]], fan: int = 1) -> None:
+             issue: Callable[[int, torch.Tensor, float], list[Any]], fan: int = 1, whole: bool = False) -> None:
+        """Issue each bucket (``depth`` in flight) and wait for it; ``whole``: point-to-point works,
+        each waited on in one piece (:meth:`_wait_whole`)."""
         if self.state != ALIVE:
             raise Cancelled(f"generation {self.generation} of {self.channel!r} was aborted")
         if self._pg is None:
@@ -174,7 +176,7 @@ class DedicatedGroup:
         try:
             for i in range(len(transfer.buckets)):
                 if len(pending) >= depth:
-                    self._finish_oldest(pending, transfer)
+                    self._finish_oldest(pending, transfer, whole)
                 if transfer.cancelled is not None and transfer.cancelled():
                     # polled here too: where every wait finds its bucket already done (a receiver
                     # slower than the wire) it would never be polled, and abort() would wait out the version
@@ -195,7 +197,7 @@ class DedicatedGroup:
                     raise PeerFailure(f"bucket {i} could not be issued: {type(err).__name__}: {err}") from err
                 pending[-1] = (i, works, entry, time.monotonic() + limit)
             while pending:
-                self._finish_oldest(pending, transfer)
+                self._finish_oldest(pending, transfer, whole)
         except BaseException as err:
             for _, works, entry, _ in pending:  # buckets still in flight will never complete
                 entry.fail(f"abandoned: {err}", aborted=True)
@@ -204,13 +206,15 @@ class DedicatedGroup:
                 self._orphans.extend(works)
             raise
 
-    def _finish_oldest(self, pending: list[tuple[int, list[Any], Any, float]], transfer: Transfer) -> None:
+    def _finish_oldest(self, pending: list[tuple[int, list[Any], Any, float]], transfer: Transfer,
+                       whole: bool = False) -> None:
         """Wait for the oldest bucket's works; once they completed nothing here holds them (a work
         keeps its tensors alive: a gathered piece for a sliced member is freed with it)."""
         i, works, entry, limit = pending.pop(0)
+        wait = self._wait_whole if whole else self._wait
         try:
             for work in works:
-                self._wait(work, limit, transfer.cancelled)
+                wait(work, limit, transfer.cancelled)
         except BaseException as err:
             entry.fail(err)
             self._orphans.extend(works)
@@ -235,6 +239,38 @@ class DedicatedGroup:
                 raise PeerFailure(f"{type(err).__name__}: {err}") from err
             if cancelled():
                 raise Cancelled("the generation ended while this bucket was on the wire")
+
+    @staticmethod
+    def _wait_whole(work: Any, limit: float, cancelled: Callable[[], bool] | None) -> None:
+        """A point-to-point work, waited on once until ``limit`` by a thread of its own while this
+        one polls ``cancelled`` every slice. Never in slices: gloo's send and receive waits that
+        time out close every pair of the group ("Application timeout caused pair closure",
+        measured on torch 2.13: a 2 MiB bucket to a member behind a 100 Mbit/s link outlived a
+        0.25 s slice, and the bucket then never completed). A work left behind on Cancelled ends
+        with its group (abort tears the backend down) or at ``limit``."""
+        done, failed = threading.Event(), []
+
+        def waiter() -> None:
+            try:
+                compat.wait_work(work, max(limit - time.monotonic(), 0.001))
+            except BaseException as err:  # noqa: BLE001 - handed to the waiting thread below
+                failed.append(err)
+            finally:
+                done.set()
+
+        threading.Thread(target=waiter, name="ws-p2p-wait", daemon=True).start()
+        while not done.wait(max(min(WAIT_SLICE, limit - time.monotonic()), 0.001)):
+            if cancelled is not None and cancelled():
+                raise Cancelled("the generation ended while this bucket was on the wire")
+            if time.monotonic() > limit + 2.0:  # its own timed wait should have ended it by now
+                raise PeerFailure("a bucket missed its deadline (its wait did not return)")
+        if failed:
+            err = failed[0]
+            if isinstance(err, TimeoutError):
+                raise PeerFailure(f"a bucket missed its deadline: {err}") from None
+            if isinstance(err, InternalError):
+                raise err
+            raise PeerFailure(f"{type(err).__name__}: {err}") from None
 
     def abort(self, reason: str = "", grace: float = 0.0) -> None:
         """End this generation; safe to call twice and from error paths. ``grace``: seconds the
