@@ -737,6 +737,24 @@ def test_a_placement_outside_the_full_layout_is_a_protocol_error_not_a_write() -
         sharding.Placer(torch.zeros(manifest.total_bytes, dtype=torch.uint8), lane, bad, [(0, 16)])
 
 
+def test_a_lane_listens_on_the_interface_that_reaches_rank_0() -> None:
+    """A rank > 0 beside a rank 0 on another host listens (and is found by members) at the address
+    of its interface toward rank 0: listening everywhere, it handed out its host name's address,
+    127.0.1.1 on many machines, which members on other hosts cannot reach (found on the emulated
+    cluster: every member of a 2-rank trainer failed to reach rank 1)."""
+    import socket
+
+    from weightsync.membership import ranks
+    from weightsync.options import is_loopback
+
+    assert ranks.lane_host("127.0.0.1") == "127.0.0.1"
+    host = ranks.lane_host("192.0.2.1")  # TEST-NET-1: routed like any outside address, never reached
+    assert host == "0.0.0.0" or not is_loopback(host), host
+    if host != "0.0.0.0":  # a machine with a route out: an address of one of its own interfaces
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((host, 0))
+
+
 def test_bad_rank_arguments_are_refused_at_construction() -> None:
     with pytest.raises(ValueError, match="world_size"):
         ws.Publisher("x", rank=2, world_size=2)

@@ -19,6 +19,7 @@ Nothing here runs on the event loop: the publisher calls it from a worker thread
 from __future__ import annotations
 
 import datetime as dt
+import socket
 import struct
 import threading
 import time
@@ -311,8 +312,17 @@ def addresses(rank: int, address: str, lane_address: str | None, group: Any
 
 
 def lane_host(rank0_host: str) -> str:
-    """Where a rank > 0 listens by default: loopback beside a loopback rank 0, else every interface."""
-    return "127.0.0.1" if is_loopback(rank0_host) else "0.0.0.0"
+    """Where a rank > 0 listens by default: loopback beside a loopback rank 0, else the address of
+    this host's interface that reaches rank 0 (what members reach it by: on every interface, the
+    address a rank would hand out is its host name's, which often resolves to 127.0.1.1)."""
+    if is_loopback(rank0_host):
+        return "127.0.0.1"
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((rank0_host, 9))  # a datagram socket's connect sends nothing: it picks the route
+            return str(probe.getsockname()[0])
+    except OSError:
+        return "0.0.0.0"
 
 
 ADDRESS_BYTES = 512
