@@ -99,7 +99,7 @@ async def trainer(spec: dict) -> dict:
     publisher: ws.Publisher | None = None
     sparse = mode == "sliced-delta"
     if mode in ("sharded", "sliced", "sliced-delta"):
-        address = "127.0.0.1:0"
+        address = f"{spec.get('host', '127.0.0.1')}:0"  # the bridge of an emulated cluster (sliced_model)
         if rank:
             while not address_file.exists():
                 await asyncio.sleep(0.05)
@@ -152,7 +152,8 @@ def _tp_want(spec: dict) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
-    store = dist.TCPStore("127.0.0.1", spec["store_port"], is_master=False, timeout=dt.timedelta(seconds=120))
+    store = dist.TCPStore(spec.get("host", "127.0.0.1"), spec["store_port"], is_master=False,
+                          timeout=dt.timedelta(seconds=120))
     os.environ["TORCH_GLOO_LAZY_INIT"] = "1"  # nothing is sent over the engine's own world (docs/torch-versions.md)
     try:
         dist.init_process_group("gloo", store=dist.PrefixStore(f"tp-{spec['world']}", store), rank=spec["index"],

@@ -284,6 +284,40 @@ def test_cost_model_projection_counts_every_connection_of_a_pair() -> None:
         assert b.seconds < a.seconds and b.lanes["256"] <= a.lanes["256"]
 
 
+def test_sliced_model_fits_its_own_terms_back_and_projects_each_receivers_share() -> None:
+    """issue 58: the sliced receivers' model, fitted on points it made itself (a, eta, c0, k
+    known), predicts them back; the 1T projection charges each generator GPU its share and each
+    trainer GPU its lane's share for every engine."""
+    from benchmarks import sliced_model as m
+
+    points = [m.Point(w, rate, mib, mib * 2**19, 0.0, []) for w in (1, 2) for rate in (100.0, 300.0, 1000.0)
+              for mib in (16.0, 48.0)]
+    for p in points:
+        p.seconds = m.predict(p, 0.03, 0.9, 0.01, 2e-9)
+    result = m.analyse(points, [("*", "300", "*")])
+    assert result.worst_held_out < 0.02, result.worst_held_out
+    rows = {(j.weights, j.encoding, j.layout): j for j in result.projections}
+    assert len(rows) == 8
+    full, wide = rows[("bf16", "full", "16 x TP=8")], rows[("bf16", "full", "1 x EP=128")]
+    assert full.version_gb == 2000 and full.generator_gb == 250 and full.trainer_gb == pytest.approx(125)
+    assert wide.generator_gb == pytest.approx(2000 / 128) and wide.seconds < full.seconds
+    assert rows[("fp8-block", "full", "16 x TP=8")].generator_gb == pytest.approx(2000 * 0.5001 / 8)
+    assert rows[("bf16", "delta", "16 x TP=8")].codec_s > 0 == rows[("bf16", "full", "16 x TP=8")].codec_s
+
+
+@pytest.mark.netns
+@pytest.mark.skipif(netns.unavailable() is not None, reason=f"no network namespaces here: {netns.unavailable()}")
+def test_sliced_model_measures_lanes_into_sliced_receivers_behind_shaped_links(tmp_path: Path) -> None:
+    out = run("-m", "benchmarks.sliced_model", "--ranks", "2", "--rates", "300", "--sizes", "4", "--versions", "1",
+              "--hold-out", "", "--out", str(tmp_path))
+    assert out.returncode in (0, 1), out.stdout[-2000:] + out.stderr[-3000:]
+    result = msgspec.json.decode((tmp_path / "sliced_model.json").read_bytes())
+    (point,) = result["points"]
+    assert point["ranks"] == 2 and 0.45 < point["share_bytes"] / 2**22 < 0.55  # its half of 4 MiB
+    assert point["seconds"] > point["share_bytes"] * 8 / 300e6  # no faster than its link
+    assert (tmp_path / "sliced_model.png").exists()
+
+
 def test_sharded_bench_runs_every_mode_and_measures_every_rank(tmp_path: Path) -> None:
     out = run("-m", "benchmarks.sharded", "--mib", "4", "--ranks", "1", "2", "--versions", "1", "--bucket-mib", "1",
               "--sliced", "--delta", "--out", str(tmp_path))
