@@ -530,6 +530,44 @@ async def test_a_member_that_reaches_a_rank_before_its_start_returned_is_admitte
 
 
 @pytest.mark.asyncio
+async def test_sliced_members_leaving_and_joining_while_two_ranks_re_send_their_version_get_it_every_time() -> None:
+    """Two trainer ranks retain version 1; two sliced members (each wanting its half of both
+    ranks' tensors, point to point from both lanes) leave and join again four times each, one a
+    moment after the other, so each rank keeps re-sending the version to a group a member just
+    left. Every join gets its boxes and nobody is evicted. Before: a rank's first send to a member
+    that had just left connected its pair in the rank's sender thread, up to the backend's
+    timeout; joins went unanswered for 10 s and members were evicted (about 1 run in 2 with the
+    ranks under torchrun)."""
+    p0 = ws.Publisher("churn", rank=0, world_size=2, timeout=5.0)
+    await p0.start()
+    p1 = ws.Publisher("churn", rank=1, world_size=2, address=p0.address, timeout=5.0)
+    gen = torch.Generator().manual_seed(3)
+    sd = {"w": torch.randn(512, 1024, generator=gen), "b": torch.randn(512, 1024, generator=gen)}  # 2 MiB each
+    try:
+        await p1.start()
+        handles = await asyncio.gather(p0.put(sd, version=1, owners={"b": 1}), p1.put(sd, version=1, owners={"b": 1}))
+        await asyncio.gather(*(h.delivered(timeout=30) for h in handles))  # to nobody yet: retained
+
+        async def member(r: int, stagger: float) -> list[int]:
+            rows = (r * 256, 0), (256, 1024), (512, 1024)
+            got = []
+            await asyncio.sleep(stagger)  # a load pattern (joins interleaved), not a synchronization
+            for i in range(4):
+                async with ws.Subscriber("churn", address=p0.address, member_id=f"g{r}-{i}", timeout=5.0,
+                                         transport="group", want={"w": rows, "b": rows}) as sub:
+                    w = await sub.get(min_version=1, timeout=30)
+                    for name in ("w", "b"):
+                        assert torch.equal(w[name], sd[name][r * 256:(r + 1) * 256]), (r, i, name)
+                    got.append(w.version)
+            return got
+
+        assert await asyncio.gather(member(0, 0.0), member(1, 0.05)) == [[1] * 4, [1] * 4]
+        assert not p0.evicted and not p1.evicted, (p0.evicted, p1.evicted)
+    finally:
+        await asyncio.gather(p0.aclose(), p1.aclose())
+
+
+@pytest.mark.asyncio
 async def test_ranks_that_disagree_on_a_version_send_nothing_and_say_why() -> None:
     """Two ranks in one process: different global shapes for one tensor -> RankMismatch on both, and a
     subscriber sees nothing; a plain tensor put by both with owners splits it by rank."""

@@ -22,6 +22,7 @@ This module is one of the two places where torch backend errors are translated (
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -189,7 +190,12 @@ class DedicatedGroup:
                                          base=transfer.base).start()
                 pending.append((i, [], entry, time.monotonic() + limit))
                 try:
-                    works = issue(i, tensor, limit)
+                    if whole:  # a first send or receive connects its pair (lazily), in the calling thread
+                        works = self._bounded(functools.partial(issue, i, tensor, limit), pending[-1][3],
+                                              transfer.cancelled,
+                                              f"the generation ended while bucket {i} was issued", late=True)
+                    else:
+                        works = issue(i, tensor, limit)
                 except InternalError:
                     raise
                 except Exception as err:  # noqa: BLE001 - whatever the backend raises (pybind maps C++
@@ -240,36 +246,54 @@ class DedicatedGroup:
             if cancelled():
                 raise Cancelled("the generation ended while this bucket was on the wire")
 
-    @staticmethod
-    def _wait_whole(work: Any, limit: float, cancelled: Callable[[], bool] | None) -> None:
-        """A point-to-point work, waited on once until ``limit`` by a thread of its own while this
-        one polls ``cancelled`` every slice. Never in slices: gloo's send and receive waits that
-        time out close every pair of the group ("Application timeout caused pair closure",
-        measured on torch 2.13: a 2 MiB bucket to a member behind a 100 Mbit/s link outlived a
-        0.25 s slice, and the bucket then never completed). A work left behind on Cancelled ends
-        with its group (abort tears the backend down) or at ``limit``."""
-        done, failed = threading.Event(), []
+    def _bounded(self, call: Callable[[], Any], limit: float, cancelled: Callable[[], bool] | None, stop: str,
+                 late: bool = False) -> Any:
+        """``call()`` in a thread of its own, waited on until ``limit`` (monotonic) while this one
+        polls ``cancelled`` every slice (Cancelled(``stop``) when it says so). Point-to-point gloo
+        calls need it twice over: a send or receive wait that times out closes every pair of the
+        group (so none is waited on in slices), and the first send or receive to a peer connects
+        its pair in the calling thread, up to the backend's timeout (a member that left meanwhile:
+        measured on torch 2.13, a lane rank's sender thread blocked there while joins went
+        unanswered for 10 s). A call left behind ends with the group (abort tears the backend
+        down) or at the backend's own timeout; ``late``: the works it returns then are the reaper's."""
+        done, box, given_up = threading.Event(), {}, threading.Event()
 
-        def waiter() -> None:
+        def run() -> None:
             try:
-                compat.wait_work(work, max(limit - time.monotonic(), 0.001))
+                box["value"] = call()
+                if late and given_up.is_set():
+                    self._orphans.extend(box["value"])
             except BaseException as err:  # noqa: BLE001 - handed to the waiting thread below
-                failed.append(err)
+                box["error"] = err
             finally:
                 done.set()
 
-        threading.Thread(target=waiter, name="ws-p2p-wait", daemon=True).start()
-        while not done.wait(max(min(WAIT_SLICE, limit - time.monotonic()), 0.001)):
-            if cancelled is not None and cancelled():
-                raise Cancelled("the generation ended while this bucket was on the wire")
-            if time.monotonic() > limit + 2.0:  # its own timed wait should have ended it by now
-                raise PeerFailure("a bucket missed its deadline (its wait did not return)")
-        if failed:
-            err = failed[0]
-            if isinstance(err, TimeoutError):
-                raise PeerFailure(f"a bucket missed its deadline: {err}") from None
-            if isinstance(err, InternalError):
-                raise err
+        threading.Thread(target=run, name="ws-p2p", daemon=True).start()
+        try:
+            while not done.wait(max(min(WAIT_SLICE, limit - time.monotonic()), 0.001)):
+                if cancelled is not None and cancelled():
+                    raise Cancelled(stop)
+                if time.monotonic() > limit + 2.0:  # its own timed wait should have ended it by now
+                    raise PeerFailure("a bucket missed its deadline (its wait did not return)")
+        except InternalError:
+            given_up.set()
+            if late and "value" in box:
+                self._orphans.extend(box["value"])
+            raise
+        if "error" in box:
+            raise box["error"]
+        return box.get("value")
+
+    def _wait_whole(self, work: Any, limit: float, cancelled: Callable[[], bool] | None) -> None:
+        """A point-to-point work, waited on once until ``limit``, never in slices (:meth:`_bounded`)."""
+        try:
+            self._bounded(lambda: compat.wait_work(work, max(limit - time.monotonic(), 0.001)), limit, cancelled,
+                          "the generation ended while this bucket was on the wire")
+        except InternalError:
+            raise
+        except TimeoutError as err:
+            raise PeerFailure(f"a bucket missed its deadline: {err}") from None
+        except Exception as err:  # noqa: BLE001 - the backend failed (a peer reset, closed, or sent garbage)
             raise PeerFailure(f"{type(err).__name__}: {err}") from None
 
     def abort(self, reason: str = "", grace: float = 0.0) -> None:
