@@ -13,7 +13,8 @@ Rank 0 reads commands on stdin and hands them to every rank over the trainer's o
 ``put V S`` puts the weights of seed ``S`` (the checkpoint's, each moved by noise from seed ``S``;
 every rank computes the same full values and keeps its own boxes) as version ``V`` with
 ``copy=False`` (nothing staged but two buckets: a member that joins after the put waits for the
-next one); ``die V S`` as ``put``, but rank 1 kills itself with SIGKILL just before its put. Rank 0 answers
+next one); ``keep V S`` with a snapshot (``copy=True``: a member that joins later gets it);
+``die V S`` as ``put``, but rank 1 kills itself with SIGKILL just before its put. Rank 0 answers
 each put on stdout with one JSON line (msgspec): the version, the error
 if it failed, and per rank the bytes of its lane and the growth of its resident memory (VmRSS)
 from just before ``put`` to ``released()``.
@@ -33,7 +34,7 @@ import torch.distributed as dist
 
 import weightsync as ws
 
-COMMANDS = {"put": 1, "die": 2, "quit": 3}
+COMMANDS = {"put": 1, "die": 2, "quit": 3, "keep": 4}
 BUCKET_BYTES = 1 << 20
 
 
@@ -144,7 +145,7 @@ async def serve(checkpoint: str, secret: str, placement: str) -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
             error, before = "", _rss_mib()
             try:
-                handle = await pub.put(model.state_dict(), version=version, copy=False)
+                handle = await pub.put(model.state_dict(), version=version, copy=code == COMMANDS["keep"])
                 await handle.released(timeout=60)
                 growth = _rss_mib() - before
                 await handle.delivered(timeout=60)

@@ -337,7 +337,9 @@ def test_expert_parallel_trainer_ranks_push_their_own_experts_to_the_workers_tha
     """issue 58, item 2: a Qwen3-MoE trainer launched by torchrun on 2 ranks (gloo), stacked
     experts DTensor Shard(0) over the expert mesh, FSDP2 for the rest: each rank puts only its own
     shards on its own lane (no gather: the lanes add up to the version, each one its rank's
-    shard); a TP=2 engine's workers take about half each, from both lanes, into a zeroed engine,
+    shard); the checkpoint files' plan is refused at the door, version 1 is loaded whole and the
+    workers join sliced again while the ranks re-send it; a TP=2 engine's workers then take about
+    half each, from both lanes, into a zeroed engine,
     and serve exactly what the same weights loaded whole give. With copy=False a rank's memory
     grows by its two buckets and the gather buffers of the two sliced workers (1 MiB each), not
     by its 26 MiB shard."""
@@ -347,8 +349,11 @@ def test_expert_parallel_trainer_ranks_push_their_own_experts_to_the_workers_tha
     nbytes = two.info[0]["nbytes"]
     assert sum(two.answer.lane_bytes) == nbytes and two.answer.lane_bytes == two.answer.shard_bytes
     assert all(growth <= 2 + 2 * 2 + 2 for growth in two.answer.growth_mib), two.answer  # MiB
-    for info in rep.whole.info:  # joined whole: the whole version, from both lanes
+    for files in rep.files:  # per-expert names: refused at the door by the trainer's fused ones
+        assert files is not None and files["source"] == "meta" and any(".experts.0." in n for n in files["tensors"])
+    for info in rep.whole.info:  # loaded whole from both lanes, then joined sliced again
         assert info["version"] == 1 and info["received_bytes"] == info["nbytes"], info
+        assert info["member"].endswith("-sliced") and info["error"] is None, info
     for baked in rep.baked:  # made on meta tensors named as version 1: every parameter written once
         assert baked is not None and baked["source"] == "meta", baked
         assert baked["coverage"]["exact"] == baked["coverage"]["parameters"] > 0, baked["coverage"]

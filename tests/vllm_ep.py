@@ -8,10 +8,13 @@ The engine starts from checkpoint A (8 experts) with ``sliced`` on. The trainer
 the checkpoint's weights moved by the noise of one seed, so two puts of one seed are the same
 weights whatever the trainer's layout. In order:
 
-1. two ranks, experts ``Shard(0)`` (``ep``): the workers join whole and load version 1 (seed 1)
-   from both lanes (``whole``: the digests and tokens everything after is compared with); they
-   join again with ``sliced`` on, each with its plan made on meta tensors named as version 1 (its
-   stacked experts fused, as the trainer's state dict names them, not as the checkpoint files);
+1. two ranks, experts ``Shard(0)`` (``ep``): version 1 (seed 1), retained (``copy=True``). Its
+   names (fused experts, as the trainer's state dict has them) are not the checkpoint files' (one
+   tensor per expert), so the plan made from the files is refused at the door; each worker loads
+   version 1 whole from both lanes (``whole``: the digests and tokens everything after is
+   compared with), its load records the plan, and it joins sliced again while the ranks re-send
+   the retained version to it (two workers leaving and joining one after the other); joined anew,
+   each makes its plan on meta tensors named as version 1;
 2. the engine zeroed, version 2 (seed 1) as each worker's boxes from both lanes (``two``);
 3. rank 1 killed with -9 as it puts version 3 (seed 2): the update fails within its bound and
    the engine still holds version 2's bytes (``killed``); torchrun's processes are killed;
@@ -57,6 +60,7 @@ class Step(msgspec.Struct):
 
 
 class EpReport(msgspec.Struct):
+    files: list[dict]  # engine_plans on joining: made from the checkpoint files, refused at the door
     baked: list[dict]  # engine_plans on joining sliced after version 1: made on meta tensors named as it
     whole: Step
     two: Step
@@ -121,9 +125,12 @@ def expert_parallel(result: Path, work: Path) -> None:
 
     trainer = EpTrainer(work / "A", secret, 2, "ep")
     try:
-        join(trainer, sliced=False)  # whole: the load records what each worker's loaders read
-        whole = step(trainer, 1, zero=False)
-        join(trainer)  # sliced: the plan made on meta tensors named as version 1
+        trainer.put(1, 1, "keep")  # retained: the workers join after it, and again after their first load
+        join(trainer)  # the plan made from the checkpoint files (per-expert names) is refused at the door
+        files = engine_plans(llm)
+        update(llm, 1, timeout=60)  # whole, from both lanes; the load records the plan, then each joins sliced
+        whole = Step(engine_info(llm), driver.generate(llm), engine_digests(llm), None)
+        join(trainer)  # anew: the plan made on meta tensors named as version 1
         baked = engine_plans(llm)
         two = step(trainer, 2)
         trainer.put(3, 2, "die")
@@ -137,7 +144,7 @@ def expert_parallel(result: Path, work: Path) -> None:
         trainer = EpTrainer(work / "A", secret, 4, "dp-ep")
         join(trainer)
         four = step(trainer, 5)
-        report = EpReport(baked, whole, two, killed, killed_digests, one, four)
+        report = EpReport(files, baked, whole, two, killed, killed_digests, one, four)
     finally:
         trainer.kill()
     result.write_bytes(msgspec.json.encode(report))
