@@ -14,7 +14,9 @@ Rank 0 reads commands on stdin and hands them to every rank over the trainer's o
 every rank computes the same full values and keeps its own boxes) as version ``V`` with
 ``copy=False`` (nothing staged but two buckets: a member that joins after the put waits for the
 next one); ``keep V S`` with a snapshot (``copy=True``: a member that joins later gets it);
-``die V S`` as ``put``, but rank 1 kills itself with SIGKILL just before its put. Rank 0 answers
+``die V S`` as ``put``, but rank 1 kills itself with SIGKILL just before its put; ``save V S``
+puts nothing: rank 0 saves the weights of seed ``S`` as a checkpoint ``S<seed>`` beside the one it
+started from (what an engine started from it must hold) and says ``saved PATH``. Rank 0 answers
 each put on stdout with one JSON line (msgspec): the version, the error
 if it failed, and per rank the bytes of its lane and the growth of its resident memory (VmRSS)
 from just before ``put`` to ``released()``.
@@ -34,7 +36,7 @@ import torch.distributed as dist
 
 import weightsync as ws
 
-COMMANDS = {"put": 1, "die": 2, "quit": 3, "keep": 4}
+COMMANDS = {"put": 1, "die": 2, "quit": 3, "keep": 4, "save": 5}
 BUCKET_BYTES = 1 << 20
 
 
@@ -104,6 +106,22 @@ def seeded(model: torch.nn.Module, base: dict[str, torch.Tensor], seed: int) -> 
             local.copy_(_box(full, param) if hasattr(param, "device_mesh") else full)
 
 
+def save(checkpoint: str, model: torch.nn.Module, base: dict[str, torch.Tensor], seed: int) -> str:
+    """The full weights of ``seed`` (as :func:`seeded` makes them) saved as a checkpoint directory."""
+    from transformers import AutoModelForCausalLM
+
+    from rl_examples import _llama
+
+    full = AutoModelForCausalLM.from_pretrained(checkpoint, torch_dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, _param in model.named_parameters():  # seeded's order: the same noise
+            full.get_parameter(name).copy_(base[name] + torch.randn(base[name].shape, generator=gen) * 0.02)
+    path = os.path.join(os.path.dirname(os.path.abspath(checkpoint)), f"S{seed}")
+    _llama.save(full, path)
+    return path
+
+
 def owned_bytes(state: dict[str, torch.Tensor]) -> int:
     """The bytes this rank sends of ``state``: its boxes of the tensors it is the sender of (rank
     0 of each replica set: coordinate 0 on every ``Replicate()`` mesh dimension)."""
@@ -140,6 +158,10 @@ async def serve(checkpoint: str, secret: str, placement: str) -> None:
             code, version, seed = (int(x) for x in order)
             if code == COMMANDS["quit"]:
                 return
+            if code == COMMANDS["save"]:
+                if rank == 0:
+                    print("saved", save(checkpoint, model, base, seed), flush=True)
+                continue
             seeded(model, base, seed)
             if code == COMMANDS["die"] and rank == 1:
                 os.kill(os.getpid(), signal.SIGKILL)

@@ -386,6 +386,23 @@ def test_a_trainer_restarted_with_another_world_size_or_expert_placement_keeps_t
         assert all(growth < shard / 2**20 / 2 for growth, shard in zip(step.answer.growth_mib, shards, strict=True))
 
 
+def test_an_engine_killed_and_started_again_at_another_tp_makes_its_plan_anew_and_serves_the_checkpoint(
+        ep_report: vllm_ep.EpReport) -> None:
+    """issue 58, item 3, the engine side: the TP=2 engine killed with -9 and started again at TP=1
+    joins the same trainer (4 ranks, experts replicated over dp); nothing of the old plan is
+    kept: its worker's plan is made anew and reads every byte, so it joins whole; the first
+    version after the change leaves every parameter's bytes, the tokens and logprobs of an engine
+    started from the same weights' checkpoint."""
+    rep = ep_report.restarted
+    (plan,) = rep.plans
+    assert plan is not None and plan["needed_bytes"] == plan["version_bytes"], plan
+    (info,) = rep.step.info
+    assert info["version"] == 6 and not info["member"].endswith("-sliced") and info["error"] is None, info
+    assert info["received_bytes"] == info["nbytes"]
+    assert rep.step.digests == rep.reference_digests
+    assert rep.step.served == rep.reference
+
+
 def test_vllm_trainer_api_switches_backend_by_name(report: driver.Report) -> None:
     # checkpoint A sent back through WeightTransferTrainerFactory: the engine's first outputs return
     assert report.trainer_api_version == 1

@@ -21,7 +21,10 @@ weights whatever the trainer's layout. In order:
 4. the trainer restarted with one rank: the engine joins it anew, zeroed, version 4 (seed 1)
    from one lane (``one``);
 5. killed with -9 again, restarted with four ranks and experts placed ``dp-ep`` (a 2 x 2 mesh:
-   ``Shard(0)`` over ``ep``, ``Replicate()`` over ``dp``): zeroed, version 5 (seed 1) (``four``).
+   ``Shard(0)`` over ``ep``, ``Replicate()`` over ``dp``): zeroed, version 5 (seed 1) (``four``);
+6. the engine killed with -9 and started again at TP=1 from checkpoint A: its plan made anew (a
+   TP=1 worker reads every byte, so it joins whole), version 6 (seed 1), against an engine started
+   from seed 1's checkpoint, saved by the trainer (``restarted``).
 
 After each of 2, 4 and 5 every parameter's digest, the tokens and the logprobs must be the whole
 load's; each worker's received bytes about half the version's.
@@ -59,6 +62,15 @@ class Step(msgspec.Struct):
     answer: Answer | None  # the trainer's account of the put
 
 
+class Restarted(msgspec.Struct):
+    """The engine killed with -9 and started again at TP=1 (issue 58, item 3)."""
+
+    plans: list[dict | None]  # engine_plans on joining: whole (a TP=1 worker reads every byte)
+    step: Step  # version 6 (seed 1)
+    reference: driver.Generation  # an engine started from seed 1's checkpoint, TP=1
+    reference_digests: list[dict]
+
+
 class EpReport(msgspec.Struct):
     files: list[dict]  # engine_plans on joining: made from the checkpoint files, refused at the door
     baked: list[dict]  # engine_plans on joining sliced after version 1: made on meta tensors named as it
@@ -68,6 +80,7 @@ class EpReport(msgspec.Struct):
     killed_digests: list[dict]  # engine_digests after that failed update
     one: Step
     four: Step
+    restarted: Restarted
 
 
 class EpTrainer:
@@ -96,12 +109,32 @@ class EpTrainer:
             return None
         return msgspec.json.decode(self._line("{"), type=Answer)
 
+    def save(self, seed: int) -> str:
+        """The weights of ``seed`` saved as a checkpoint by rank 0; its path."""
+        self.stdin.write(f"save 0 {seed}\n")
+        self.stdin.flush()
+        return self._line("saved").split()[-1]
+
     def kill(self) -> None:
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
         self.proc.wait(10)
+
+
+def kill_engine(llm: object) -> None:
+    """Kill ``llm``'s engine core and workers with -9 (vLLM's client cleans up after them)."""
+    import psutil
+
+    for child in psutil.Process().children(recursive=True):
+        if child.name().startswith("VLLM::"):
+            child.kill()
+    psutil.wait_procs([c for c in psutil.Process().children(recursive=True) if c.name().startswith("VLLM::")],
+                      timeout=10)
+    del llm
+    driver._shutdown()
+    return None
 
 
 def expert_parallel(result: Path, work: Path) -> None:
@@ -144,7 +177,18 @@ def expert_parallel(result: Path, work: Path) -> None:
         trainer = EpTrainer(work / "A", secret, 4, "dp-ep")
         join(trainer)
         four = step(trainer, 5)
-        report = EpReport(files, baked, whole, two, killed, killed_digests, one, four)
+        checkpoint = trainer.save(1)
+        llm = kill_engine(llm)
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = os.environ["VLLM_CPU_OMP_THREADS_BIND"].split("|")[0]
+        llm = driver.engine(str(work / "A"), tensor_parallel_size=1, weight_transfer_config={"backend": "weightsync"})
+        join(trainer)
+        plans = engine_plans(llm)
+        again = step(trainer, 6, zero=False)
+        trainer.kill()
+        llm = kill_engine(llm)
+        ref = driver.reference_engine(checkpoint, weight_transfer_config={"backend": "weightsync"})
+        restarted = Restarted(plans, again, driver.generate(ref), engine_digests(ref))
+        report = EpReport(files, baked, whole, two, killed, killed_digests, one, four, restarted)
     finally:
         trainer.kill()
     result.write_bytes(msgspec.json.encode(report))
