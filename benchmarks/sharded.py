@@ -211,29 +211,45 @@ def _run(world: int, mode: str, args: argparse.Namespace, tmp: Path) -> dict:
             procs.append(_spawn(tmp, f"t{r}", {"role": "trainer", "rank": r, **common}))
         for i in range(2):
             procs.append(_spawn(tmp, f"g{i}", {"role": "generator", "index": i, **common}))
-        results = []
-        for proc, out in procs:
-            proc.wait(timeout=900)
-            if proc.returncode != 0 or not out.exists():
-                raise RuntimeError(f"{out.stem} of {mode} W={world} exited {proc.returncode}")
-            results.append(msgspec.json.decode(out.read_bytes()))
+        results = collect(procs, 900, f"of {mode} W={world}")
     finally:
-        for proc, _ in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(timeout=10)
+        stop(procs)
     trainers, gens = results[:world], results[world:]
-    seconds = []
-    for i in range(args.versions):
-        start = min(t["starts"][i] for t in trainers)
-        arrived = [dict((v, at) for v, at in g["arrivals"]).get(i + 1) for g in gens]
-        if all(a is not None for a in arrived):  # a version superseded on the way has no arrival
-            seconds.append(max(arrived) - start)  # type: ignore[type-var]
+    seconds = delivery(trainers, gens, args.versions)
     extra = [max(t["extra_kib"]) * 1024 for t in trainers]
     return {"world": world, "mode": mode, "delivery_s": sorted(seconds)[len(seconds) // 2] if seconds else None,
             "all_delivery_s": seconds, "peak_extra_bytes": extra,
             "local_bytes": [t["local_bytes"] for t in trainers],
             "received_bytes_per_generator": [g["received_bytes"] for g in gens]}
+
+
+def collect(procs: list[tuple[subprocess.Popen[bytes], Path]], timeout: float, what: str = "") -> list[dict]:
+    """Each role process's result, in order, once it exited (RuntimeError naming one that failed)."""
+    results = []
+    for proc, out in procs:
+        proc.wait(timeout=timeout)
+        if proc.returncode != 0 or not out.exists():
+            raise RuntimeError(f"{out.stem} {what} exited {proc.returncode}")
+        results.append(msgspec.json.decode(out.read_bytes()))
+    return results
+
+
+def stop(procs: list[tuple[subprocess.Popen[bytes], Path]]) -> None:
+    for proc, _ in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def delivery(trainers: list[dict], gens: list[dict], versions: int) -> list[float]:
+    """Per measured version: from the ranks' common start until the last generator had it."""
+    seconds = []
+    for i in range(versions):
+        start = min(t["starts"][i] for t in trainers)
+        arrived = [dict((v, at) for v, at in g["arrivals"]).get(i + 1) for g in gens]
+        if all(a is not None for a in arrived):  # a version superseded on the way has no arrival
+            seconds.append(max(arrived) - start)  # type: ignore[type-var]
+    return seconds
 
 
 def _spawn(tmp: Path, name: str, spec: dict) -> tuple[subprocess.Popen[bytes], Path]:

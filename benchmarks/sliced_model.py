@@ -41,7 +41,7 @@ from pathlib import Path
 
 import msgspec
 
-from benchmarks import netns, report
+from benchmarks import netns, report, sharded
 
 REPO = Path(__file__).resolve().parent.parent
 BUCKET_MIB = 4
@@ -109,25 +109,12 @@ def run_one(cluster: netns.Cluster, world: int, rate: float, mib: float, version
             spec = {"role": "generator", "index": i, **common, "result": str(out)}
             procs.append((cluster.popen(i, [sys.executable, "-m", "benchmarks.sharded", "--role",
                                             msgspec.json.encode(spec).decode()], env=env, cwd=REPO), out))
-        results = []
-        for proc, out in procs:
-            proc.wait(timeout=600)
-            if proc.returncode != 0 or not out.exists():
-                raise RuntimeError(f"{out.stem} exited {proc.returncode}")
-            results.append(msgspec.json.decode(out.read_bytes()))
+        results = sharded.collect(procs, 600)
     finally:
-        for proc, _ in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(timeout=10)
+        sharded.stop(procs)
         del store
     trainers, gens = results[:world], results[world:]
-    seconds = []
-    for v in range(versions):
-        start = min(t["starts"][v] for t in trainers)
-        arrived = [dict((ver, at) for ver, at in g["arrivals"]).get(v + 1) for g in gens]
-        if all(a is not None for a in arrived):
-            seconds.append(max(arrived) - start)
+    seconds = sharded.delivery(trainers, gens, versions)
     share = max(g["received_bytes"] for g in gens)
     return Point(world, rate, mib, share, statistics.median(seconds), seconds)
 
