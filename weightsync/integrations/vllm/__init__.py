@@ -89,9 +89,10 @@ def update(llm: Any, min_version: int, *, timeout: float | None = None) -> int:
         llm.finish_weight_update()
     except Exception as err:  # noqa: BLE001 - re-raised below
         raised = raised or err
-    _raise_workers_errors(engine_info(llm), raised)
+    infos = engine_info(llm)
+    _raise_workers_errors(infos, raised)
     llm.reset_prefix_cache()
-    versions = {w["version"] for w in engine_info(llm)}
+    versions = {w["version"] for w in infos}
     if len(versions) != 1 or None in versions:
         raise RuntimeError(f"weightsync: the workers of this engine hold different versions: {sorted(versions)}")
     version = int(versions.pop())
@@ -254,15 +255,7 @@ def update_merged(llm: Any, name: str, min_version: int = 0, *, timeout: float |
     update is. Only the adapter's factors cross the wire. Returns (base version, adapter version).
     Needs both channels initialized (``init_weight_transfer_engine``, :func:`init_adapters`)."""
     payload = {"name": name, "min_version": min_version, "timeout": timeout}
-    try:
-        answers = _replies(llm, "adapters_merge", payload)
-    except Exception as err:
-        failed = [f"{w.get('member')}: {w['failed']}" for w in engine_info(llm) if w.get("failed")]
-        if failed:
-            from weightsync.errors import EngineMismatch
-
-            raise EngineMismatch("; ".join(failed)) from err
-        raise
+    answers = _replies(llm, "adapters_merge", payload)  # a failed check: EngineMismatch naming the workers
     llm.reset_prefix_cache()  # cached prefixes were computed with the weights before
     if any(a != answers[0] for a in answers):
         raise RuntimeError(f"weightsync: the workers of this engine merged different versions: {answers}")
