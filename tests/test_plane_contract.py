@@ -31,13 +31,14 @@ from tests import mailbox_plane
 from tests.conftest import Procs
 from tests.statedicts import digest, mixed_state_dict
 from weightsync.extend import register_plane, unregister_plane
+from weightsync.planes.onesided import endpoints
 from weightsync.planes.shm import plane as shm
 from weightsync.testing import Faults, inject
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(180)]
 
 FAST = {"timeout": 10.0, "heartbeat_interval": 0.25, "bucket_bytes": 1 << 16}
-PLANES = ["group", "shm", "point-to-point", "lanes", "mailbox"]
+PLANES = ["group", "shm", "point-to-point", "lanes", "mailbox", "one-sided"]
 VERSIONS = 3
 
 
@@ -71,7 +72,7 @@ class Case:
 def _kwargs(plane: str) -> dict[str, Any]:
     if plane == "point-to-point":  # plain tensors are wanted whole: every member is sent point to point
         return {"transport": "group", "want": {k: torch.empty_like(v) for k, v in mixed_state_dict(0, 0.5).items()}}
-    return {"transport": {"mailbox": mailbox_plane.NAME, "shm": "shm"}.get(plane, "group")}
+    return {"transport": {"mailbox": mailbox_plane.NAME, "shm": "shm", "one-sided": "one-sided"}.get(plane, "group")}
 
 
 @pytest.fixture
@@ -89,6 +90,8 @@ async def open_case(procs: Procs, tmp_path: Path, mailbox: None) -> AsyncIterato
     async def make(plane: str, n: int = 2, faults: dict[int, Faults] | None = None) -> Case:
         if plane == "shm" and not shm.available():
             pytest.skip("needs memfd and /proc (Linux)")
+        if plane == "one-sided" and endpoints.problem():
+            pytest.skip(f"one-sided: {endpoints.problem()}")
         case = Case(plane)
         made.append(case)
         if plane == "lanes":
@@ -151,7 +154,7 @@ async def test_every_version_arrives_bit_exact_and_in_order(open_case: Any, plan
         assert got and sorted(got) == list(got) and max(got) == VERSIONS - 1  # in order, the newest last
         assert all(got[v] == expected[v] for v in got), f"{plane}: {sub.member_id} holds other bytes"
         assert await _received(sub, VERSIONS - 1) == expected[VERSIONS - 1]
-    if plane in ("group", "shm", "mailbox"):
+    if plane in ("group", "shm", "mailbox", "one-sided"):
         assert {s.transport for s in case.subs} == {_kwargs(plane)["transport"]}
 
 
@@ -169,7 +172,7 @@ async def test_a_corrupted_bucket_is_refused_and_the_version_arrives_intact(open
         assert case.pub.statistics().resends >= 1
 
 
-@pytest.mark.parametrize("plane", ["group", "shm", "point-to-point", "mailbox"])
+@pytest.mark.parametrize("plane", ["group", "shm", "point-to-point", "mailbox", "one-sided"])
 async def test_closing_leaves_nothing_mapped_or_open(open_case: Any, plane: str) -> None:
     gc.collect()  # what earlier tests in this process still held
     before = shm.mapped_segments(), shm.open_segments()

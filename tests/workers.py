@@ -469,6 +469,22 @@ async def lora_fsdp_trainer(spec: dict) -> dict:
     return {"rank": rank, "expected": expected, "sharded": sharded}
 
 
+async def exposer(spec: dict) -> dict:
+    """A one-sided endpoint that registers ``mib`` MiB of 7s (and holds a 64 KiB secret it never
+    registers); writes its url, the registration and where the secret lies, then waits to be killed."""
+    from weightsync.planes.onesided.endpoints import Exposure
+    exposure = Exposure()
+    exposed = torch.full((spec["mib"] << 20,), 7, dtype=torch.uint8)
+    secret = torch.full((64 << 10,), 0x5A, dtype=torch.uint8)
+    reg = exposure.expose(exposed)
+    tmp = spec["file"] + ".tmp"
+    with open(tmp, "wb") as fh:
+        fh.write(msgspec.msgpack.encode([exposure.url(), reg, secret.data_ptr()]))
+    os.replace(tmp, spec["file"])
+    await asyncio.sleep(spec.get("deadline", 120))
+    return {"secret": int(secret[0])}
+
+
 async def main(spec: dict) -> dict:
     if spec["role"] == "subscriber":
         try:
@@ -492,6 +508,8 @@ async def main(spec: dict) -> dict:
         return await sharded_no_copy(spec)
     if spec["role"] == "lora_fsdp_trainer":
         return await lora_fsdp_trainer(spec)
+    if spec["role"] == "exposer":
+        return await exposer(spec)
     raise SystemExit(f"unknown role {spec['role']!r}")
 
 

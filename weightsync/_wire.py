@@ -196,7 +196,8 @@ class Admit(msgspec.Struct, frozen=True, tag="admit"):
 
 class Deny(msgspec.Struct, frozen=True, tag="deny"):
     reason: str
-    kind: str  # "token" | "handshake" | "closed" | "duplicate" | "want" | "busy" (at the door, before any Challenge)
+    # "token" | "handshake" | "closed" | "duplicate" | "want" | "transport" | "busy" (at the door, before any Challenge)
+    kind: str
 
 
 class Go(msgspec.Struct, frozen=True, tag="go"):

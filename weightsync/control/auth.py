@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+from collections.abc import Mapping
 
 import torch
 
@@ -99,7 +100,8 @@ def session_key(secret: bytes | None, *, server_nonce: bytes, client_nonce: byte
 
 
 def admission_problem(join: Join, *, channel: str, server_nonce: bytes, secret: bytes | None, mine: Fingerprint,
-                      closing: bool, transports: tuple[str, ...] = ("group",)) -> Deny | None:
+                      closing: bool, transports: tuple[str, ...] = ("group",),
+                      unserved: Mapping[str, str] | None = None) -> Deny | None:
     """Why the publisher must refuse ``join``, or None to admit it (duplicates are the Sender's call).
 
     Args:
@@ -110,6 +112,8 @@ def admission_problem(join: Join, *, channel: str, server_nonce: bytes, secret: 
         mine: the publisher's own fingerprint.
         closing: the publisher is shutting down.
         transports: what the publisher serves (``"shm"`` only where it offered its shared memory).
+        unserved: transports the publisher knows but cannot serve here, and why (the member's
+            ``TransportUnavailable`` says it).
     """
     if closing:
         return Deny(reason="the publisher is shutting down", kind="closed")
@@ -131,5 +135,8 @@ def admission_problem(join: Join, *, channel: str, server_nonce: bytes, secret: 
     if diffs:
         return Deny(reason="; ".join(diffs), kind="handshake")
     if join.transport not in transports:
+        why = (unserved or {}).get(join.transport)
+        if why is not None:
+            return Deny(reason=f"transport {join.transport!r} is not served by this publisher: {why}", kind="transport")
         return Deny(reason=f"transport {join.transport[:16]!r} is not served here", kind="handshake")
     return None

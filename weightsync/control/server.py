@@ -38,7 +38,7 @@ import secrets
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -130,14 +130,15 @@ class ControlServer:
                  handshake_timeout: float, closing: Callable[[], bool], on_join: Callable[[Link], None],
                  on_leave: Callable[[Link], None], on_dead: Callable[[str, str], None],
                  shm_offer: Callable[[], _wire.ShmOffer | None] = lambda: None, planes: tuple[str, ...] = (),
-                 rank_links: bool = False,
+                 unserved: Mapping[str, str] | None = None, rank_links: bool = False,
                  wait_bound: float = UNBOUNDED) -> None:
         self.channel, self._host, self._port = channel, host, port
         self._secret, self._mine, self._table, self._rec = secret, mine, table, recorder
         self._interval, self._dead_after, self._handshake_timeout = heartbeat_interval, dead_after, handshake_timeout
         self._closing, self._on_join, self._on_leave, self._on_dead = closing, on_join, on_leave, on_dead
         self._shm_offer = shm_offer
-        self._planes = planes  # transports served beyond the group and shared memory (registered planes)
+        self._planes = planes  # transports served beyond the group and shared memory (one-sided, registered planes)
+        self._unserved = dict(unserved or {})  # transports known but not served here, and why
         self._wait_bound = wait_bound  # the longest a member's rendezvous wait may last (its deadline)
         self._rank_links = rank_links  # a sharded publisher's rank 0: the other ranks connect here too
         self.replies: queue.SimpleQueue[Any] = queue.SimpleQueue()  # Ready | Ack | Wake, for the Sender
@@ -439,7 +440,8 @@ class ControlServer:
         transports = ("group", "shm", *self._planes) if offer is not None else ("group", *self._planes)
         deny = auth.admission_problem(join, channel=self.channel, server_nonce=nonce, secret=self._secret,
                                       mine=self._mine, closing=self._closing() and join.transport != "rank",
-                                      transports=transports + (("rank",) if self._rank_links else ()))
+                                      transports=transports + (("rank",) if self._rank_links else ()),
+                                      unserved=self._unserved)
         if deny is None and self._rank_links and join.transport != "rank" and join.member_id.startswith("rank-"):
             deny = _wire.Deny(reason="member ids rank-N are the trainer ranks' own", kind="duplicate")
         if deny is not None:

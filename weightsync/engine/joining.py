@@ -25,6 +25,7 @@ from weightsync.errors import (
     ManifestMismatch,
     PublisherGone,
     SyncTimeout,
+    TransportUnavailable,
     WeightSyncError,
 )
 from weightsync.planes.dataplane import GenerationSpec
@@ -78,7 +79,7 @@ def admitted(reply: Any, entry: Any, channel: str, member: str) -> _wire.Admit:
     if isinstance(reply, _wire.Deny):
         entry.fail(reply.reason)
         kinds: dict[str, type[WeightSyncError]] = {"handshake": HandshakeMismatch, "closed": PublisherGone,
-                                                   "want": ManifestMismatch}
+                                                   "want": ManifestMismatch, "transport": TransportUnavailable}
         raise kinds.get(reply.kind, AdmissionDenied)(f"join refused: {reply.reason}", channel=channel, member=member)
     if not isinstance(reply, _wire.Admit):
         entry.fail(f"unexpected {type(reply).__name__}")

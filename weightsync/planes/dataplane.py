@@ -48,9 +48,11 @@ The planes (docs/architecture.md has the picture and how new ones plug in):
 - sharded trainers ("lanes"): a member holds one receiver (and one plane) per trainer rank,
   each its own channel end with one communicator; a version is readable once every lane's
   ``move`` has returned and verified;
+- ``"one-sided"`` (:mod:`weightsync.planes.onesided.plane`, :mod:`weightsync.planes.onesided.send`):
+  torch 2.15's ``torch.distributed._transport`` (NIXL); the publisher registers each staging
+  buffer once and a member's ``move`` reads each bucket out of it; the publisher issues nothing;
 - a plane registered from outside (:func:`register_plane`): tests/mailbox_plane.py is one
-  that the Sender and Receiver serve unchanged; CUDA IPC and one-sided
-  (``torch.distributed._transport``) planes would plug in the same way.
+  that the Sender and Receiver serve unchanged; a CUDA IPC plane would plug in the same way.
 """
 
 from __future__ import annotations
@@ -350,7 +352,8 @@ class PlaneSpec:
 
 
 #: the built-in planes, imported when first used (nothing is imported or registered at import)
-_BUILTIN = {"group": "weightsync.planes.group.send", "shm": "weightsync.planes.shm.send"}
+_BUILTIN = {"group": "weightsync.planes.group.send", "shm": "weightsync.planes.shm.send",
+            "one-sided": "weightsync.planes.onesided.send"}
 _registered: dict[str, PlaneSpec] = {}
 _lock = threading.Lock()
 

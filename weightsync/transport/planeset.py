@@ -17,6 +17,7 @@ from weightsync.engine.staging import BucketBuffers, Staging
 from weightsync.options import Deadlines
 from weightsync.planes.dataplane import registered_planes
 from weightsync.planes.group.plane import GroupPlane
+from weightsync.planes.onesided import endpoints
 from weightsync.planes.shm import plane as shm
 from weightsync.recorder.recorder import FlightRecorder
 
@@ -40,7 +41,12 @@ class PlaneSet:
         self.buckets = (BucketBuffers(slot_device, allocate=seg.allocate, drop=seg.drop) if seg is not None
                         else BucketBuffers(slot_device))
         self.registered = registered_planes()  # served beyond the group and shared memory (both ends register)
-        self.names = ("group", "shm", *self.registered)
+        # one-sided reads (torch 2.15 with nixl) of host staging buffers; else why not, for the refusal
+        why = endpoints.problem() if seg is not None else (
+            f"it stages on {slot_device} (one-sided members read host staging buffers)")
+        self.unserved = {} if why is None else {"one-sided": why}
+        self.served = (*self.registered, *(() if why else ("one-sided",)))  # beyond the group and shm
+        self.names = ("group", "shm", *self.served)
         self.objects = {"segments": seg}  # what the parts are built with beyond the Sender's own
 
     def offer(self) -> _wire.ShmOffer | None:

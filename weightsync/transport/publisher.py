@@ -213,8 +213,8 @@ class Publisher:
             mine=auth.fingerprint(self.backend, self.device), table=self._table, recorder=self._rec,
             heartbeat_interval=self.options.heartbeat_interval, dead_after=deadlines.member_silence(),
             handshake_timeout=self.options.timeout, closing=self._closing,
-            on_join=self._door.joined, on_leave=self._door.left,
-            on_dead=self._door.died, shm_offer=self._planes.offer, planes=self._planes.registered,
+            on_join=self._door.joined, on_leave=self._door.left, on_dead=self._door.died,
+            shm_offer=self._planes.offer, planes=self._planes.served, unserved=self._planes.unserved,
             rank_links=self.world_size > 1 and self.rank == 0, wait_bound=deadlines.rendezvous_wait())
         self.membership = Membership(name, self._recorder, self.options.heartbeat_interval,
                                      dead_after=deadlines.member_silence(), heard=self._control.heard,

@@ -44,11 +44,12 @@ from weightsync.format import quantize as quantization
 from weightsync.options import Deadlines, check_number, parse_address, resolve_device
 from weightsync.planes.dataplane import registered_planes
 from weightsync.planes.group.plane import resolve_backend
+from weightsync.planes.onesided import endpoints  # light: its backend is imported when first asked for
 from weightsync.recorder.recorder import FlightRecorder, process_recorder
 from weightsync.statistics import SubscriberStatistics, SubscriberTally
 from weightsync.testing import Hooks
 
-TRANSPORTS = ("auto", "group", "shm", "cuda_ipc")
+TRANSPORTS = ("auto", "group", "shm", "one-sided", "cuda_ipc")
 JOIN_GRACE = 1.0  # seconds past the join deadline the receiver has to say why it was not admitted
 
 class Subscriber:
@@ -79,8 +80,9 @@ class Subscriber:
         transport: (default ``"auto"``) ``"auto"``: the publisher's shared memory when it is on
             this host and stages in host memory, else the group; ``"group"``: always the process
             group; ``"shm"``: shared memory, or :class:`TransportUnavailable` at ``start``;
-            ``"cuda_ipc"`` is not built yet and raises :class:`TransportUnavailable`; the name of
-            a plane registered with ``weightsync.extend.register_plane``: that plane.
+            ``"one-sided"``: read out of the publisher's memory over torch 2.15's NIXL transport
+            (``weightsync[nixl]``; never picked by ``"auto"``; docs/architecture.md); ``"cuda_ipc"``
+            raises :class:`TransportUnavailable`; a plane's ``register_plane`` name: that plane.
         want: a tensor-parallel engine's own tensors (names to ``DTensor`` shards on its mesh,
             or plain tensors): receive only those, each DTensor only its local shard's box,
             point to point from every trainer rank (docs/sharding.md, "Sliced receive").
@@ -123,12 +125,10 @@ class Subscriber:
                                  default_directory=f"{name}-{address.replace(':', '-')}")
         self._rec = self._recorder.scope(name, self.member_id)
         self._slots = SlotPair(self.device if self.backend == "nccl" else torch.device("cpu"))
-        if transport == "shm" and self._slots.device.type != "cpu":
-            raise TransportUnavailable(f"transport='shm' receives into host memory; device={self.device} with "
-                                       f"backend={self.backend!r} receives on the GPU", channel=name)
         self._want = None if want is None else slicing.wants_of(want)
-        if self._want is not None and transport == "shm":
-            raise TransportUnavailable("want= receives over the group; 'shm' copies whole versions", channel=name)
+        why = endpoints.refusal(transport, self._slots.device, self._want is not None)
+        if why is not None:
+            raise TransportUnavailable(why, channel=name)
         # the publisher's shared memory holds host bytes of whole tensors: a member receiving into a
         # device, or receiving slices, takes the group instead
         if transport == "auto" and (self._slots.device.type != "cpu" or self._want is not None):

@@ -172,6 +172,8 @@ class SegmentPool:
         self._door_fd = -1
         self._door: torch.Tensor | None = None
         self._boot_id = ""
+        self._turns: dict[int, Any] = {}  # data pointer -> the turn ``reuse`` last bumped its epoch for
+        self._dropped: list[Callable[[torch.Tensor], None]] = []  # told each segment staging drops
 
     def open(self) -> None:
         """Create the door (the publisher starts); nothing is created before."""
@@ -205,11 +207,27 @@ class SegmentPool:
         epoch = int(whole[EPOCH_AT:EPOCH_AT + 8].view(torch.int64)[0])
         return ShmRef(fd=fd, token=token, offset=0, nbytes=whole.numel() - HEADER, epoch=epoch, sealed=sealed)
 
-    def reuse(self, buf: torch.Tensor) -> None:
-        """Staging is about to write ``buf`` again: bump its epoch first, so a member still copying
-        the previous contents (one frozen mid-copy, say) sees the change and publishes nothing."""
+    def whole(self, buf: torch.Tensor) -> torch.Tensor | None:
+        """The whole segment ``buf`` is the data of (its header page first), or None if not ours."""
         with self._lock:
             found = self._segments.get(buf.data_ptr())
+        return None if found is None else found[2]
+
+    def on_drop(self, told: Callable[[torch.Tensor], None]) -> None:
+        """Have ``told(whole)`` called for each segment staging drops from now on (before it goes)."""
+        with self._lock:
+            self._dropped.append(told)
+
+    def reuse(self, buf: torch.Tensor, turn: Any = None) -> None:
+        """Staging is about to write ``buf`` again: bump its epoch first, so a member still copying
+        the previous contents (one frozen mid-copy, say) sees the change and publishes nothing.
+        With ``turn``: once per turn (the parts that serve one version's ring each ask)."""
+        with self._lock:
+            found = self._segments.get(buf.data_ptr())
+            if turn is not None:
+                if self._turns.get(buf.data_ptr()) == turn:
+                    return
+                self._turns[buf.data_ptr()] = turn
         if found is not None:
             header = found[2][EPOCH_AT:READY_AT + 8].view(torch.int64)
             header[0] += 1
@@ -232,7 +250,11 @@ class SegmentPool:
         """Staging no longer holds ``buf``: close its descriptor (the mapping goes with the tensor)."""
         with self._lock:
             found = self._segments.pop(buf.data_ptr(), None)
+            self._turns.pop(buf.data_ptr(), None)
+            told = list(self._dropped)
         if found is not None:
+            for tell in told:
+                tell(found[2])
             os.close(found[0])
 
     def close(self) -> None:

@@ -46,11 +46,9 @@ class ShmSend(SendPart):
         """Nothing kept per member."""
 
     def prepare(self, out: Outgoing, members: tuple[str, ...]) -> Prepared:
-        if out.snapshot is None and self._segments is not None:  # copy=False: through the ring
-            ref = self._ring(min(out.bucket_bytes, out.manifest.total_bytes))
-            out.wrap(lambda pack: self._turns(pack, members, out))
+        ref = self._announced(out, members)
+        if ref.ring:
             return Prepared(plane=announced(ref))
-        ref = self._segment_for(out)
         # A sealed snapshot needs no digest on either side: no other process can write it (the
         # seal), the members read or copy the very pages the publisher staged, and its epoch says
         # whether staging took the buffer back (an in-place read is then refused, never served).
@@ -59,6 +57,15 @@ class ShmSend(SendPart):
         # the CPU may reorder stores (the digest catches a read that ran ahead of the data).
         proved = ref.sealed and (out.progress is None or STORES_IN_ORDER)
         return Prepared(plane=announced(ref), checked=not proved)
+
+    def _announced(self, out: Outgoing, members: tuple[str, ...]) -> ShmRef:
+        """Where ``members`` read ``out``: its snapshot's segment, or (``copy=False``) the ring, whose
+        turns then wait for them."""
+        if out.snapshot is None and self._segments is not None:  # copy=False: through the ring
+            ref = self._ring(min(out.bucket_bytes, out.manifest.total_bytes), (out.generation, out.seq))
+            out.wrap(lambda pack: self._turns(pack, members, out))
+            return ref
+        return self._segment_for(out)
 
     def move(self, out: Outgoing, members: tuple[str, ...]) -> None:
         """Nothing to move: the members copy out of the segment themselves."""
@@ -69,11 +76,12 @@ class ShmSend(SendPart):
     def close(self) -> None:
         """The segments belong to the publisher, which closes them after its sender thread."""
 
-    def _ring(self, size: int) -> ShmRef:
-        """The two bucket buffers' segment, its epoch bumped (a member still reading the last version stops)."""
+    def _ring(self, size: int, turn: Any) -> ShmRef:
+        """The two bucket buffers' segment, its epoch bumped once per ``turn`` (a member still reading the
+        last version stops)."""
         assert self._segments is not None
         bufs = self._ctx.buckets.get(size)
-        self._segments.reuse(bufs[0])
+        self._segments.reuse(bufs[0], turn)
         ref = self._segments.ref(bufs[0])
         if ref is None:
             raise LocalFailure("the bucket buffers are not in shared memory")

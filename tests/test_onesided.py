@@ -1,0 +1,204 @@
+"""The one-sided plane: members read each bucket out of the publisher's registered staging memory
+over torch 2.15's ``torch.distributed._transport`` (NIXL).
+
+Checked the way it fails in production: asked for where it cannot work, it names what is missing
+(on either end), and ``"auto"`` never picks it; readers killed with -9 or frozen with SIGSTOP
+mid-read never hold the publisher up, and the frozen one, resumed, publishes nothing torn; the
+publisher killed with -9 mid-read leaves the member its last version; a read past its deadline
+keeps the memory it may still write out of use until it ends (the transport cannot cancel DMA),
+between real processes over TCP; and reads outside the publisher's registration, or of a forged
+one, are refused with nothing of the publisher's other memory read. The plane contract suite
+(tests/test_plane_contract.py) runs it too. Everything but the first test needs torch 2.15 with
+nixl (CI's torch 2.15 pass installs it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import signal
+import time
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+
+import weightsync as ws
+from tests.conftest import Procs
+from tests.statedicts import digests
+from weightsync._errors import LocalFailure, PeerFailure, ProtocolError
+from weightsync.planes.onesided import endpoints
+from weightsync.planes.onesided.endpoints import Reader, Registration
+from weightsync.planes.shm import plane as shm
+
+pytestmark = [pytest.mark.timeout(180)]
+needs = pytest.mark.skipif(endpoints.problem() is not None, reason=f"one-sided: {endpoints.problem()}")
+FAST = {"timeout": 4.0, "heartbeat_interval": 0.25}
+
+
+def body(v: int) -> dict[str, torch.Tensor]:
+    return {"body": torch.full((4 << 20,), float(v)), "step": torch.tensor([v], dtype=torch.int64)}
+
+
+@pytest.mark.asyncio
+async def test_asking_where_it_cannot_work_names_what_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This process lacks it: the Subscriber refuses at once, naming torch or nixl. It has it, the
+    publisher does not: the join is refused with TransportUnavailable naming the publisher's
+    reason. ``"auto"`` takes shared memory on the same host, never one-sided."""
+    problem = endpoints.problem()
+    if problem is not None:
+        with pytest.raises(ws.TransportUnavailable, match="torch|nixl") as err:
+            ws.Subscriber("c", address="127.0.0.1:1", transport="one-sided")
+        assert problem in str(err.value)
+        return
+    async with ws.Publisher("auto", **FAST) as pub, \
+            ws.Subscriber("auto", address=pub.address, timeout=4, transport="auto") as sub:
+        assert sub.transport == ("shm" if shm.available() else "group")
+    monkeypatch.setattr(endpoints, "problem", lambda: "nixl is not installed here (a test says so)")
+    async with ws.Publisher("without", **FAST) as pub:
+        with pytest.raises(ws.TransportUnavailable, match="not installed here"):
+            async with ws.Subscriber("without", address=pub.address, transport="one-sided", timeout=4):
+                pass
+    with pytest.raises(ws.TransportUnavailable, match="want="):
+        ws.Subscriber("c", address="127.0.0.1:1", transport="one-sided", want={"w": torch.zeros(2)})
+
+
+@needs
+@pytest.mark.asyncio
+@pytest.mark.parametrize("copy", [True, False], ids=["snapshot", "copy-false-ring"])
+async def test_readers_killed_or_frozen_mid_read_never_hold_the_publisher(procs: Procs, copy: bool) -> None:
+    """One reader is killed with -9 and one frozen with SIGSTOP while they read version 2 (slow
+    readers): the publisher evicts both and the healthy one gets every version bit-exact. The
+    frozen one, resumed, reads on from buffers the publisher has reused meanwhile and never makes
+    a torn version readable. With copy=False the ring's next slot waits for every reader's word:
+    a frozen one holds it for its bucket's deadline only."""
+    rec = ws.FlightRecorder(capacity=4000)
+    async with ws.Publisher("os", timeout=3, heartbeat_interval=0.25, bucket_bytes=1 << 20, recorder=rec) as pub:
+        slow = {"slow": 10.0}
+        workers = [procs.spawn("subscriber", channel="os", address=pub.address, member=name, until_version=7,
+                               deadline=120, mode="follow", transport="one-sided",
+                               **({"faults": slow} if name != "ok" else {}))
+                   for name in ("ok", "killed", "frozen")]
+        await pub.wait_subscribers(3, timeout=60)
+        for v in range(8):
+            handle = await pub.put(body(v), version=v, copy=copy)
+            if v == 2:
+                while not any(e.op == "announce" and e.version == 2 for e in rec.snapshot()):
+                    await asyncio.sleep(0.005)  # until the recorder shows version 2 announced
+                procs.signal(workers[1], signal.SIGKILL)
+                procs.signal(workers[2], signal.SIGSTOP)
+            report = await handle.delivered(timeout=60)
+            assert "ok" in report.members
+        assert pub.members == ("ok",)
+        assert sorted(m.member_id for m in pub.evicted) == ["frozen", "killed"]
+        procs.signal(workers[2], signal.SIGCONT)
+        frozen = await procs.result(workers[2], timeout=60)
+    ok = await procs.result(workers[0], timeout=60)
+    assert ok["order"][-1] == 7 and ok["transport"] == "one-sided"
+    for result in (ok, frozen):
+        for version, seen in result["digests"].items():  # nothing torn was ever made readable
+            assert seen == digests(body(int(version))), (result["member"], version)
+    assert frozen["error"] in ("Evicted", "PublisherGone")
+
+
+@needs
+@pytest.mark.asyncio
+async def test_the_publisher_killed_mid_read_leaves_the_last_version(procs: Procs, tmp_path: Path) -> None:
+    """The publisher is killed with -9 while it pushes every 50 ms: the reader sees PublisherGone,
+    keeps its last complete version readable, and no read of its is left pending."""
+    address_file = tmp_path / "address"
+    worker = procs.spawn("publisher", channel="pk", address_file=str(address_file), subscribers=1, deadline=60)
+    deadline = time.monotonic() + 60
+    while not address_file.exists():
+        assert time.monotonic() < deadline, procs.log(worker)
+        await asyncio.sleep(0.05)  # polling for the worker's address file
+    async with ws.Subscriber("pk", address=address_file.read_text(), member_id="m", timeout=4,
+                             transport="one-sided") as sub:
+        w = await sub.get(min_version=3, timeout=30)
+        procs.signal(worker, signal.SIGKILL)
+        with pytest.raises(ws.PublisherGone):
+            await sub.get(min_version=w.version + 1000, timeout=30)
+        last = await sub.get()
+        assert torch.equal(last["w"], torch.full((1000,), float(last.version)))
+
+
+def _exposed(procs: Procs, tmp_path: Path, mib: int, env: dict[str, str]) -> tuple[int, bytes, Registration, int]:
+    """An exposer process (tests/workers.py): its index, url, registration and its secret's address."""
+    file = tmp_path / "exposed"
+    worker = procs.spawn("exposer", env=env, file=str(file), mib=mib)
+    deadline = time.monotonic() + 60
+    while not file.exists():
+        assert time.monotonic() < deadline, procs.log(worker)
+        time.sleep(0.05)  # polling for the worker's file
+    url, reg, secret = msgspec.msgpack.decode(file.read_bytes(), type=tuple[bytes, Registration, int])
+    return worker, url, reg, secret
+
+
+@needs
+def test_a_read_past_its_deadline_keeps_its_memory_out_of_use_until_it_ends(
+        procs: Procs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Over TCP (as between hosts), the publisher's process frozen with SIGSTOP mid-read: the read
+    fails at its deadline (PeerFailure) but its memory is not read into again while the
+    transport may still write it (LocalFailure, bounded); resumed, the late read lands, the
+    memory is free again, and what landed is the publisher's bytes."""
+    monkeypatch.setenv("UCX_TLS", "tcp")  # this process's endpoint is made below, after it
+    worker, url, reg, _ = _exposed(procs, tmp_path, 256, {"UCX_TLS": "tcp"})
+    reader = Reader()
+    try:
+        reader.connect(url)
+        into = torch.zeros(256 << 20, dtype=torch.uint8)
+        procs.signal(worker, signal.SIGSTOP)
+        with pytest.raises(PeerFailure, match="did not end in time"):
+            reader.read(into, reader.remote(reg, 0, into.numel()), time.monotonic() + 0.5, None, "all")
+        assert reader.busy() == 1
+        with pytest.raises(LocalFailure, match="may still write"):
+            reader.ready_for(into[: 1 << 20], time.monotonic() + 0.3)
+        procs.signal(worker, signal.SIGCONT)
+        reader.ready_for(into, time.monotonic() + 60)  # returns once the late read ended
+        assert reader.busy() == 0 and bool((into == 7).all())
+        reader.read(into[:4096], reader.remote(reg, 0, 4096), time.monotonic() + 30, None, "a page")
+    finally:
+        reader.close()
+
+
+@needs
+def test_reads_outside_the_registration_or_of_a_forged_one_are_refused(procs: Procs, tmp_path: Path) -> None:
+    """A reader (an insider: it holds the publisher's url and a real registration) asks for bytes
+    outside the registration, at the address of memory the publisher never registered, or through
+    a registration naming another agent: each is refused before a byte moves, and nothing of the
+    publisher's secret lands."""
+    _, url, reg, secret = _exposed(procs, tmp_path, 1, {})
+    reader = Reader()
+    try:
+        reader.connect(url)
+        into = torch.zeros(4096, dtype=torch.uint8)
+        with pytest.raises(ProtocolError, match="outside the publisher's"):
+            reader.remote(reg, reg.length - 100, 4096)
+        forged = [msgspec.structs.replace(reg, address=secret, length=4096),  # memory it never registered
+                  msgspec.structs.replace(reg, address=reg.address + reg.length - 2048, length=4096),  # straddles
+                  msgspec.structs.replace(reg, agent="someone-else")]
+        for bad in forged:
+            with pytest.raises(PeerFailure, match="refused"):
+                reader.read(into, reader.remote(bad, 0, 4096), time.monotonic() + 10, None, "a forged range")
+            assert not bool((into == 0x5A).any()) and reader.busy() == 0
+        reader.read(into, reader.remote(reg, 0, 4096), time.monotonic() + 10, None, "the registration")
+        assert bool((into == 7).all())  # the honest read still works on the same endpoint
+    finally:
+        reader.close()
+
+
+@needs
+@pytest.mark.asyncio
+async def test_registrations_are_made_once_per_buffer_and_released_with_it() -> None:
+    """Ten versions through two staging buffers register two buffers, not ten; closing the
+    publisher releases them."""
+    async with ws.Publisher("reg", **FAST) as pub, \
+            ws.Subscriber("reg", address=pub.address, transport="one-sided", timeout=4) as sub:
+        for v in range(10):
+            await (await pub.put(body(v), version=v)).delivered(timeout=30)
+            assert digests(await sub.get(min_version=v, timeout=30)) == digests(body(v))
+        part = pub._sender.side.parts["one-sided"]  # noqa: SLF001
+        assert 1 <= part.exposure.exposed() <= pub._staging.limit()  # noqa: SLF001
+    gc.collect()
+    assert part.exposure.exposed() == 0

@@ -1,0 +1,153 @@
+"""A one-sided member's end: ``move`` reads each bucket out of the publisher's registered staging
+buffer itself (``transport="one-sided"``); the publisher issues nothing per bucket.
+
+The Announce names where the version lies (:class:`OneSidedFields`): the publisher's endpoint,
+the registration of the whole staging buffer (its header page included) and, as for a same-host
+member, the buffer's offset, epoch and, for ``copy=False``, its ring of two bucket slots. The
+member reads the header's ready count before a bucket the snapshot may not have reached yet and
+the epoch with it, and the epoch once more after the last bucket: a buffer the publisher wrote
+again meanwhile is refused, never published. Each bucket is then checked against the Seal's
+digests (the member's own copy, as on the group path). A ring's slot is told free with ``Copied``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import torch
+
+from weightsync import _wire
+from weightsync._errors import Cancelled, LocalFailure, PeerFailure, ProtocolError, own_hook
+from weightsync.planes.dataplane import GenerationSpec, Transfer
+from weightsync.planes.onesided.endpoints import Reader, Registration
+from weightsync.planes.shm.plane import HEADER, POLL_MAX, POLL_MIN, ShmRef
+from weightsync.recorder.recorder import RecorderScope
+
+
+class OneSidedFields(msgspec.Struct, frozen=True):
+    """The one-sided plane's fields of an Announce (``Announce.plane``)."""
+
+    url: bytes  # the publisher's endpoint (its agent's metadata)
+    buffer: Registration  # the staging buffer, header page first, as registered
+    segment: ShmRef  # the version's offset, the buffer's epoch and data bytes, a ring's slot size
+
+
+def announced(url: bytes, buffer: Registration, segment: ShmRef) -> bytes:
+    return msgspec.msgpack.encode(OneSidedFields(url=url, buffer=buffer, segment=segment))
+
+
+def fields_of(announce: Any) -> OneSidedFields:
+    try:
+        return msgspec.msgpack.decode(announce.plane, type=OneSidedFields)
+    except (msgspec.DecodeError, AttributeError) as err:
+        raise ProtocolError(f"version {announce.version} was announced without a buffer to read: {err}") from None
+
+
+class OneSidedPlane:
+    """See the module docstring. Owned by the receiver thread."""
+
+    in_group, moves_alone = False, True
+
+    def __init__(self, recorder: RecorderScope | None = None, member: str = "",
+                 tell: Callable[[Any], None] | None = None) -> None:
+        self._rec, self._member, self._tell = recorder, member, tell
+        self.reader = Reader()
+
+    def offer(self) -> str:
+        return ""
+
+    def rendezvous_prefixes(self, spec: GenerationSpec) -> tuple[str, ...]:
+        return ()
+
+    def broadcast_parent(self, rank: int) -> int | None:
+        return None
+
+    def enter(self, spec: GenerationSpec) -> None:
+        return None
+
+    def leave(self, reason: str, *, failed: bool = False) -> None:
+        return None
+
+    def view_of(self, announce: Any) -> tuple[torch.Tensor, Callable[[], bool]] | None:
+        return None  # always read into this member's own memory
+
+    def move(self, transfer: Transfer) -> None:
+        fields = fields_of(transfer.announce)
+        ref, reg = fields.segment, fields.buffer
+        self._check(fields, transfer)
+        self.reader.connect(fields.url)
+        ring, done, ready = ref.ring, 0, -1  # ready: the publisher's ready count as last read
+        for i, bucket in enumerate(transfer.buckets):
+            own_hook(transfer.before, i, "preparing")
+            n = bucket.numel()
+            at = HEADER + ((i % 2) * ring if ring else ref.offset + done)
+            deadline = time.monotonic() + transfer.deadline(n)
+            entry = None if self._rec is None else self._rec.record(
+                "bucket_recv", version=transfer.version, bucket=i, nbytes=n).start()
+            try:
+                if ready < ref.offset + done + n:
+                    ready = self._await_ready(reg, ref, ref.offset + done + n, transfer)
+                if n:
+                    self.reader.ready_for(bucket, deadline)
+                    self.reader.read(bucket, self.reader.remote(reg, at, n), deadline, transfer.cancelled,
+                                     f"bucket {i} of version {transfer.version}")
+            except BaseException as err:
+                if entry is not None:
+                    entry.fail(err)
+                raise
+            if entry is not None:
+                entry.complete()
+            done += n
+            try:
+                if ring and self._tell is not None:  # its ring slot is free for bucket i + 2: say so first
+                    self._tell(_wire.Copied(transfer.announce.generation, transfer.announce.seq, self._member, i))
+                if transfer.after is not None:
+                    transfer.after(i)
+            except Exception as err:  # noqa: BLE001 - this end's own failure, as the DataPlane says
+                raise LocalFailure(f"after bucket {i}: {err}") from err
+        # read after the buckets: a publisher that started writing the buffer again bumped it first
+        epoch, _ = self.reader.head(reg, time.monotonic() + transfer.deadline(0), transfer.cancelled)
+        if epoch != ref.epoch:
+            raise Cancelled(f"version {transfer.version}'s buffer was reused while this member read it")
+
+    @staticmethod
+    def _check(fields: OneSidedFields, transfer: Transfer) -> None:
+        """The announced version fits the registration it names (else nothing is read)."""
+        ref, reg = fields.segment, fields.buffer
+        sizes = [b.numel() for b in transfer.buckets]
+        if reg.length != HEADER + ref.nbytes:
+            raise ProtocolError(f"version {transfer.version}: a {reg.length}-byte registration for a "
+                                f"{ref.nbytes}-byte buffer")
+        if ref.ring:
+            if ref.offset != 0 or 2 * ref.ring > ref.nbytes or any(n > ref.ring for n in sizes):
+                raise ProtocolError(f"version {transfer.version}: a ring of {ref.ring}-byte slots does not fit")
+        elif ref.offset < 0 or ref.offset + sum(sizes) > ref.nbytes:
+            raise ProtocolError(f"version {transfer.version}: {sum(sizes)} bytes at {ref.offset} overrun the buffer")
+
+    def _await_ready(self, reg: Registration, ref: ShmRef, end: int, transfer: Transfer) -> int:
+        """Until the publisher's snapshot has copied the buffer's first ``end`` bytes; its ready count."""
+        deadline = None
+        pause = POLL_MIN
+        while True:
+            epoch, ready = self.reader.head(reg, time.monotonic() + transfer.deadline(0), transfer.cancelled)
+            if epoch != ref.epoch:
+                raise Cancelled(f"version {transfer.version}'s buffer was reused while this member read it")
+            if ready >= end:
+                return ready
+            if ready < 0:
+                raise Cancelled(f"the publisher's snapshot of version {transfer.version} failed")
+            if transfer.cancelled is not None and transfer.cancelled():
+                raise Cancelled("the publisher gave up on this version")
+            now = time.monotonic()
+            if deadline is None:
+                deadline = now + transfer.deadline(end - max(ready, 0))
+            elif now > deadline:
+                raise PeerFailure(f"the publisher's snapshot of version {transfer.version} stopped at byte {ready}")
+            time.sleep(pause)
+            pause = min(pause * 2, POLL_MAX)
+
+    def close(self) -> None:
+        self.reader.close()
