@@ -51,6 +51,7 @@ class Point(msgspec.Struct):
     gbps: float
     put_ms: float = 0.0  # the trainer's stall: put() until it returned
     pipeline: bool = False
+    cpu_ms: float = 0.0  # the trainer process's CPU time (every thread) from put() until delivered
 
 
 class Report(msgspec.Struct):
@@ -76,10 +77,10 @@ def memmove_gbps(mib: int = 512) -> float:
 
 
 async def run(transport: str, sizes: list[int], n: int, reps: int, tmp: Path, progress,  # type: ignore[no-untyped-def]
-              pipeline: bool = False) -> list[Point]:
+              pipeline: bool = False, checks: tuple[bool, ...] = (True, False)) -> list[Point]:
     points = []
     workers = Workers(tmp)
-    last_version = len(sizes) * 2 * (reps + 1) - 1
+    last_version = len(sizes) * len(checks) * (reps + 1) - 1
     async with ws.Publisher(f"same-{transport}", timeout=120, bucket_bytes=64 << 20, pipeline=pipeline,
                             encoding="full") as pub:
         for i in range(n):
@@ -90,25 +91,27 @@ async def run(transport: str, sizes: list[int], n: int, reps: int, tmp: Path, pr
             version = 0
             for mib in sizes:
                 sd = make_state_dict(mib)
-                for check in (True, False):
+                for check in checks:
                     pub.checksum = check
-                    times, puts = [], []
+                    times, puts, cpus = [], [], []
                     for rep in range(reps + 1):
-                        t0 = time.perf_counter()
+                        t0, c0 = time.perf_counter(), time.process_time()
                         handle = await pub.put(sd, version=version)
                         stall = time.perf_counter() - t0
                         report = await handle.delivered(timeout=600)
-                        elapsed = time.perf_counter() - t0
+                        elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
                         if len(report.members) != n:
                             raise RuntimeError(f"version {version} reached {report.members} only")
                         version += 1
                         if rep:
                             times.append(elapsed)
                             puts.append(stall)
+                            cpus.append(cpu)
                     done = statistics.median(times)
                     points.append(Point(transport=transport, checksum=check, mib=nbytes(sd) / 2**20, subscribers=n,
                                         to_all_ms=done * 1e3, gbps=nbytes(sd) * n / done / 1e9,
-                                        put_ms=statistics.median(puts) * 1e3, pipeline=pipeline))
+                                        put_ms=statistics.median(puts) * 1e3, pipeline=pipeline,
+                                        cpu_ms=statistics.median(cpus) * 1e3))
                     progress(points[-1])
                 del sd
             workers.results(timeout=600)
