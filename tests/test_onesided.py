@@ -6,8 +6,10 @@ Checked the way it fails in production: asked for where it cannot work, it names
 mid-read never hold the publisher up, and the frozen one, resumed, publishes nothing torn; the
 publisher killed with -9 mid-read leaves the member its last version; a read past its deadline
 keeps the memory it may still write out of use until it ends (the transport cannot cancel DMA),
-between real processes over TCP; and reads outside the publisher's registration, or of a forged
-one, are refused with nothing of the publisher's other memory read. The plane contract suite
+between real processes over TCP; reads outside the publisher's registration, or of a forged
+one, are refused with nothing of the publisher's other memory read; and a newcomer catches up
+from a member that holds the version (no byte from the publisher), a peer that lies or is
+frozen mid-fetch costing it reads from the publisher, never a wrong byte. The plane contract suite
 (tests/test_plane_contract.py) runs it too. Everything but the first test needs torch 2.15 with
 nixl (CI's torch 2.15 pass installs it).
 """
@@ -19,6 +21,7 @@ import gc
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -31,6 +34,7 @@ from weightsync._errors import LocalFailure, PeerFailure, ProtocolError
 from weightsync.planes.onesided import endpoints
 from weightsync.planes.onesided.endpoints import Reader, Registration
 from weightsync.planes.shm import plane as shm
+from weightsync.testing import Faults, inject
 
 pytestmark = [pytest.mark.timeout(180)]
 needs = pytest.mark.skipif(endpoints.problem() is not None, reason=f"one-sided: {endpoints.problem()}")
@@ -202,3 +206,100 @@ async def test_registrations_are_made_once_per_buffer_and_released_with_it() -> 
         assert 1 <= part.exposure.exposed() <= pub._staging.limit()  # noqa: SLF001
     gc.collect()
     assert part.exposure.exposed() == 0
+
+
+async def _holder_and_newcomer(pub: ws.Publisher, versions: int) -> tuple[ws.Subscriber, ws.Subscriber]:
+    """Member "a" receives ``versions`` versions; then "b" joins (the retained version is sent again)."""
+    a = ws.Subscriber(pub.name, address=pub.address, member_id="a", transport="one-sided", timeout=4)
+    await a.start()
+    await pub.wait_subscribers(1, timeout=30)
+    for v in range(versions):
+        await (await pub.put(body(v), version=v)).delivered(timeout=30)
+    assert digests(await a.get(min_version=versions - 1, timeout=30)) == digests(body(versions - 1))
+    b = ws.Subscriber(pub.name, address=pub.address, member_id="b", transport="one-sided", timeout=4)
+    await b.start()
+    return a, b
+
+
+def _plane(sub: ws.Subscriber) -> Any:
+    return sub._receiver._plane  # noqa: SLF001 - the plane's own count of bytes by source
+
+
+@needs
+@pytest.mark.asyncio
+async def test_a_newcomer_catches_up_from_a_peer_and_the_trainer_sends_it_nothing() -> None:
+    """A newcomer takes the retained version from the member that holds it, every bucket checked
+    against the Seal: no byte of it comes out of the publisher's memory, nor of the holder's own
+    copy of the re-send (it copies from itself). The next version comes from the publisher."""
+    async with ws.Publisher("cu", **FAST) as pub:
+        a, b = await _holder_and_newcomer(pub, 3)
+        try:
+            from_publisher = dict(_plane(a).took).get("publisher", 0)
+            assert digests(await b.get(min_version=2, timeout=30)) == digests(body(2))
+            size = sum(t.numel() * t.element_size() for t in body(2).values())
+            took = dict(_plane(b).took)
+            assert took.get("publisher", 0) == 0 and took["peer"] >= size, took
+            assert _plane(a).took.get("publisher", 0) == from_publisher  # the holder copied from itself
+            await (await pub.put(body(3), version=3)).delivered(timeout=30)
+            assert digests(await b.get(min_version=3, timeout=30)) == digests(body(3))
+            assert _plane(b).took["publisher"] >= size  # new versions come from the publisher
+        finally:
+            await asyncio.gather(a.aclose(), b.aclose())
+
+
+@needs
+@pytest.mark.asyncio
+async def test_a_peer_that_lies_costs_the_newcomer_a_read_from_the_publisher_never_a_wrong_byte() -> None:
+    """The holder (an insider) corrupts the buffer it offered: the newcomer's first bucket from it
+    does not match the Seal, is read from the publisher instead, and the version is bit-exact."""
+    rec = ws.FlightRecorder(capacity=2000)
+    async with ws.Publisher("liar", **FAST) as pub:
+        a = ws.Subscriber("liar", address=pub.address, member_id="a", transport="one-sided", timeout=4)
+        await a.start()
+        await pub.wait_subscribers(1, timeout=30)
+        await (await pub.put(body(0), version=0)).delivered(timeout=30)
+        await a.get(min_version=0, timeout=30)
+        held = _plane(a)._held.flat  # noqa: SLF001 - what "a" offered
+        held[100] = held[100] ^ 0xFF  # a lie in what it relays
+        b = ws.Subscriber("liar", address=pub.address, member_id="b", transport="one-sided", timeout=4,
+                          recorder=rec)
+        try:
+            await b.start()
+            assert digests(await b.get(min_version=0, timeout=30)) == digests(body(0))
+            assert _plane(b).took.get("publisher", 0) > 0
+            assert any(e.op == "catch_up" and "does not match the Seal" in e.error for e in rec.snapshot())
+        finally:
+            await asyncio.gather(a.aclose(), b.aclose())
+
+
+@needs
+@pytest.mark.asyncio
+async def test_a_peer_frozen_mid_fetch_costs_the_newcomer_a_read_from_the_publisher(
+        procs: Procs, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Over TCP, the holder (its own process) is frozen with SIGSTOP once the newcomer took its first
+    bucket from it (the newcomer is slowed, so it is mid-fetch): the next read from the holder
+    outlives half the bucket's deadline, the rest is read from the publisher, and the version is
+    bit-exact; the frozen holder is evicted and the publisher goes on."""
+    monkeypatch.setenv("UCX_TLS", "tcp")  # before this process's endpoints are made
+    async with ws.Publisher("frz", timeout=4, heartbeat_interval=0.5, bucket_bytes=1 << 20) as pub:
+        holder = procs.spawn("subscriber", env={"UCX_TLS": "tcp"}, channel="frz", address=pub.address, member="a",
+                             until_version=99, deadline=120, mode="follow", transport="one-sided")
+        await pub.wait_subscribers(1, timeout=60)
+        await (await pub.put(body(0), version=0)).delivered(timeout=30)
+        rec = ws.FlightRecorder(capacity=2000)
+        b = ws.Subscriber("frz", address=pub.address, member_id="b", transport="one-sided", timeout=4, recorder=rec)
+        inject(b, Faults(slow=3.0))  # 40 ms after each bucket: mid-fetch for long enough
+        try:
+            async with b:
+                while not any(e.op == "bucket_recv" and e.state == "completed" for e in rec.snapshot()):
+                    await asyncio.sleep(0.002)  # until the recorder shows its first bucket in
+                procs.signal(holder, signal.SIGSTOP)
+                assert digests(await b.get(min_version=0, timeout=60)) == digests(body(0))
+                assert _plane(b).took.get("publisher", 0) > 0
+                assert any(e.op == "catch_up" and e.peers == ("peer a",) and "did not end in time" in e.error
+                           for e in rec.snapshot())
+                await (await pub.put(body(1), version=1)).delivered(timeout=60)
+                assert digests(await b.get(min_version=1, timeout=30)) == digests(body(1))
+                assert "a" not in pub.members
+        finally:
+            procs.signal(holder, signal.SIGCONT)

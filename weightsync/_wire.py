@@ -41,7 +41,7 @@ def name_problem(what: str, value: object) -> str | None:
     return (f"{what} must be 1-256 characters of letters, digits and . _ : @ + = - (starting with a letter, "
             f"digit or _; no '/', spaces or control characters), got {shown}")
 
-PROTOCOL_VERSION = 16  # 2: settings in Admit; CRC32C. 3: link probes. 4: same-host shm. 5: sharded (lanes).
+PROTOCOL_VERSION = 17  # 2: settings in Admit; CRC32C. 3: link probes. 4: same-host shm. 5: sharded (lanes).
 # 6: sliced members (Join.want, point-to-point buckets: Announce.direct)
 # 7: tied tensors sent once (Manifest.ties); Challenge.open
 # 8: each member's Announce names the version's encoding on the wire (Announce.encoding, .wire)
@@ -54,6 +54,7 @@ PROTOCOL_VERSION = 16  # 2: settings in Admit; CRC32C. 3: link probes. 4: same-h
 # 15: Commit.settled (activation "all": every member exposed the version; until then a member is in doubt)
 # 16: an Announce carries its encoding's fields in Announce.coding and its plane's as opaque Announce.plane
 #     (a plane or an encoding added never edits this module); the same-host ShmRef moved to planes.shm
+# 17: PeerOffer (a one-sided member offers the buffer holding a version to newcomers catching up)
 
 
 class TensorSpec(msgspec.Struct, frozen=True, array_like=True):
@@ -377,6 +378,15 @@ class Copied(msgspec.Struct, frozen=True, tag="copied"):
     bucket: int
 
 
+class PeerOffer(msgspec.Struct, frozen=True, tag="peer_offer"):
+    """A member holds ``version``'s bytes where other members may read them (a newcomer catching up
+    from a peer); ``source`` is its plane's own description of where, passed on unread."""
+
+    member_id: str
+    version: int
+    source: bytes
+
+
 class EngineReport(msgspec.Struct, frozen=True, tag="engine_report"):
     """A member's inference engine loaded ``version``: the digest of what it holds, for engines of the
     same ``layout`` (model, parallel rank, dtype) to be compared through the publisher."""
@@ -395,7 +405,7 @@ class EngineTally(msgspec.Struct, frozen=True, tag="engine_tally"):
     error: str = ""
 
 
-ClientMessage = Union[Join, Ready, Ack, Leave, Beat, StoreOp, ProbeReply, Copied, EngineReport]
+ClientMessage = Union[Join, Ready, Ack, Leave, Beat, StoreOp, ProbeReply, Copied, PeerOffer, EngineReport]
 ServerMessage = Union[Challenge, Admit, Deny, Go, Announce, Abandon, Seal, WireSizes, Reconfigure, Shutdown, Beat,
                       StoreResult, Probe, Commit, EngineTally]
 

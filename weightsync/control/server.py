@@ -64,6 +64,7 @@ from weightsync.recorder.recorder import RecorderScope
 MAX_PENDING = 64
 MAX_PENDING_PER_SOURCE = 16  # one address cannot take every handshake place: others can still join
 MAX_BACKLOG = 512 << 20
+MAX_OFFER = 16 << 10  # a PeerOffer's source (a plane's description of a buffer) larger than this is dropped
 MAX_REFUSALS = 64  # store ops refused on one connection before it is closed (a member that keeps trying)
 
 
@@ -116,6 +117,7 @@ class Link:
     scope: Scope | None = None  # the rendezvous keys it may touch (its current generation's), set by grant()
     refusals: int = 0  # its store ops refused so far
     copied: tuple[int, int, int] = (-1, -1, -1)  # (generation, seq, bucket) it last copied out of a ring
+    offer: tuple[int, bytes] | None = None  # a version it holds where other members may read it, and where
 
 
 class ControlServer:
@@ -344,6 +346,13 @@ class ControlServer:
             link.probes[self._probe_seq] = (time.monotonic(), epoch, round_)
             self._write(link, _wire.Probe(self._probe_seq, pad))
 
+    def offers(self, members: Iterable[str], version: int) -> dict[str, bytes]:
+        """Sender thread: where members among ``members`` (alive now) said they hold ``version``."""
+        with self._lock:
+            links = {m: self._members.get(m) for m in members}
+        return {m: link.offer[1] for m, link in links.items()
+                if link is not None and not link.closed and link.offer is not None and link.offer[0] == version}
+
     def wait_copied(self, members: tuple[str, ...], generation: int, seq: int, bucket: int, timeout: float,
                     cancelled: Callable[[], bool]) -> set[str]:
         """Sender thread: wait until each of ``members`` copied ``bucket`` of announcement ``seq`` out of
@@ -500,6 +509,9 @@ class ControlServer:
                     with self._copied:
                         link.copied = (message.generation, message.seq, message.bucket)
                         self._copied.notify_all()
+            elif isinstance(message, _wire.PeerOffer):
+                if message.member_id == link.member_id and link.bound and len(message.source) <= MAX_OFFER:
+                    link.offer = (message.version, message.source)
             elif isinstance(message, _wire.EngineReport):
                 self._engine_report(link, message)
             elif isinstance(message, _wire.Join):

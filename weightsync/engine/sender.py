@@ -354,7 +354,8 @@ class Sender:
                        before=before, point_to_point=direct, encoding="full" if full else job.encoding or self.encoding,
                        base=None if full else self.bases.base(job, self.staging.base, kept),
                        prefer_full=self.bases.chooser.prefer_full(), digest=self.digest, keeps_base=kept is not None,
-                       workers=self.workers)
+                       workers=self.workers,
+                       sealed=job.digests if job.assembly is None and len(job.digests or ()) == len(ranges) else None)
         by = self.side.split(members)
         # an encoder that sizes its wire buckets as it makes them tells the members each one's length
         out.tell_sizes = lambda first, sizes, to=None: gens.tell(out.receivers if to is None else to, _wire.WireSizes(

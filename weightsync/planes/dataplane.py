@@ -185,6 +185,9 @@ class Outgoing:
     #: the staged buckets' digests, when the encoder took them while it read the buckets (the Sender's
     #: after-bucket checksum then reads them instead of the buckets again)
     staged_digests: list[int] | None = None
+    #: a version sent before and sealed (a re-send, to a newcomer say): its buckets' digests, which
+    #: members may check bytes from elsewhere against before they take them (a peer's); else None
+    sealed: tuple[int, ...] | None = None
     #: tells the members of an encoded version wire buckets ``first``, ``first + 1``...'s lengths
     #: (a plan made ``later``: each before its bucket moves), ``tell_sizes(first, sizes, to=None)``:
     #: to ``to`` alone where given (a sliced member's delta), else to ``receivers``; set by the Sender

@@ -13,6 +13,7 @@ digests (the member's own copy, as on the group path). A ring's slot is told fre
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -22,7 +23,8 @@ import torch
 from weightsync import _wire
 from weightsync._errors import Cancelled, LocalFailure, PeerFailure, ProtocolError, own_hook
 from weightsync.planes.dataplane import GenerationSpec, Transfer
-from weightsync.planes.onesided.endpoints import Reader, Registration
+from weightsync.planes.onesided.catchup import MAX_PEERS, Held, PeerSource, Sources
+from weightsync.planes.onesided.endpoints import Exposure, Reader, Registration
 from weightsync.planes.shm.plane import HEADER, POLL_MAX, POLL_MIN, ShmRef
 from weightsync.recorder.recorder import RecorderScope
 
@@ -33,10 +35,18 @@ class OneSidedFields(msgspec.Struct, frozen=True):
     url: bytes  # the publisher's endpoint (its agent's metadata)
     buffer: Registration  # the staging buffer, header page first, as registered
     segment: ShmRef  # the version's offset, the buffer's epoch and data bytes, a ring's slot size
+    # a version sealed before (a re-send: a newcomer catching up): its buckets' digests, their
+    # function, and members that hold it (PeerSource, msgpack each); bytes from anywhere but the
+    # publisher are taken only once they match these digests
+    sealed: tuple[int, ...] = ()
+    digest: str = ""
+    peers: tuple[bytes, ...] = ()
 
 
-def announced(url: bytes, buffer: Registration, segment: ShmRef) -> bytes:
-    return msgspec.msgpack.encode(OneSidedFields(url=url, buffer=buffer, segment=segment))
+def announced(url: bytes, buffer: Registration, segment: ShmRef, sealed: tuple[int, ...] = (), digest: str = "",
+              peers: tuple[bytes, ...] = ()) -> bytes:
+    return msgspec.msgpack.encode(OneSidedFields(url=url, buffer=buffer, segment=segment, sealed=sealed,
+                                                 digest=digest, peers=peers))
 
 
 def fields_of(announce: Any) -> OneSidedFields:
@@ -54,7 +64,12 @@ class OneSidedPlane:
     def __init__(self, recorder: RecorderScope | None = None, member: str = "",
                  tell: Callable[[Any], None] | None = None) -> None:
         self._rec, self._member, self._tell = recorder, member, tell
-        self.reader = Reader()
+        self.reader = Reader()  # the publisher's endpoint
+        self._peers: OrderedDict[bytes, Reader] = OrderedDict()  # peers' endpoints, by url
+        self._held: Held | None = None  # the version last received, where it is (offered to peers)
+        self._exposure: Exposure | None = None  # this member's own endpoint, for peers catching up
+        self._exposed: list[torch.Tensor] = []  # the storages registered there, oldest first
+        self.took: dict[str, int] = {}  # bytes received, by source: "publisher", "self", "peer"
 
     def offer(self) -> str:
         return ""
@@ -79,7 +94,11 @@ class OneSidedPlane:
         ref, reg = fields.segment, fields.buffer
         self._check(fields, transfer)
         self.reader.connect(fields.url)
+        # a version sealed before: its buckets from this member's own copy or a peer first (catchup)
+        others = (Sources(fields, transfer.version, self._member, self._held, self._peer, self._rec, self.took)
+                  if fields.sealed and not ref.ring else None)
         ring, done, ready = ref.ring, 0, -1  # ready: the publisher's ready count as last read
+        read_any = False  # anything read from the publisher (its epoch is checked at the end)
         for i, bucket in enumerate(transfer.buckets):
             own_hook(transfer.before, i, "preparing")
             n = bucket.numel()
@@ -88,12 +107,14 @@ class OneSidedPlane:
             entry = None if self._rec is None else self._rec.record(
                 "bucket_recv", version=transfer.version, bucket=i, nbytes=n).start()
             try:
-                if ready < ref.offset + done + n:
-                    ready = self._await_ready(reg, ref, ref.offset + done + n, transfer)
-                if n:
+                if n and (others is None or not others.take(i, bucket, done, deadline, transfer.cancelled)):
+                    if ready < ref.offset + done + n:
+                        ready = self._await_ready(reg, ref, ref.offset + done + n, transfer)
                     self.reader.ready_for(bucket, deadline)
                     self.reader.read(bucket, self.reader.remote(reg, at, n), deadline, transfer.cancelled,
                                      f"bucket {i} of version {transfer.version}")
+                    self.took["publisher"] = self.took.get("publisher", 0) + n
+                    read_any = True
             except BaseException as err:
                 if entry is not None:
                     entry.fail(err)
@@ -109,9 +130,55 @@ class OneSidedPlane:
             except Exception as err:  # noqa: BLE001 - this end's own failure, as the DataPlane says
                 raise LocalFailure(f"after bucket {i}: {err}") from err
         # read after the buckets: a publisher that started writing the buffer again bumped it first
-        epoch, _ = self.reader.head(reg, time.monotonic() + transfer.deadline(0), transfer.cancelled)
-        if epoch != ref.epoch:
-            raise Cancelled(f"version {transfer.version}'s buffer was reused while this member read it")
+        if read_any:
+            epoch, _ = self.reader.head(reg, time.monotonic() + transfer.deadline(0), transfer.cancelled)
+            if epoch != ref.epoch:
+                raise Cancelled(f"version {transfer.version}'s buffer was reused while this member read it")
+        self._offer(transfer)
+
+    def _peer(self, url: bytes) -> Reader:
+        """The endpoint reading the peer at ``url`` (one per peer, the last few kept)."""
+        reader = self._peers.get(url)
+        if reader is None:
+            reader = self._peers[url] = Reader()
+            while len(self._peers) > MAX_PEERS:
+                self._peers.popitem(last=False)[1].close()
+            reader.connect(url)
+        self._peers.move_to_end(url)
+        return reader
+
+    def _offer(self, transfer: Transfer) -> None:
+        """Offer the version just received to members catching up (``PeerOffer``): where its bytes
+        lie in this member's memory, when they lie there in one piece (a full version, not a
+        lane's part or a delta's wire buckets). A newcomer checks them against the Seal."""
+        buckets = transfer.buckets
+        self._held = None
+        if not buckets or self._tell is None or transfer.announce.coding.name != "full":
+            return
+        start, total = buckets[0].data_ptr(), sum(b.numel() for b in buckets)
+        if total == 0 or any(b.data_ptr() != start + sum(c.numel() for c in buckets[:k])
+                             for k, b in enumerate(buckets)):
+            return
+        storage = buckets[0].untyped_storage()
+        if total != transfer.announce.manifest.total_bytes or start + total > storage.data_ptr() + storage.nbytes():
+            return
+        whole = torch.empty(0, dtype=torch.uint8, device=buckets[0].device).set_(storage)
+        offset = start - storage.data_ptr()
+        self._held = Held(transfer.version, whole[offset:offset + total])
+        try:
+            if self._exposure is None:
+                self._exposure = Exposure()
+            if not any(t.data_ptr() == whole.data_ptr() for t in self._exposed):
+                self._exposed.append(whole)
+                while len(self._exposed) > 2:  # this member's two slots
+                    self._exposure.withdraw(self._exposed.pop(0))
+            reg = self._exposure.expose(whole)
+            source = PeerSource(self._member, self._exposure.url(), reg, offset, total)
+            self._exposure.announced()
+            self._tell(_wire.PeerOffer(self._member, transfer.version, msgspec.msgpack.encode(source)))
+        except Exception as err:  # noqa: BLE001 - offering is a courtesy: its failure costs only the offer
+            if self._rec is not None:
+                self._rec.record("peer_offer", version=transfer.version).fail(err)
 
     @staticmethod
     def _check(fields: OneSidedFields, transfer: Transfer) -> None:
@@ -151,3 +218,10 @@ class OneSidedPlane:
 
     def close(self) -> None:
         self.reader.close()
+        for reader in self._peers.values():
+            reader.close()
+        self._peers.clear()
+        self._held = None
+        if self._exposure is not None:
+            self._exposure.close()
+        self._exposed.clear()

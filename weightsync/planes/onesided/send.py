@@ -16,6 +16,7 @@ from typing import Any
 
 from weightsync._errors import LocalFailure
 from weightsync.planes.dataplane import MemberContext, Outgoing, PlaneSpec, Prepared, PublisherContext
+from weightsync.planes.onesided.catchup import MAX_PEERS
 from weightsync.planes.onesided.endpoints import Exposure
 from weightsync.planes.onesided.plane import OneSidedPlane, announced
 from weightsync.planes.shm.send import ShmSend
@@ -50,7 +51,11 @@ class OneSidedSend(ShmSend):
             self.exposure.announced()
         except Exception as err:  # noqa: BLE001 - the backend's own failure to register
             raise LocalFailure(f"cannot register version {out.version}'s buffer for one-sided reads: {err}") from err
-        return Prepared(plane=announced(url, reg, ref))
+        # a version sealed before (sent again: a newcomer joined): members take it from their own
+        # copy or a peer that offered it, checked against these digests, before this memory
+        sealed = out.sealed if out.sealed is not None and not ref.ring else None
+        peers = () if sealed is None else tuple(self._ctx.control.offers(members, out.version).values())[:MAX_PEERS]
+        return Prepared(plane=announced(url, reg, ref, sealed or (), out.digest, peers))
 
     def close(self) -> None:
         self.exposure.close()
