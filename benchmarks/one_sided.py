@@ -2,6 +2,7 @@
 a blocking per-tensor broadcast loop, in one run.
 
     python -m benchmarks.one_sided [--sizes 64,256] [--subscribers 1,2] [--reps 3] [--tcp]
+    python -m benchmarks.one_sided --catch-up [--sizes 256] [--reps 3] [--tcp]
 
 For each generator count: the naive loop (``broadcast`` of every tensor over gloo, blocking the
 trainer, as most RL loops do), then one publisher per transport pushing the same LLM-shaped state
@@ -11,6 +12,12 @@ loopback) and ``"shm"`` (same-host shared memory, for reference). Per point, the
 ``--reps`` pushes after one warm-up: the time until every generator has it (acknowledged, or for
 the naive loop unpacked into its tensors), and the trainer process's CPU time over that span,
 every thread counted (the sender, gloo's, NIXL's progress threads), per version.
+
+``--catch-up``: a newcomer joins a channel whose version is retained, alone (it reads the
+publisher's memory) or beside a one-sided member that holds it (it reads that member's). Per
+point, the median over ``--reps`` newcomers: the time from its ``start()`` until it holds the
+version, and the bytes it took from the publisher's memory (the trainer's egress for it) and
+from peers (``OneSidedPlane.took``).
 
 ``--tcp`` sets ``UCX_TLS=tcp`` for every process, as between hosts without RDMA; without it, NIXL's
 UCX picks its same-host paths (shared memory, cross-memory attach) for these generators, which
@@ -23,6 +30,7 @@ none (issue 59 asks for the figures); the run prints each ratio and exits 0.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import statistics
 import tempfile
@@ -34,11 +42,20 @@ import torch
 
 import weightsync as ws
 from benchmarks.baseline import BlockingBroadcast
+from benchmarks.procs import Workers
 from benchmarks.report import cpu_name, pyplot, write_json
 from benchmarks.same_host import Point, run
 from weightsync.bench.model import make_state_dict, nbytes
 
 TRANSPORTS = ("one-sided", "group", "shm")
+
+
+class CatchUp(msgspec.Struct):
+    mib: float
+    peer: bool  # a one-sided member holding the version was there
+    seconds: float  # median, start() until the newcomer held the version
+    from_publisher: int  # bytes the newcomer read out of the publisher's memory (median)
+    from_peers: int
 
 
 class Report(msgspec.Struct):
@@ -49,6 +66,7 @@ class Report(msgspec.Struct):
     reps: int
     ucx_tls: str
     points: list[Point]  # transport "naive" for the broadcast loop
+    catch_up: list[CatchUp] = []
 
 
 async def naive(sizes: list[int], n: int, reps: int, tmp: Path, progress) -> list[Point]:  # type: ignore[no-untyped-def]
@@ -75,6 +93,41 @@ async def naive(sizes: list[int], n: int, reps: int, tmp: Path, progress) -> lis
     finally:
         sender.close()
     return points
+
+
+async def catch_up(sizes: list[int], reps: int, tmp: Path) -> list[CatchUp]:
+    """Newcomers joining a retained version, alone and beside a one-sided holder (module docstring)."""
+    rows = []
+    for mib in sizes:
+        sd = make_state_dict(mib)
+        for peer in (False, True):
+            async with ws.Publisher("catchup", timeout=120, bucket_bytes=64 << 20, encoding="full") as pub:
+                holders = Workers(tmp)
+                try:
+                    if peer:
+                        holders.spawn(role="follower", channel="catchup", address=pub.address, member="holder",
+                                      transport="one-sided")
+                        await pub.wait_subscribers(1, timeout=300)
+                    await (await pub.put(sd, version=0)).delivered(timeout=600)
+                    runs = []
+                    for rep in range(reps):
+                        newcomers = Workers(tmp)
+                        newcomers.spawn(role="newcomer", channel="catchup", address=pub.address,
+                                        member=f"new{rep}", version=0)
+                        runs.append(await asyncio.to_thread(newcomers.results, 600))
+                    got = [r[0] for r in runs]
+                    rows.append(CatchUp(mib=nbytes(sd) / 2**20, peer=peer,
+                                        seconds=statistics.median(r["seconds"] for r in got),
+                                        from_publisher=int(statistics.median(r["took"].get("publisher", 0)
+                                                                             for r in got)),
+                                        from_peers=int(statistics.median(r["took"].get("peer", 0) for r in got))))
+                    print(f"  catch-up {rows[-1].mib:6.0f} MiB {'beside a holder' if peer else 'alone':<15} "
+                          f"{rows[-1].seconds * 1e3:8.1f} ms  from the publisher {rows[-1].from_publisher:>11} B  "
+                          f"from peers {rows[-1].from_peers:>11} B", flush=True)
+                finally:
+                    holders.kill()
+        del sd
+    return rows
 
 
 def table(points: list[Point]) -> str:
@@ -115,8 +168,9 @@ def plot(report: Report, path: Path) -> None:
     plt.close(fig)
 
 
-async def bench(sizes: list[int], subscribers: list[int], reps: int) -> Report:
+async def bench(sizes: list[int], subscribers: list[int], reps: int, catching_up: bool = False) -> Report:
     points: list[Point] = []
+    rows: list[CatchUp] = []
 
     def progress(p: Point) -> None:
         print(f"  {p.mib:6.0f} MiB x {p.subscribers} {p.transport:<9} {p.to_all_ms:8.1f} ms  {p.gbps:6.2f} GB/s  "
@@ -124,12 +178,15 @@ async def bench(sizes: list[int], subscribers: list[int], reps: int) -> Report:
         points.append(p)
 
     with tempfile.TemporaryDirectory(prefix="ws-one-sided-") as tmp:
-        for n in subscribers:
+        if catching_up:
+            rows = await catch_up(sizes, reps, Path(tmp))
+        for n in subscribers if not catching_up else []:
             await naive(sizes, n, reps, Path(tmp), progress)
             for transport in TRANSPORTS:
                 await run(transport, sizes, n, reps, Path(tmp), progress, checks=(True,))
     return Report(when=time.strftime("%Y-%m-%d %H:%M:%S"), torch=str(torch.__version__), cpu=cpu_name(),
-                  cores=os.cpu_count() or 0, reps=reps, ucx_tls=os.environ.get("UCX_TLS", ""), points=points)
+                  cores=os.cpu_count() or 0, reps=reps, ucx_tls=os.environ.get("UCX_TLS", ""), points=points,
+                  catch_up=rows)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -138,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--subscribers", default="1,2", help="generator processes, comma-separated")
     parser.add_argument("--reps", type=int, default=3, help="measured pushes per point (plus one warm-up)")
     parser.add_argument("--tcp", action="store_true", help="UCX_TLS=tcp everywhere (as between hosts)")
+    parser.add_argument("--catch-up", action="store_true",
+                        help="newcomers catching up, alone and beside a one-sided holder, instead")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args(argv)
     try:
@@ -148,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     if min(sizes) < 1 or min(subscribers) < 1 or args.reps < 1:
         parser.error("sizes, subscribers and reps must be >= 1")
     try:  # a member asking for it says what is missing, before anything starts
-        ws.Subscriber("probe", address="127.0.0.1:1", transport="one-sided")
+        ws.Subscriber("probe", address="127.0.0.1:1", transport="one-sided", recorder=ws.FlightRecorder())
     except ws.TransportUnavailable as err:
         print(f"one-sided reads cannot run here: {err}")
         return 2
@@ -156,12 +215,13 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["UCX_TLS"] = "tcp"  # before any endpoint is made; the generators inherit it
     import uvloop
 
-    report = uvloop.run(bench(sizes, subscribers, args.reps))
+    report = uvloop.run(bench(sizes, subscribers, args.reps, args.catch_up))
     json_path = write_json(args.out, "one_sided", report)
-    plot(report, Path(args.out) / "one_sided.png")
-    print()
-    print(table(report.points))
-    print(f"\nwrote {json_path} and {Path(args.out) / 'one_sided.png'}")
+    if report.points:
+        plot(report, Path(args.out) / "one_sided.png")
+        print()
+        print(table(report.points))
+    print(f"\nwrote {json_path}" + ("" if not report.points else f" and {Path(args.out) / 'one_sided.png'}"))
     return 0
 
 

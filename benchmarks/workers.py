@@ -28,6 +28,8 @@ class WorkerResult(msgspec.Struct):
     lag_max_ms: float = 0.0
     error: str = ""
     built: list[tuple[int, float]] = []  # gated: [nominal MiB, time.time()] as each size's model was begun
+    seconds: float = 0.0  # a newcomer: from start() until it held the version
+    took: dict[str, int] = {}  # a one-sided newcomer: bytes it received, by source (publisher, peer, self)
 
 
 GATE_WAIT = dt.timedelta(seconds=600)
@@ -168,6 +170,18 @@ async def follower(spec: dict) -> WorkerResult:
                 return WorkerResult()
 
 
+async def newcomer(spec: dict) -> WorkerResult:
+    """Join late over one-sided reads and time how long until the channel's version is here
+    (benchmarks.one_sided --catch-up); then follow until the publisher goes."""
+    t0 = time.perf_counter()
+    async with ws.Subscriber(spec.get("channel", "bench"), address=spec["address"], member_id=spec["member"],
+                             timeout=30.0, transport="one-sided") as sub:
+        await sub.get(min_version=spec["version"], timeout=600)
+        seconds = time.perf_counter() - t0
+        took = dict(sub._receiver._plane.took)  # noqa: SLF001 - the plane's own count by source (no public one)
+    return WorkerResult(seconds=seconds, took=took)
+
+
 def main() -> None:
     spec = msgspec.json.decode(sys.argv[1])
     try:
@@ -176,7 +190,8 @@ def main() -> None:
         else:
             import uvloop
 
-            result = uvloop.run(follower(spec) if spec["role"] == "follower" else subscriber(spec))
+            role = {"follower": follower, "newcomer": newcomer}.get(spec["role"], subscriber)
+            result = uvloop.run(role(spec))
     except Exception as err:  # reported to the bench, which fails loudly
         result = WorkerResult(error=f"{type(err).__name__}: {err}")
     with open(spec["result"], "wb") as fh:
