@@ -281,13 +281,13 @@ async def test_a_peer_frozen_mid_fetch_costs_the_newcomer_a_read_from_the_publis
     outlives half the bucket's deadline, the rest is read from the publisher, and the version is
     bit-exact; the frozen holder is evicted and the publisher goes on."""
     monkeypatch.setenv("UCX_TLS", "tcp")  # before this process's endpoints are made
-    async with ws.Publisher("frz", timeout=4, heartbeat_interval=0.5, bucket_bytes=1 << 20) as pub:
+    async with ws.Publisher("frz", timeout=3, heartbeat_interval=0.5, bucket_bytes=1 << 20) as pub:
         holder = procs.spawn("subscriber", env={"UCX_TLS": "tcp"}, channel="frz", address=pub.address, member="a",
                              until_version=99, deadline=120, mode="follow", transport="one-sided")
         await pub.wait_subscribers(1, timeout=60)
         await (await pub.put(body(0), version=0)).delivered(timeout=30)
         rec = ws.FlightRecorder(capacity=2000)
-        b = ws.Subscriber("frz", address=pub.address, member_id="b", transport="one-sided", timeout=4, recorder=rec)
+        b = ws.Subscriber("frz", address=pub.address, member_id="b", transport="one-sided", timeout=3, recorder=rec)
         inject(b, Faults(slow=3.0))  # 40 ms after each bucket: mid-fetch for long enough
         try:
             async with b:

@@ -201,7 +201,7 @@ async def test_kill_9_and_sigstop_members_never_hold_the_publisher(procs: Procs,
     rec = ws.FlightRecorder(capacity=4000)
     async with ws.Publisher("fz", timeout=3, heartbeat_interval=0.25, bucket_bytes=1 << 20, recorder=rec,
                             checksum=check) as pub:
-        slow = {"slow": 30.0}
+        slow = {"slow": 10.0}
         workers = [procs.spawn("subscriber", channel="fz", address=pub.address, member=name, until_version=7,
                                deadline=120, mode="follow", transport="shm",
                                **({"faults": slow} if name != "ok" else {}))
