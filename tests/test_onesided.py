@@ -303,3 +303,21 @@ async def test_a_peer_frozen_mid_fetch_costs_the_newcomer_a_read_from_the_publis
                 assert "a" not in pub.members
         finally:
             procs.signal(holder, signal.SIGCONT)
+
+
+@needs
+@pytest.mark.asyncio
+async def test_a_reader_slower_than_the_timeout_is_waited_for_at_the_slowest_rate() -> None:
+    """A one-sided member takes about 5 s to read a 16 MiB version (0.28 s after each of its 17
+    buckets), past the channel's 2 s timeout: the publisher moved nothing for it and sealed at once,
+    so it waits for its Ack the version's bytes at the minimum bandwidth longer (8 s here), and
+    the member is not evicted."""
+    async with ws.Publisher("slowread", timeout=2, heartbeat_interval=0.25, bucket_bytes=1 << 20,
+                            min_bandwidth=2e6) as pub:
+        sub = ws.Subscriber("slowread", address=pub.address, member_id="m", transport="one-sided", timeout=4)
+        inject(sub, Faults(slow=15.0))
+        async with sub:
+            await pub.wait_subscribers(1, timeout=30)
+            report = await (await pub.put(body(0), version=0)).delivered(timeout=60)
+            assert "m" in report.members and not pub.evicted
+            assert digests(await sub.get(min_version=0, timeout=30)) == digests(body(0))

@@ -124,6 +124,12 @@ class Deadlines:
         """From the last bucket (or the Seal) to every member's Ack."""
         return self.settings.timeout
 
+    def read_alone(self, nbytes: int) -> float:
+        """A member that reads a version on its own after its Seal went (shared memory, one-sided):
+        its bytes at the slowest rate, on top of ``acknowledgements`` (the publisher walked its
+        buckets without waiting for it)."""
+        return nbytes / self.settings.min_bandwidth
+
     def seal(self) -> float:
         """A receiver waiting for the Seal after its last bucket."""
         return self.settings.timeout

@@ -329,7 +329,9 @@ class Sender:
             out.checksum = False  # digests only where a part's members check them (a sealed snapshot is not checked)
         try:
             sums = self._transfer(gens, job, out, by, fields, members, gen, seq, unchecked)
-            acked, failed = gens.collect_acks(gen, seq, members, job.version, self.deadlines.acknowledgements())
+            # members of a part that moves nothing read on their own, after it: their bytes' time too
+            alone = self.deadlines.read_alone(job.manifest.total_bytes) if any(not p.drives for p in by) else 0.0
+            acked, failed = gens.collect_acks(gen, seq, members, job.version, self.deadlines.acknowledgements() + alone)
         except LocalFailure as err:
             self._abandon(gens, job, gen, seq, members, err)
             raise _PutFailed(str(err)) from err
