@@ -195,8 +195,9 @@ def test_reads_outside_the_registration_or_of_a_forged_one_are_refused(procs: Pr
 @needs
 @pytest.mark.asyncio
 async def test_registrations_are_made_once_per_buffer_and_released_with_it() -> None:
-    """Ten versions through two staging buffers register two buffers, not ten; closing the
-    publisher releases them."""
+    """Ten versions through two staging buffers register two buffers, not ten; versions too large
+    for them take new buffers and the old ones, dropped by staging, are unregistered with them;
+    closing the publisher releases the rest."""
     async with ws.Publisher("reg", **FAST) as pub, \
             ws.Subscriber("reg", address=pub.address, transport="one-sided", timeout=4) as sub:
         for v in range(10):
@@ -204,6 +205,12 @@ async def test_registrations_are_made_once_per_buffer_and_released_with_it() -> 
             assert digests(await sub.get(min_version=v, timeout=30)) == digests(body(v))
         part = pub._sender.side.parts["one-sided"]  # noqa: SLF001
         assert 1 <= part.exposure.exposed() <= pub._staging.limit()  # noqa: SLF001
+        for v in range(10, 14):
+            larger = {"body": torch.full((16 << 20,), float(v))}
+            await (await pub.put(larger, version=v)).delivered(timeout=30)
+            assert digests(await sub.get(min_version=v, timeout=30)) == digests(larger)
+        # registered: exactly the staging segments alive now (every descriptor but the door's)
+        assert part.exposure.exposed() == shm.open_segments() - 1
     gc.collect()
     assert part.exposure.exposed() == 0
 
