@@ -328,3 +328,18 @@ async def test_a_reader_slower_than_the_timeout_is_waited_for_at_the_slowest_rat
             report = await (await pub.put(body(0), version=0)).delivered(timeout=60)
             assert "m" in report.members and not pub.evicted
             assert digests(await sub.get(min_version=0, timeout=30)) == digests(body(0))
+
+
+@needs
+@pytest.mark.asyncio
+async def test_a_pipelined_snapshot_is_read_as_it_is_taken_and_bit_exact() -> None:
+    """With ``pipeline=True`` a version is announced while its snapshot is still being taken: the
+    reader waits on the buffer's ready count (read one-sided from its header) and every version
+    arrives bit-exact."""
+    async with ws.Publisher("pipe", timeout=4, heartbeat_interval=0.25, bucket_bytes=1 << 20, pipeline=True) as pub, \
+            ws.Subscriber("pipe", address=pub.address, transport="one-sided", timeout=4) as sub:
+        await pub.wait_subscribers(1, timeout=30)
+        for v in range(4):
+            sd = {"body": torch.randn(8 << 20), "step": torch.tensor([v])}
+            await (await pub.put(sd, version=v)).delivered(timeout=30)
+            assert digests(await sub.get(min_version=v, timeout=30)) == digests(sd)

@@ -21,11 +21,11 @@ import msgspec
 import torch
 
 from weightsync import _wire
-from weightsync._errors import Cancelled, LocalFailure, PeerFailure, ProtocolError, own_hook
+from weightsync._errors import Cancelled, LocalFailure, ProtocolError, own_hook
 from weightsync.planes.dataplane import GenerationSpec, Transfer
 from weightsync.planes.onesided.catchup import MAX_PEERS, Held, PeerSource, Sources
 from weightsync.planes.onesided.endpoints import Exposure, Reader, Registration
-from weightsync.planes.shm.plane import HEADER, POLL_MAX, POLL_MIN, ShmRef
+from weightsync.planes.shm.plane import HEADER, ShmRef, await_ready
 from weightsync.recorder.recorder import RecorderScope
 
 
@@ -196,25 +196,8 @@ class OneSidedPlane:
 
     def _await_ready(self, reg: Registration, ref: ShmRef, end: int, transfer: Transfer) -> int:
         """Until the publisher's snapshot has copied the buffer's first ``end`` bytes; its ready count."""
-        deadline = None
-        pause = POLL_MIN
-        while True:
-            epoch, ready = self.reader.head(reg, time.monotonic() + transfer.deadline(0), transfer.cancelled)
-            if epoch != ref.epoch:
-                raise Cancelled(f"version {transfer.version}'s buffer was reused while this member read it")
-            if ready >= end:
-                return ready
-            if ready < 0:
-                raise Cancelled(f"the publisher's snapshot of version {transfer.version} failed")
-            if transfer.cancelled is not None and transfer.cancelled():
-                raise Cancelled("the publisher gave up on this version")
-            now = time.monotonic()
-            if deadline is None:
-                deadline = now + transfer.deadline(end - max(ready, 0))
-            elif now > deadline:
-                raise PeerFailure(f"the publisher's snapshot of version {transfer.version} stopped at byte {ready}")
-            time.sleep(pause)
-            pause = min(pause * 2, POLL_MAX)
+        return await_ready(lambda: self.reader.head(reg, time.monotonic() + transfer.deadline(0), transfer.cancelled),
+                           ref.epoch, end, transfer)
 
     def close(self) -> None:
         self.reader.close()

@@ -308,6 +308,35 @@ def door_problem(offer: _wire.ShmOffer | None) -> str | None:
     return None
 
 
+_HEADER_WORDS = struct.Struct("<qq")  # a segment's epoch and ready count, at EPOCH_AT and READY_AT
+
+
+def await_ready(look: Callable[[], tuple[int, int]], epoch: int, end: int, transfer: Transfer) -> int:
+    """Until a snapshot being taken has copied the first ``end`` bytes of its buffer (``look()``: the
+    buffer's epoch and ready count now); returns the ready count. Cancelled when the buffer was
+    written again (its epoch moved), the snapshot failed or the transfer was cancelled; PeerFailure
+    when it stopped short for longer than those bytes' deadline."""
+    deadline = None
+    pause = POLL_MIN
+    while True:
+        now_epoch, ready = look()
+        if now_epoch != epoch:
+            raise Cancelled(f"version {transfer.version}'s buffer was reused while this member read it")
+        if ready >= end:
+            return int(ready)
+        if ready < 0:
+            raise Cancelled(f"the publisher's snapshot of version {transfer.version} failed")
+        if transfer.cancelled is not None and transfer.cancelled():
+            raise Cancelled("the publisher gave up on this version")
+        now = time.monotonic()
+        if deadline is None:
+            deadline = now + transfer.deadline(end - max(ready, 0))
+        elif now > deadline:
+            raise PeerFailure(f"the publisher's snapshot of version {transfer.version} stopped at byte {ready}")
+        time.sleep(pause)  # a snapshot copies about a bucket per few ms: a short poll is enough
+        pause = min(pause * 2, POLL_MAX)
+
+
 class ShmPlane:
     """A same-host member's data plane: ``move`` copies each bucket out of the announced segment.
 
@@ -431,24 +460,7 @@ class ShmPlane:
     def _await_ready(self, ref: ShmRef, end: int, transfer: Transfer) -> None:
         """Until the publisher's snapshot has copied the first ``end`` bytes of the segment."""
         mapping = self._mapped[ref.token][0]
-        deadline = None
-        pause = POLL_MIN
-        while True:
-            (ready,) = _EPOCH.unpack_from(mapping, READY_AT)
-            if ready >= end:
-                return
-            if ready < 0:
-                raise Cancelled(f"the publisher's snapshot of version {transfer.version} failed")
-            self._check_epoch(ref, transfer.version)
-            if transfer.cancelled is not None and transfer.cancelled():
-                raise Cancelled("the publisher gave up on this version")
-            now = time.monotonic()
-            if deadline is None:
-                deadline = now + transfer.deadline(end - max(ready, 0))
-            elif now > deadline:
-                raise PeerFailure(f"the publisher's snapshot of version {transfer.version} stopped at byte {ready}")
-            time.sleep(pause)  # a snapshot copies about a bucket per few ms: a short poll is enough
-            pause = min(pause * 2, POLL_MAX)
+        await_ready(lambda: _HEADER_WORDS.unpack_from(mapping, EPOCH_AT), ref.epoch, end, transfer)
 
     def _check_epoch(self, ref: ShmRef, version: int) -> None:
         mapping = self._mapped[ref.token][0]
