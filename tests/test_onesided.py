@@ -21,6 +21,7 @@ import gc
 import signal
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import msgspec
@@ -35,6 +36,7 @@ from weightsync.planes.onesided import endpoints
 from weightsync.planes.onesided.endpoints import Reader, Registration
 from weightsync.planes.shm import plane as shm
 from weightsync.testing import Faults, inject
+from weightsync.transport import planeset
 
 pytestmark = [pytest.mark.timeout(180)]
 needs = pytest.mark.skipif(endpoints.problem() is not None, reason=f"one-sided: {endpoints.problem()}")
@@ -59,9 +61,10 @@ async def test_asking_where_it_cannot_work_names_what_is_missing(monkeypatch: py
     async with ws.Publisher("auto", **FAST) as pub, \
             ws.Subscriber("auto", address=pub.address, timeout=4, transport="auto") as sub:
         assert sub.transport == ("shm" if shm.available() else "group")
-    monkeypatch.setattr(endpoints, "problem", lambda: "nixl is not installed here (a test says so)")
+    # the publisher's side only (this process's subscriber has it): as a publisher without nixl sees it
+    monkeypatch.setattr(planeset, "endpoints", SimpleNamespace(problem=lambda: "nixl is not installed here"))
     async with ws.Publisher("without", **FAST) as pub:
-        with pytest.raises(ws.TransportUnavailable, match="not installed here"):
+        with pytest.raises(ws.TransportUnavailable, match="not served by this publisher: nixl is not installed here"):
             async with ws.Subscriber("without", address=pub.address, transport="one-sided", timeout=4):
                 pass
     with pytest.raises(ws.TransportUnavailable, match="want="):
