@@ -8,8 +8,8 @@ publisher killed with -9 mid-read leaves the member its last version; a read pas
 keeps the memory it may still write out of use until it ends (the transport cannot cancel DMA),
 between real processes over TCP; reads outside the publisher's registration, or of a forged
 one, are refused with nothing of the publisher's other memory read; and a newcomer catches up
-from a member that holds the version (no byte from the publisher), a peer that lies or is
-frozen mid-fetch costing it reads from the publisher, never a wrong byte. The plane contract suite
+from a member that holds the version (no byte from the publisher), a peer that lies, or is
+frozen or killed with -9 mid-fetch, costing it reads from the publisher, never a wrong byte. The plane contract suite
 (tests/test_plane_contract.py) runs it too. Everything but the first test needs torch 2.15 with
 nixl (CI's torch 2.15 pass installs it).
 """
@@ -284,12 +284,15 @@ async def test_a_peer_that_lies_costs_the_newcomer_a_read_from_the_publisher_nev
 
 @needs
 @pytest.mark.asyncio
-async def test_a_peer_frozen_mid_fetch_costs_the_newcomer_a_read_from_the_publisher(
-        procs: Procs, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Over TCP, the holder (its own process) is frozen with SIGSTOP once the newcomer took its first
-    bucket from it (the newcomer is slowed, so it is mid-fetch): the next read from the holder
-    outlives half the bucket's deadline, the rest is read from the publisher, and the version is
-    bit-exact; the frozen holder is evicted and the publisher goes on."""
+@pytest.mark.parametrize("sig", [signal.SIGSTOP, signal.SIGKILL], ids=["sigstop", "kill-9"])
+async def test_a_peer_frozen_or_killed_mid_fetch_costs_the_newcomer_reads_from_the_publisher(
+        procs: Procs, monkeypatch: pytest.MonkeyPatch, sig: int) -> None:
+    """Over TCP, the holder (its own process) is frozen with SIGSTOP, or killed with -9, once the
+    newcomer took its first bucket from it (the newcomer is slowed, so it is mid-fetch). Frozen:
+    the next read from it outlives half the bucket's deadline and the rest is read from the
+    publisher. Killed: the publisher sees it gone, gives the version up and sends it again to the
+    newcomer alone, from its own memory. Either way the version is bit-exact, the holder is out
+    and the publisher goes on."""
     monkeypatch.setenv("UCX_TLS", "tcp")  # before this process's endpoints are made
     async with ws.Publisher("frz", timeout=3, heartbeat_interval=0.5, bucket_bytes=1 << 20) as pub:
         holder = procs.spawn("subscriber", env={"UCX_TLS": "tcp"}, channel="frz", address=pub.address, member="a",
@@ -303,16 +306,18 @@ async def test_a_peer_frozen_mid_fetch_costs_the_newcomer_a_read_from_the_publis
             async with b:
                 while not any(e.op == "bucket_recv" and e.state == "completed" for e in rec.snapshot()):
                     await asyncio.sleep(0.002)  # until the recorder shows its first bucket in
-                procs.signal(holder, signal.SIGSTOP)
+                procs.signal(holder, sig)
                 assert digests(await b.get(min_version=0, timeout=60)) == digests(body(0))
-                assert _plane(b).took.get("publisher", 0) > 0
-                assert any(e.op == "catch_up" and e.peers == ("peer a",) and "did not end in time" in e.error
-                           for e in rec.snapshot())
+                assert _plane(b).took.get("publisher", 0) > 0 and _plane(b).took.get("peer", 0) > 0
+                if sig == signal.SIGSTOP:
+                    assert any(e.op == "catch_up" and e.peers == ("peer a",) and "did not end in time" in e.error
+                               for e in rec.snapshot())
                 await (await pub.put(body(1), version=1)).delivered(timeout=60)
                 assert digests(await b.get(min_version=1, timeout=30)) == digests(body(1))
                 assert "a" not in pub.members
         finally:
-            procs.signal(holder, signal.SIGCONT)
+            if sig == signal.SIGSTOP:
+                procs.signal(holder, signal.SIGCONT)
 
 
 @needs
