@@ -93,7 +93,6 @@ class DedicatedGroup:
         self._store = store
         self._borrowed = borrowed  # the backend belongs to a Reconfigurable: never torn down here
         self._orphans: list[Any] = []  # works of a failed transfer, handed to the reaper on abort
-        self._p2p_connected = False  # every pair point-to-point buckets use is connected (issued inline since)
         self.state = ALIVE
 
     @classmethod
@@ -169,8 +168,7 @@ class DedicatedGroup:
     def _run(self, transfer: Transfer, op: str, depth: int,
              issue: Callable[[int, torch.Tensor, float], list[Any]], fan: int = 1, whole: bool = False) -> None:
         """Issue each bucket (``depth`` in flight) and wait for it; ``whole``: point-to-point works,
-        each bucket's waited on in one piece (:meth:`_wait_whole`), and issued by a thread of its own
-        until every pair they use is connected."""
+        each waited on in one piece (:meth:`_wait_whole`)."""
         if self.state != ALIVE:
             raise Cancelled(f"generation {self.generation} of {self.channel!r} was aborted")
         if self._pg is None:
@@ -192,12 +190,10 @@ class DedicatedGroup:
                                          base=transfer.base).start()
                 pending.append((i, [], entry, time.monotonic() + limit))
                 try:
-                    if whole and not self._p2p_connected:  # a first send or receive connects its pair, in this thread
+                    if whole:  # a first send or receive connects its pair (lazily), in the calling thread
                         works = self._bounded(functools.partial(issue, i, tensor, limit), pending[-1][3],
                                               transfer.cancelled,
                                               f"the generation ended while bucket {i} was issued", late=True)
-                        # every pair this end uses is connected once a bucket reached all its peers
-                        self._p2p_connected = len(works) == (self.size - 1 if self.rank == 0 else 1)
                     else:
                         works = issue(i, tensor, limit)
                 except InternalError:
@@ -221,11 +217,10 @@ class DedicatedGroup:
         """Wait for the oldest bucket's works; once they completed nothing here holds them (a work
         keeps its tensors alive: a gathered piece for a sliced member is freed with it)."""
         i, works, entry, limit = pending.pop(0)
+        wait = self._wait_whole if whole else self._wait
         try:
-            if whole:
-                self._wait_whole(works, limit, transfer.cancelled)
-            for work in () if whole else works:
-                self._wait(work, limit, transfer.cancelled)
+            for work in works:
+                wait(work, limit, transfer.cancelled)
         except BaseException as err:
             entry.fail(err)
             self._orphans.extend(works)
@@ -289,17 +284,11 @@ class DedicatedGroup:
             raise box["error"]
         return box.get("value")
 
-    def _wait_whole(self, works: list[Any], limit: float, cancelled: Callable[[], bool] | None) -> None:
-        """A bucket's point-to-point works, each waited on once until ``limit``, never in slices, by
-        one thread (:meth:`_bounded`)."""
-        def wait_all() -> None:
-            for work in works:
-                compat.wait_work(work, max(limit - time.monotonic(), 0.001))
-
-        if not works:
-            return
+    def _wait_whole(self, work: Any, limit: float, cancelled: Callable[[], bool] | None) -> None:
+        """A point-to-point work, waited on once until ``limit``, never in slices (:meth:`_bounded`)."""
         try:
-            self._bounded(wait_all, limit, cancelled, "the generation ended while this bucket was on the wire")
+            self._bounded(lambda: compat.wait_work(work, max(limit - time.monotonic(), 0.001)), limit, cancelled,
+                          "the generation ended while this bucket was on the wire")
         except InternalError:
             raise
         except TimeoutError as err:
